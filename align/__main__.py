@@ -1,0 +1,3 @@
+from align.cli import main
+
+raise SystemExit(main())

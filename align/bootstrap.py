@@ -1,0 +1,375 @@
+"""`align bootstrap`: build the tiny embedded family (DESIGN §4) from the Python standard library's source.
+
+Parts, each written atomically to `<bootstrap.out>/<part>/` with a manifest.json, and kept when the manifest already
+matches the recipe (so a re-run resumes at the first missing part):
+
+  tokenizer     byte-level BPE with end-of-text, pad and mask tokens
+  verifier      Llama-style causal LM, next-token objective
+  drafter-base  block-causal masked-diffusion LM (MDLM objective), the diffusion drafter before alignment
+  ar-drafter    causal LM of the drafter's size, the baseline drafter
+
+Pretraining runs against a wall-clock budget and saves a resumable state every few minutes, so a killed run loses
+at most that much work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from align import __version__
+from align.config import BootstrapSection, PretrainSection, Recipe, RecipeError
+from align.corpus import SPLITS, corpus_hash, prompt_sets, read_corpus, write_jsonl
+from align.losses import mdlm, next_token
+from align.models import DrafterSpec, additive_mask, block_diffusion_allowed
+
+EOT, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
+PARTS: tuple[str, ...] = ("tokenizer", "verifier", "drafter-base", "ar-drafter")
+# The small epsilon keeps 1/t finite; MDLM samples t in [eps, 1].
+MIN_MASK_RATIO = 1e-3
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# small utilities
+# --------------------------------------------------------------------------------------------------------------------
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Replace `final` by the finished `tmp` folder; the old folder survives until the new one is in place."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def use_bf16(precision: str) -> bool:
+    if precision != "auto":
+        return precision == "bf16"
+    if torch.cuda.is_available():
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# data: corpus, prompt sets, token streams
+# --------------------------------------------------------------------------------------------------------------------
+def build_data(cfg: BootstrapSection, data_dir: Path) -> tuple[dict[str, list[dict[str, str]]], str]:
+    """Read the corpus, write it (as `datasets` JSONL splits) and the prompt sets under data_dir; return it and its hash."""
+    corpus = read_corpus(cfg.corpus_fraction)
+    digest = corpus_hash(corpus)
+    manifest = _read_manifest(data_dir)
+    if manifest is None or manifest.get("corpus_hash") != digest:
+        for split in SPLITS:
+            write_jsonl(corpus[split], data_dir / "corpus" / f"{split}.jsonl")
+        prompts = prompt_sets(corpus)
+        for split, rows in prompts.items():
+            write_jsonl(rows, data_dir / "prompts" / f"{split}.jsonl")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "manifest.json").write_text(json.dumps({
+            "corpus_hash": digest,
+            "source": f"Python {platform.python_version()} standard library",
+            "files": {s: len(corpus[s]) for s in SPLITS},
+            "chars": {s: sum(len(r["text"]) for r in corpus[s]) for s in SPLITS},
+            "prompts": {s: len(r) for s, r in prompts.items()},
+            "corpus_fraction": cfg.corpus_fraction,
+        }, indent=2))
+    return corpus, digest
+
+
+def token_stream(tokenizer: Any, rows: list[dict[str, str]]) -> np.ndarray:
+    """All files of a split as one int32 stream, each file followed by end-of-text."""
+    ids = tokenizer([r["text"] for r in rows], add_special_tokens=False)["input_ids"]
+    eot = tokenizer.eos_token_id
+    return np.fromiter((t for doc in ids for t in (*doc, eot)), dtype=np.int32)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------------------------------
+def train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    # Byte-level: any text round-trips, indentation included, with no unknown token.
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT, PAD, MASK],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOT, pad_token=PAD, mask_token=MASK)
+    tokenizer.save_pretrained(out)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------------------------------
+def build_model(cfg: PretrainSection, tokenizer: Any, drafter_spec: DrafterSpec | None = None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        # Tied embeddings halve the size of these vocabulary-heavy small models.
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if drafter_spec is not None:
+        config.drafter_spec = drafter_spec.to_dict()
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator) -> torch.Tensor:
+    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
+    return torch.from_numpy(np.stack([stream[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+
+
+def ar_step(model: torch.nn.Module, window: torch.Tensor, cfg: PretrainSection, gen: torch.Generator,
+            step: int = 0) -> torch.Tensor:
+    """Next-token loss on a (B, L+1) window."""
+    inputs, targets = window[:, :-1], window[:, 1:]
+    logits = model(input_ids=inputs).logits
+    return next_token(logits, targets, num_tokens=targets.numel())
+
+
+def mdlm_step(
+    model: torch.nn.Module, window: torch.Tensor, cfg: PretrainSection, gen: torch.Generator, mask_id: int,
+    block_size: int,
+) -> torch.Tensor:
+    """MDLM loss of a block-causal drafter: every block of the sequence is noised and denoised in one pass."""
+    clean = window[:, :-1]
+    batch, seq_len = clean.shape
+    ratio = torch.rand(batch, seq_len // block_size, generator=gen) * (1 - MIN_MASK_RATIO) + MIN_MASK_RATIO
+    ratio = ratio.repeat_interleave(block_size, dim=1)  # (B, L): one masking level per block
+    masked = torch.rand(batch, seq_len, generator=gen) < ratio
+    noised = torch.where(masked, torch.full_like(clean, mask_id), clean)
+    ids = torch.cat([clean, noised], dim=1)
+    positions = torch.arange(seq_len).repeat(2).unsqueeze(0)  # the noised copy sits at its clean positions
+    mask = additive_mask(block_diffusion_allowed(seq_len, block_size), torch.float32).unsqueeze(0)
+    hidden = model.model(input_ids=ids, position_ids=positions, attention_mask=mask).last_hidden_state
+    logits = model.lm_head(hidden[:, seq_len:])  # only the noised copy is scored
+    return mdlm(logits, clean, masked, ratio, num_tokens=clean.numel())
+
+
+def lr_at(cfg: PretrainSection, step: int, progress: float) -> float:
+    """Linear warm-up by steps, then cosine decay by the fraction of the wall-clock budget spent."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, step_fn: Callable, stream: np.ndarray, cfg: PretrainSection,
+                    bf16: bool) -> float:
+    """Mean loss (nats/token) over the first `eval_tokens` tokens of the validation stream, fixed masking seed."""
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)
+    n_windows = max(1, min(cfg.eval_tokens, len(stream) - 1) // cfg.seq_len)
+    losses = []
+    for start in range(0, n_windows, cfg.batch_size):
+        rows = [stream[i * cfg.seq_len : i * cfg.seq_len + cfg.seq_len + 1] for i in range(start, min(n_windows, start + cfg.batch_size))]
+        window = torch.from_numpy(np.stack(rows).astype(np.int64))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            losses.append(step_fn(model, window, cfg, gen, len(losses)).item() * len(rows))
+    model.train()
+    return sum(losses) / n_windows
+
+
+def pretrain(
+    part: str, cfg: PretrainSection, model: torch.nn.Module, streams: dict[str, np.ndarray], step_fn: Callable,
+    work: Path, config_hash: str, seed: int, bf16: bool,
+) -> dict[str, Any]:
+    """Train `model` until the wall-clock budget is spent, resuming from `work/state.pt` if a killed run left one."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    step, elapsed, tokens_seen, last_loss = 0, 0.0, 0, float("nan")
+    state_path = work / "state.pt"
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        if state["config_hash"] == config_hash:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            step, elapsed, tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
+            print(f"[{part}] resuming at step {step} ({elapsed / 60:.1f} of {cfg.budget_minutes} min spent)")
+    budget = cfg.budget_minutes * 60
+    model.train()
+    bar = tqdm(total=round(budget), initial=round(elapsed), unit="s", desc=part, dynamic_ncols=True)
+    last_save = elapsed
+    while elapsed < budget:
+        t0 = time.perf_counter()
+        # Batches and masks depend only on (seed, step): a resumed run sees the data it would have seen.
+        rng = np.random.default_rng([seed, step])
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        window = _batch(streams["train"], cfg.batch_size, cfg.seq_len, rng)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step, elapsed / budget)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = step_fn(model, window, cfg, gen, step)
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"[{part}] loss is {loss.item()} at step {step}; the last saved state is in {work}")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, tokens_seen, last_loss = step + 1, tokens_seen + window[:, :-1].numel(), loss.item()
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        bar.update(min(round(elapsed) - bar.n, round(budget) - bar.n))
+        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{window[:, :-1].numel() / dt:.0f}", step=step)
+        if elapsed - last_save >= cfg.save_every_minutes * 60:
+            work.mkdir(parents=True, exist_ok=True)
+            tmp = work / "state.pt.tmp"
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "elapsed": elapsed, "tokens_seen": tokens_seen, "config_hash": config_hash}, tmp)
+            tmp.replace(state_path)
+            last_save = elapsed
+    bar.close()
+    val = validation_loss(model, step_fn, streams["validation"], cfg, bf16)
+    print(f"[{part}] {step} steps, {tokens_seen:,} tokens, train loss {last_loss:.3f}, validation {val:.3f} nats/token")
+    return {"steps": step, "tokens_seen": tokens_seen, "train_loss": last_loss, "validation_loss": val,
+            "wall_time_s": round(elapsed, 1)}
+
+
+@torch.no_grad()
+def greedy_samples(model: torch.nn.Module, tokenizer: Any, prompts: list[dict[str, str]], n: int = 3,
+                   new_tokens: int = 48) -> list[dict[str, str]]:
+    """Greedy completions of the first `n` test prompts, kept in the verifier's manifest for a human to read."""
+    model.eval()
+    samples = []
+    for task in prompts[:n]:
+        ids = tokenizer(task["prompt"], return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        samples.append({"task_id": task["task_id"], "prompt": task["prompt"],
+                        "completion": tokenizer.decode(out[0, ids.shape[1]:])})
+    return samples
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------------------------------
+def main(recipe: Recipe, command: str) -> None:
+    """`command` is the command line that ran this stage, recorded in every manifest."""
+    cfg = recipe.bootstrap
+    out, data_dir = Path(cfg.out), Path(recipe.data.dir)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    bf16 = use_bf16(cfg.precision)
+    print(f"bootstrap: corpus -> {data_dir}, models -> {out}, precision {'bf16' if bf16 else 'fp32'}")
+    corpus, digest = build_data(cfg, data_dir)
+    empty = [s for s in SPLITS if not corpus[s]]
+    if empty:
+        raise RecipeError(f"bootstrap.corpus_fraction: {cfg.corpus_fraction} leaves no {'/'.join(empty)} files; raise it")
+    common = {"corpus_hash": digest, "vocab_size": cfg.vocab_size, "seed": cfg.seed,
+              "corpus_fraction": cfg.corpus_fraction, "align": __version__}
+    provenance = {"command": command, "corpus_hash": digest, "python": platform.python_version(),
+                  "torch": torch.__version__, "precision": "bf16" if bf16 else "fp32", "recipe": recipe.name}
+
+    from transformers import AutoTokenizer
+
+    tok_dir = out / "tokenizer"
+    tok_hash = _hash({"part": "tokenizer", **common})
+    if "tokenizer" in cfg.parts and (cfg.force or (_read_manifest(tok_dir) or {}).get("config_hash") != tok_hash):
+        t0 = time.time()
+        tmp = out / ".tokenizer.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        train_tokenizer([r["text"] for r in corpus["train"]], cfg.vocab_size, tmp)
+        (tmp / "manifest.json").write_text(json.dumps(
+            {"part": "tokenizer", "config_hash": tok_hash, "vocab_size": cfg.vocab_size,
+             "special_tokens": {"eos": EOT, "pad": PAD, "mask": MASK}, "wall_time_s": round(time.time() - t0, 1),
+             **provenance}, indent=2))
+        publish(tmp, tok_dir)
+        print(f"[tokenizer] {cfg.vocab_size} tokens -> {tok_dir}")
+    if not (tok_dir / "tokenizer_config.json").is_file():
+        raise SystemExit(f"bootstrap: no tokenizer at {tok_dir}; include 'tokenizer' in bootstrap.parts")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tok_manifest = _read_manifest(tok_dir) or {}
+
+    streams: dict[str, np.ndarray] | None = None
+    test_prompts = prompt_sets({"train": [], "test": corpus["test"]})["test"]
+    model_parts = {
+        "verifier": (cfg.verifier, None),
+        "drafter-base": (cfg.drafter, DrafterSpec(tokenizer.mask_token_id, 0, "block_causal")),
+        "ar-drafter": (cfg.ar_drafter, None),
+    }
+    for part in (p for p in PARTS[1:] if p in cfg.parts):
+        pcfg, spec = model_parts[part]
+        config_hash = _hash({"part": part, "model": pcfg.model_dump(mode="json"), "tokenizer": tok_manifest.get("config_hash"), **common})
+        final = out / part
+        if not cfg.force and (_read_manifest(final) or {}).get("config_hash") == config_hash:
+            print(f"[{part}] up to date ({final}/manifest.json matches the recipe); bootstrap.force=true rebuilds it")
+            continue
+        if streams is None:
+            streams = {s: token_stream(tokenizer, corpus[s]) for s in ("train", "validation")}
+            print(f"tokens: train {len(streams['train']):,}, validation {len(streams['validation']):,}")
+        torch.manual_seed(cfg.seed)
+        model = build_model(pcfg, tokenizer, spec)
+        if pcfg.objective == "mdlm":
+            mask_id = tokenizer.mask_token_id
+            sizes = pcfg.block_sizes
+            step_fn = lambda m, w, c, g, step: mdlm_step(m, w, c, g, mask_id, sizes[step % len(sizes)])  # noqa: E731
+        else:
+            step_fn = ar_step
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"[{part}] {pcfg.arch}, {n_params / 1e6:.1f}M parameters, {pcfg.objective} objective, "
+              f"{pcfg.budget_minutes} min budget")
+        stats = pretrain(part, pcfg, model, streams, step_fn, out / ".work" / part, config_hash, cfg.seed, bf16)
+        manifest = {"part": part, "config_hash": config_hash, "parameters": n_params, **stats,
+                    "validation_loss_kind": "MDLM bound (nats/token)" if pcfg.objective == "mdlm" else "next-token cross-entropy (nats/token)",
+                    "architecture": pcfg.model_dump(mode="json"), **provenance}
+        if spec is not None:
+            manifest["drafter_spec"] = spec.to_dict()
+        if part == "verifier":
+            manifest["samples"] = greedy_samples(model, tokenizer, test_prompts)
+        tmp = out / f".{part}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        # Weights ship in bf16 (half the size); the runtime upcasts on CPU.
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        publish(tmp, final)
+        shutil.rmtree(out / ".work" / part, ignore_errors=True)
+        print(f"[{part}] -> {final}")

@@ -1,0 +1,112 @@
+"""`align <stage> recipe.yaml [key.sub=value ...]`: parse, build the recipe, check inputs, call the stage. No logic.
+
+Everything the user can get wrong is checked here, before a stage imports torch or touches a file: a bad recipe or
+input is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import yaml
+
+from align.config import Recipe, RecipeError, check_inputs, load_recipe
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class Stage:
+    help: str
+    #: module with main(recipe, command); None for stages handled here
+    module: Optional[str]
+    #: recipe sections the stage reads (shown in its --help)
+    sections: tuple[str, ...]
+    #: recipe keys naming models that must exist before the stage starts
+    model_keys: tuple[str, ...] = ()
+    #: recipe keys naming files that must exist (when set)
+    file_keys: tuple[str, ...] = ()
+
+
+STAGES: dict[str, Stage] = {
+    "bootstrap": Stage(
+        "build the tiny embedded family (corpus, prompts, tokenizer, verifier, drafter-base, ar-drafter)",
+        "align.bootstrap", ("bootstrap", "data"),
+    ),
+    "validate": Stage(
+        "check a recipe and its overrides, and print it with every default filled in",
+        None, tuple(name for name in Recipe.model_fields if name != "name"),
+    ),
+}
+
+
+def _section_help(sections: tuple[str, ...]) -> str:
+    defaults = Recipe().to_dict()
+    lines = ["recipe sections (key: default):"]
+    for name in sections:
+        lines.append(f"  {name}:")
+        for key, value in defaults[name].items():
+            shown = "{...}" if isinstance(value, dict) and len(str(value)) > 60 else value
+            lines.append(f"    {name}.{key}: {shown}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="align",
+        description="Align discrete-diffusion drafters to autoregressive verifiers for speculative decoding.",
+        epilog="Each stage takes a recipe (recipes/*.yaml) and key.sub=value overrides, e.g.\n"
+               "  align bootstrap recipes/tiny/bootstrap.yaml bootstrap.verifier.budget_minutes=5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="stage", metavar="<stage>", title="stages")
+    sub.required = True
+    for name, stage in STAGES.items():
+        p = sub.add_parser(name, help=stage.help, description=stage.help, epilog=_section_help(stage.sections),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("recipe", help="recipe YAML file")
+        p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides, validated as the YAML is")
+    return parser
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """The DeepSpeed launcher appends --local_rank=N to the script's arguments; ranks are read from the environment."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--local_rank":
+            skip = True
+        elif not arg.startswith("--local_rank="):
+            out.append(arg)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    stage = STAGES[args.stage]
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        check_inputs(recipe, stage.model_keys, stage.file_keys)
+    except RecipeError as e:
+        print(f"align {args.stage}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if stage.module is None:
+        print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
+        return 0
+    try:
+        importlib.import_module(stage.module).main(recipe, shlex.join(["align", *argv]))
+    except RecipeError as e:  # a problem only the stage can see (e.g. a model's spec); still before any writing
+        print(f"align {args.stage}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,435 @@
+"""The recipe schema: the only home of defaults.
+
+A recipe is a YAML file whose top-level keys are the sections below. Every stage command takes
+`recipe.yaml key.sub=value ...` overrides, which are applied to the parsed YAML *before* validation, so a YAML value
+and a command-line value go through exactly the same checks. Anything wrong (unknown key, wrong type, impossible value,
+missing input) raises `RecipeError` with one line naming the key and what is allowed; the CLI turns that into exit
+code 2 before any work starts.
+
+Each field is documented once, in the comment above it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe or override the user must fix. Its message is one line, shown without a traceback."""
+
+
+class Section(BaseModel):
+    # extra="forbid": a typo is an error, never a silently ignored key. Numbers given for string fields (e.g. an
+    # output folder named 2024) are kept as strings rather than refused.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_with_defaults(cls, data: Any) -> Any:
+        # A partial sub-section (`bootstrap.verifier.lr=1e-3`) updates the default instance rather than replacing it,
+        # so defaults given as instances (the tiny models' sizes) survive a single-key override.
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, field in cls.model_fields.items():
+            if isinstance(field.default, BaseModel) and isinstance(merged.get(name), dict):
+                merged[name] = {**field.default.model_dump(), **merged[name]}
+        return merged
+
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------------------------------
+class ModelSection(Section):
+    #: local HF folder or a Hub id (org/name)
+    path: str
+    #: "auto": bfloat16 on CUDA, float32 on CPU (batch-1 decoding is no faster in bf16 on CPU, and fp32 is exact)
+    dtype: Dtype = "auto"
+    #: "auto": CUDA when available, else CPU
+    device: Device = "auto"
+    #: Hub dLLMs (LLaDA, Dream, DiffuCoder) ship their own modelling code
+    trust_remote_code: bool = False
+    #: attention kernel handed to transformers; sdpa and eager both honour the 4-D masks the runtime builds
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class VerifierSection(ModelSection):
+    path: str = "checkpoints/tiny/verifier"
+
+
+class DrafterSection(ModelSection):
+    path: str = "checkpoints/tiny/drafter-base"
+    # The DrafterSpec is read from the drafter's config.json (`drafter_spec`, or the fields real dLLMs ship, such as
+    # `mask_token_id`). The three fields below override it, for Hub models whose config does not say.
+    #: id of the mask token; None: from the config, else the tokenizer's mask token
+    mask_token_id: Optional[int] = Field(default=None, ge=0)
+    #: 0: position t's prediction is at logits[t] (LLaDA); 1: at logits[t-1] (Dream, DiffuCoder); None: from config
+    logits_shift: Optional[Literal[0, 1]] = None
+    #: None: from the config
+    attention: Optional[Literal["bidirectional", "block_causal"]] = None
+
+
+class ArDrafterSection(ModelSection):
+    path: str = "checkpoints/tiny/ar-drafter"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# data, trajectories
+# --------------------------------------------------------------------------------------------------------------------
+class DataSection(Section):
+    #: where the tiny corpus and prompt sets are built (by `align bootstrap`, or on first use)
+    dir: str = "data/tiny"
+    #: prompts (JSONL with a `prompt` field) for trajectories; None: the tiny train split
+    train_prompts: Optional[str] = None
+    #: prompts for evaluation; None: the tiny test split
+    test_prompts: Optional[str] = None
+
+
+class TrajectoriesSection(Section):
+    #: output folder of Arrow shards and manifest.json
+    out: str = "data/tiny/trajectories"
+    # SpecDiff-2's defaults: a slightly cool, nucleus-truncated verifier gives varied but typical continuations.
+    #: verifier sampling temperature
+    temperature: float = Field(default=0.5, ge=0.0)
+    #: nucleus mass kept when sampling
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    #: completions sampled per prompt
+    completions_per_prompt: int = Field(default=4, ge=1)
+    #: new tokens per completion
+    max_new_tokens: int = Field(default=128, ge=1)
+    #: prompts used; None: all
+    num_prompts: Optional[int] = Field(default=None, ge=1)
+    #: verifier top-k log-probs stored per completion position, for KD losses; 0: none
+    store_topk: int = Field(default=0, ge=0)
+    #: prompts per verifier batch
+    batch_size: int = Field(default=8, ge=1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------------------------------
+class TrainSection(Section):
+    #: run folder: step_<N>/ merged HF folders, ds_state/, metrics.jsonl
+    out: str = "checkpoints/tiny-align"
+    #: loss name -> weight; names are those of align/losses.py
+    losses: dict[str, float] = Field(default_factory=lambda: {"streak": 1.0})
+    #: draft length of a training window
+    gamma: int = Field(default=16, ge=1)
+    #: offline: stored trajectories; online: verifier labels inside the step; on_policy: drafter proposes, verifier labels
+    data_mode: Literal["offline", "online", "on_policy"] = "offline"
+    #: optimiser steps
+    max_steps: int = Field(default=200, ge=1)
+    #: peak learning rate (AdamW)
+    lr: float = Field(default=1e-4, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    warmup_steps: int = Field(default=10, ge=0)
+    #: sequences per rank per micro-step
+    micro_batch_size: int = Field(default=4, ge=1)
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    #: gradient-norm clip; 0: off
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    #: DeepSpeed ZeRO stage
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    bf16: bool = True
+    #: LoRA rank; 0: full fine-tuning
+    lora_r: int = Field(default=0, ge=0)
+    lora_alpha: float = Field(default=16.0, gt=0.0)
+    seed: int = 0
+    #: save a checkpoint every N steps (and at the end)
+    save_every: int = Field(default=100, ge=1)
+    #: held-out simulated accepted length every N steps
+    eval_every: int = Field(default=50, ge=1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# decoding, calibration, evaluation, export
+# --------------------------------------------------------------------------------------------------------------------
+class DecodeSection(Section):
+    #: draft length
+    gamma: int = Field(default=8, ge=1)
+    #: verifier sampling temperature; 0: greedy (outputs identical to AR greedy)
+    temperature: float = Field(default=0.0, ge=0.0)
+    #: 0: no top-k truncation
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=64, ge=1)
+    #: SpecDiff-2 self-selection: drafts drawn from one drafter pass and verified together
+    num_candidates: int = Field(default=4, ge=1)
+    #: drafter temperature for self-selection (SpecDiff-2 samples hot, ~1.5-2, for diverse candidates)
+    draft_temperature: float = Field(default=1.5, gt=0.0)
+    seed: int = 0
+
+
+class CalibrateSection(Section):
+    #: folder that receives draft_graph.json
+    out: str = "checkpoints/tiny-spiffy"
+    #: a calibrated draft_graph.json to decode with; None: none
+    graph: Optional[str] = None
+    #: calibration prompts (Spiffy: 20-50 suffice)
+    num_prompts: int = Field(default=30, ge=1)
+    #: draft states per forward (the graph's node budget D)
+    budget: int = Field(default=10, ge=1)
+    #: semi-autoregressive block length of the dLLM
+    block_length: int = Field(default=32, ge=1)
+
+
+class EvalSection(Section):
+    #: JSONL with a `prompt` field; None: the tiny test split
+    prompts: Optional[str] = None
+    #: output folder: eval.json, report.md, plots
+    out: str = "checkpoints/tiny-eval"
+    #: prompts evaluated; None: all
+    num_prompts: Optional[int] = Field(default=None, ge=1)
+    #: untimed generations before timing starts
+    warmup: int = Field(default=2, ge=0)
+
+
+class ExportSection(Section):
+    #: Hub-ready output folder
+    out: str = "checkpoints/tiny-export"
+    #: org/name on the Hub; None: local folder only
+    push_to_hub: Optional[str] = None
+    private: bool = True
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# bootstrap: the tiny embedded family (DESIGN §4)
+# --------------------------------------------------------------------------------------------------------------------
+class PretrainSection(Section):
+    #: transformers architecture of the tiny model
+    arch: Literal["llama", "qwen2"] = "llama"
+    hidden_size: int = Field(ge=8)
+    num_layers: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    intermediate_size: int = Field(ge=8)
+    #: longest context the model is built for (RoPE extrapolates poorly, so keep seq_len close)
+    max_position_embeddings: int = Field(default=1024, ge=8)
+    #: ar: next-token loss on a causal LM; mdlm: masked-diffusion loss on a block-causal LM (the diffusion drafter)
+    objective: Literal["ar", "mdlm"] = "ar"
+    #: mdlm only: block lengths sampled per step, so the drafter serves any draft length in this range
+    block_sizes: list[int] = Field(default_factory=lambda: [8, 16, 32])
+    #: wall-clock budget for this model; training stops when it is spent
+    budget_minutes: float = Field(gt=0.0)
+    #: tokens per training sequence
+    seq_len: int = Field(default=512, ge=8)
+    #: sequences per optimiser step
+    batch_size: int = Field(default=16, ge=1)
+    lr: float = Field(default=1e-3, gt=0.0)
+    #: the cosine schedule decays to lr * min_lr_ratio at the end of the budget
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(default=50, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    #: validation tokens used for the reported loss
+    eval_tokens: int = Field(default=131072, ge=1)
+    #: resumable training state saved this often
+    save_every_minutes: float = Field(default=5.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "PretrainSection":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.seq_len > self.max_position_embeddings:
+            raise ValueError(f"seq_len ({self.seq_len}) exceeds max_position_embeddings ({self.max_position_embeddings})")
+        if any(b < 1 or self.seq_len % b for b in self.block_sizes) or not self.block_sizes:
+            raise ValueError(f"block_sizes must be non-empty divisors of seq_len ({self.seq_len}), got {self.block_sizes}")
+        return self
+
+
+class BootstrapSection(Section):
+    #: where tokenizer/, verifier/, drafter-base/, ar-drafter/ are written
+    out: str = "checkpoints/tiny"
+    #: parts to build, in order; a part whose manifest already matches the recipe is kept
+    parts: list[Literal["tokenizer", "verifier", "drafter-base", "ar-drafter"]] = Field(
+        default_factory=lambda: ["tokenizer", "verifier", "drafter-base", "ar-drafter"]
+    )
+    #: rebuild parts even when their manifest matches
+    force: bool = False
+    #: BPE vocabulary size, special tokens included
+    vocab_size: int = Field(default=8192, ge=260)
+    #: keep only this fraction of the corpus files (for quick runs and tests); 1.0: all
+    corpus_fraction: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    #: CPU threads for pretraining; 0: torch's default
+    threads: int = Field(default=0, ge=0)
+    #: auto: bf16 autocast where the hardware has native bf16 (CUDA, AMX, AVX512-BF16), else fp32. Emulated bf16 on
+    #: an AVX2-only CPU was measured 25x slower than fp32 here.
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # Sizes from DESIGN §4: a verifier much costlier than the drafter, so that drafting pays on a CPU.
+    # The budgets fit a 2-core CPU; on such a machine a 27M model sees only ~1.2M tokens an hour in fp32.
+    verifier: PretrainSection = PretrainSection(
+        hidden_size=512, num_layers=7, num_heads=8, num_kv_heads=8, intermediate_size=1408, budget_minutes=70,
+        batch_size=6, seq_len=384, lr=1.5e-3,
+    )
+    drafter: PretrainSection = PretrainSection(
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=704, budget_minutes=25,
+        objective="mdlm", batch_size=8, seq_len=384, lr=2e-3, block_sizes=[4, 8, 16, 32],
+    )
+    ar_drafter: PretrainSection = PretrainSection(
+        hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=704, budget_minutes=10,
+        batch_size=8, seq_len=384, lr=2e-3,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the recipe
+# --------------------------------------------------------------------------------------------------------------------
+class Recipe(Section):
+    #: free text shown in manifests and model cards
+    name: str = "recipe"
+    verifier: VerifierSection = VerifierSection()
+    drafter: DrafterSection = DrafterSection()
+    ar_drafter: ArDrafterSection = ArDrafterSection()
+    data: DataSection = DataSection()
+    trajectories: TrajectoriesSection = TrajectoriesSection()
+    train: TrainSection = TrainSection()
+    decode: DecodeSection = DecodeSection()
+    calibrate: CalibrateSection = CalibrateSection()
+    eval: EvalSection = EvalSection()
+    export: ExportSection = ExportSection()
+    bootstrap: BootstrapSection = BootstrapSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved recipe (defaults filled in), JSON-serialisable, for manifests."""
+        return self.model_dump(mode="json")
+
+
+SECTIONS: tuple[str, ...] = tuple(name for name in Recipe.model_fields if name != "name")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# loading, overrides, validation
+# --------------------------------------------------------------------------------------------------------------------
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (["train", "lr"], 3e-4). Values are read as YAML, so `[4, 8]`, `true` and `null` work."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key):
+        raise RecipeError(f"bad override {text!r}: expected key.sub=value, e.g. decode.gamma=8")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads 1e-4 as a string; a float is what anybody writing it means.
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        value = float(value)
+    return key.split("."), value
+
+
+def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{'.'.join(path)}: {'.'.join(path[:depth + 1])} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """Valid field names of the section at `loc` (for 'did you mean' suggestions)."""
+    model: Any = Recipe
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    key = ".".join(str(p) for p in loc) or "recipe"
+    if first["type"] == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else f"valid: {', '.join(valid)}"
+        return f"unknown key '{key}' ({hint})"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        return f"{key}: required"
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{key}: {msg}{shown}"
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Recipe:
+    """Read a recipe YAML (None: all defaults), apply `key.sub=value` overrides, validate. Raises RecipeError."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise RecipeError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', None) or e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded or {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        apply_override(tree, keys, value)
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        raise RecipeError(_one_line(e)) from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# inputs a stage needs, checked before any work
+# --------------------------------------------------------------------------------------------------------------------
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def get_key(recipe: Recipe, key: str) -> Any:
+    node: Any = recipe
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_model_path(key: str, value: str) -> None:
+    """A model path is a local HF folder (with config.json) or, when the Hub is reachable, a Hub id."""
+    local = Path(value)
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise RecipeError(f"{key}: {value} has no config.json (expected a Hugging Face model folder)")
+        return
+    if _HUB_ID.match(value) and not local.parent.is_dir():
+        if hub_offline():
+            raise RecipeError(f"{key}: {value} is not a local folder, and the Hub is offline (HF_HUB_OFFLINE=1)")
+        return
+    raise RecipeError(f"{key}: no such model folder: {value}")
+
+
+def check_file(key: str, value: Optional[str]) -> None:
+    if value is not None and not Path(value).is_file():
+        raise RecipeError(f"{key}: no such file: {value}")
+
+
+def check_inputs(recipe: Recipe, model_keys: tuple[str, ...] = (), file_keys: tuple[str, ...] = ()) -> None:
+    """Refuse missing models and files named by `recipe` before a stage starts any work."""
+    for key in model_keys:
+        check_model_path(key, get_key(recipe, key))
+    for key in file_keys:
+        check_file(key, get_key(recipe, key))

@@ -1,0 +1,106 @@
+"""The tiny family's corpus (the Python standard library's source) and its HumanEval-shaped prompt sets.
+
+Every machine with Python has this corpus, so the embedded default needs no download. Files are split into
+train / validation / test by a hash of their path (deterministic, and stable when files are added or removed).
+A prompt is a function's signature and docstring; the completion is its body, as in HumanEval. Training prompts come
+from train files only, evaluation prompts from test files only.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import sysconfig
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+# Folders of the stdlib that are not "the library": its own tests (near-duplicates of library code, and the test
+# split must be unseen code) and third-party packages.
+SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
+MAX_PROMPT_CHARS = 1500
+MAX_COMPLETION_CHARS = 1500
+
+
+def split_of(relpath: str) -> str:
+    """train (90%), validation (5%) or test (5%), by a hash of the path relative to the stdlib root."""
+    bucket = int(hashlib.sha256(relpath.encode()).hexdigest()[:8], 16) % 100
+    return "train" if bucket < 90 else "validation" if bucket < 95 else "test"
+
+
+def stdlib_files(root: Path | None = None) -> list[tuple[str, Path]]:
+    """(relative path, absolute path) of the running interpreter's stdlib .py files, tests left out, sorted."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if SKIPPED_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        found.append((rel.as_posix(), path))
+    return sorted(found)
+
+
+def read_corpus(fraction: float = 1.0, root: Path | None = None) -> dict[str, list[dict[str, str]]]:
+    """{split: [{"path", "text"}]} of the stdlib. `fraction` < 1 keeps a deterministic subset of files."""
+    corpus: dict[str, list[dict[str, str]]] = {s: [] for s in SPLITS}
+    for rel, path in stdlib_files(root):
+        if fraction < 1.0 and int(hashlib.sha256(b"keep:" + rel.encode()).hexdigest()[:8], 16) % 10_000 >= fraction * 10_000:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # a handful of stdlib files are latin-1 test fixtures; they teach nothing worth the exception
+        corpus[split_of(rel)].append({"path": rel, "text": text})
+    return corpus
+
+
+def corpus_hash(corpus: dict[str, list[dict[str, str]]]) -> str:
+    digest = hashlib.sha256()
+    for split in SPLITS:
+        for row in corpus[split]:
+            digest.update(f"{split}\0{row['path']}\0".encode())
+            digest.update(row["text"].encode())
+    return digest.hexdigest()
+
+
+def extract_prompts(relpath: str, text: str) -> Iterator[dict[str, str]]:
+    """HumanEval-shaped tasks from one module: functions (and methods, dedented) that have a docstring and a body."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return
+    lines = text.splitlines(keepends=True)
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node) is None:
+            continue
+        doc, body = node.body[0], node.body[1:]
+        if not body or node.end_lineno is None or doc.end_lineno is None:
+            continue
+        start = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+        source = textwrap.dedent("".join(lines[start : node.end_lineno]))
+        prompt_lines = doc.end_lineno - start
+        source_lines = source.splitlines(keepends=True)
+        prompt, completion = "".join(source_lines[:prompt_lines]), "".join(source_lines[prompt_lines:])
+        # One-line bodies (`pass`, `raise NotImplementedError`, `return self._x`) test nothing worth drafting.
+        if sum(1 for line in completion.splitlines() if line.strip()) < 2:
+            continue
+        if len(prompt) > MAX_PROMPT_CHARS or len(completion) > MAX_COMPLETION_CHARS:
+            continue
+        yield {"task_id": f"stdlib/{relpath}:{node.lineno}:{node.name}", "prompt": prompt, "canonical_solution": completion}
+
+
+def prompt_sets(corpus: dict[str, list[dict[str, str]]]) -> dict[str, list[dict[str, str]]]:
+    """{"train": [...], "test": [...]}: tasks from train files and from test files."""
+    return {split: [t for row in corpus[split] for t in extract_prompts(row["path"], row["text"])] for split in ("train", "test")}
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    """Write atomically: a reader never sees a half-written prompt file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)

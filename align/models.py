@@ -1,0 +1,291 @@
+"""The model layer: load verifier, diffusion drafter, AR drafter and tokenizer; the DrafterSpec; draft logits.
+
+A diffusion drafter is a masked discrete-diffusion LM: given `context ⊕ [MASK]×γ` it returns a distribution for every
+masked position in one forward pass. Three facts describe how to read it, and getting any of them wrong silently
+destroys acceptance, so they live in one place (`DrafterSpec`) and one function reads logits for all of them
+(`block_logits`):
+
+- `mask_token_id`: the token that marks a masked position (from the tokenizer, never a literal);
+- `logits_shift`: 0 when the prediction for position t is at logits[t] (LLaDA); 1 when it is at logits[t-1] (Dream,
+  DiffuCoder and other models adapted from AR checkpoints);
+- `attention`: `bidirectional` (every position sees every other: the context is re-encoded for each draft) or
+  `block_causal` (the context is causal and the block attends to the context and to itself: the context KV cache is
+  exact, so a draft costs O(γ) rather than O(context)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Optional
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from align.config import ModelSection, RecipeError
+
+Attention = Literal["bidirectional", "block_causal"]
+ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal")
+
+# Hub dLLM families whose configs do not carry a drafter_spec: model_type -> (logits_shift, attention).
+KNOWN_DLLMS: dict[str, tuple[int, str]] = {
+    "llada": (0, "bidirectional"),
+    "dream": (1, "bidirectional"),  # Dream and DiffuCoder are adapted from Qwen2.5, hence shifted
+}
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    mask_token_id: int
+    logits_shift: int
+    attention: str
+
+    def __post_init__(self) -> None:
+        if self.logits_shift not in (0, 1):
+            raise ValueError(f"logits_shift must be 0 or 1, got {self.logits_shift}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        if self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# devices, dtypes
+# --------------------------------------------------------------------------------------------------------------------
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("device: cuda was asked for, but no CUDA device is visible (use device=auto or cpu)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # On CPU fp32 is the default: batch-1 decoding is no faster in bf16 there, and fp32 keeps greedy checks exact.
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------------------------
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
+    device = resolve_device(section.device)
+    kwargs = dict(
+        dtype=resolve_dtype(section.dtype, device),
+        trust_remote_code=section.trust_remote_code,
+        attn_implementation=section.attn_implementation,
+        **config_overrides,
+    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(section.path, **kwargs)
+    except ValueError:
+        # LLaDA and Dream register their LM under AutoModel only.
+        model = AutoModel.from_pretrained(section.path, **kwargs)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_verifier(section: ModelSection) -> PreTrainedModel:
+    """The frozen AR verifier, in eval mode."""
+    return _load(section)
+
+
+def load_ar_drafter(section: ModelSection) -> PreTrainedModel:
+    return _load(section)
+
+
+def drafter_spec_from_config(
+    config: Any,
+    tokenizer: Optional[PreTrainedTokenizerBase] = None,
+    mask_token_id: Optional[int] = None,
+    logits_shift: Optional[int] = None,
+    attention: Optional[str] = None,
+) -> DrafterSpec:
+    """Resolve a DrafterSpec: explicit arguments > `config.drafter_spec` > known dLLM families > the tokenizer."""
+    stored = dict(getattr(config, "drafter_spec", None) or {})
+    known = KNOWN_DLLMS.get(str(getattr(config, "model_type", "")).lower())
+    if known is not None:
+        stored.setdefault("logits_shift", known[0])
+        stored.setdefault("attention", known[1])
+    if getattr(config, "mask_token_id", None) is not None:
+        stored.setdefault("mask_token_id", config.mask_token_id)
+    if tokenizer is not None and tokenizer.mask_token_id is not None:
+        stored.setdefault("mask_token_id", tokenizer.mask_token_id)
+    for key, value in (("mask_token_id", mask_token_id), ("logits_shift", logits_shift), ("attention", attention)):
+        if value is not None:
+            stored[key] = value
+    missing = [k for k in ("mask_token_id", "logits_shift", "attention") if k not in stored]
+    if missing:
+        raise RecipeError(
+            f"drafter: cannot tell its {', '.join(missing)} (no drafter_spec in config.json); "
+            f"set {', '.join('drafter.' + k for k in missing)} in the recipe"
+        )
+    return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]))
+
+
+def load_drafter(
+    section: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None
+) -> tuple[PreTrainedModel, DrafterSpec]:
+    """The diffusion drafter and its spec. `section` is a DrafterSection (its spec fields override the config's)."""
+    config = AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
+    spec = drafter_spec_from_config(
+        config, tokenizer, section.mask_token_id, section.logits_shift, section.attention
+    )
+    # A bidirectional drafter must never get transformers' default causal mask; a block-causal one keeps the causal
+    # default for its context and receives an explicit block mask in `block_logits`.
+    overrides = {"is_causal": False} if spec.attention == "bidirectional" else {}
+    model = _load(section, **overrides)
+    if spec.mask_token_id >= vocab_size(model):
+        raise RecipeError(f"drafter.mask_token_id: {spec.mask_token_id} is outside the vocabulary ({vocab_size(model)})")
+    return model, spec
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def check_vocab_compatible(verifier: PreTrainedModel, drafter: PreTrainedModel, drafter_key: str = "drafter") -> None:
+    """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are."""
+    v_size, d_size = vocab_size(verifier), vocab_size(drafter)
+    if v_size != d_size:
+        raise RecipeError(
+            f"{drafter_key}.path: vocabulary size {d_size} differs from the verifier's {v_size}; "
+            "verifier and drafter must share a tokenizer"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# attention masks
+# --------------------------------------------------------------------------------------------------------------------
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (..., q, k) -> float (..., 1, q, k) with 0 where allowed and the dtype's minimum elsewhere.
+
+    Float rather than bool: 4-D bool masks are not handled alike by every attention kernel (flex_attention crashed).
+    """
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, blocked).unsqueeze(-3)
+
+
+def block_causal_allowed(context_len: int, block_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """bool (context_len + block_len, context_len + block_len): causal context, block sees context and itself."""
+    total = context_len + block_len
+    allowed = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    allowed[context_len:, context_len:] = True
+    return allowed
+
+
+def block_diffusion_allowed(seq_len: int, block_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """bool (2L, 2L) for training a block-causal drafter on `clean ⊕ noised` copies of one sequence at once.
+
+    The clean copy is causal (it plays the cached context); a noised block sees the clean tokens of the blocks before
+    it and its own noised block, exactly what it sees at draft time, so every block of the sequence trains in one pass
+    (as block-diffusion LMs train).
+    """
+    idx = torch.arange(seq_len, device=device)
+    block = idx // block_size
+    clean_clean = idx[None, :] <= idx[:, None]
+    noised_clean = idx[None, :] < (block * block_size)[:, None]
+    noised_noised = block[None, :] == block[:, None]
+    top = torch.cat([clean_clean, torch.zeros_like(clean_clean)], dim=1)
+    bottom = torch.cat([noised_clean, noised_noised], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# reading a diffusion drafter
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class DrafterContext:
+    """Encoded context of a block-causal drafter: its exact KV cache and the logits of its last position."""
+
+    cache: DynamicCache
+    length: int
+    last_logits: torch.Tensor  # (B, V): what a shifted drafter predicts for the first block position
+
+
+def encode_context(
+    model: PreTrainedModel, context_ids: torch.Tensor, state: Optional[DrafterContext] = None
+) -> DrafterContext:
+    """Extend a block-causal drafter's context cache to cover `context_ids` (B, n) — only the new tokens are run.
+
+    The context part of a block-causal drafter is an ordinary causal LM, so its KV cache is exact and can grow
+    token by token as the verifier accepts them.
+    """
+    if state is None:
+        state = DrafterContext(DynamicCache(config=model.config), 0, None)  # type: ignore[arg-type]
+    n = context_ids.shape[1]
+    if state.length > n:
+        raise ValueError(f"context shrank from {state.length} to {n} tokens; crop the DrafterContext first")
+    if state.length < n:
+        new = context_ids[:, state.length:]
+        positions = torch.arange(state.length, n, device=context_ids.device).unsqueeze(0)
+        out = model(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True)
+        state.length, state.last_logits = n, out.logits[:, -1]
+    return state
+
+
+def crop_context(state: DrafterContext, length: int) -> None:
+    """Drop cached context beyond `length` tokens (after the verifier rejected part of a draft)."""
+    if length < state.length:
+        state.cache.crop(length - state.length)
+        state.length = length
+        state.last_logits = None  # type: ignore[assignment]  # re-encoding the last token restores it
+
+
+def block_logits(
+    model: PreTrainedModel,
+    spec: DrafterSpec,
+    context_ids: torch.Tensor,
+    block_ids: torch.Tensor,
+    state: Optional[DrafterContext] = None,
+) -> torch.Tensor:
+    """Logits predicting every position of a block that follows the context, whatever the drafter's spec.
+
+    context_ids: (B, n) clean tokens. block_ids: (B, γ) the block, with `spec.mask_token_id` at masked positions.
+    state: for a block-causal drafter, its context cache (extended here as needed); None re-encodes the context.
+    Returns (B, γ, V): row i is the drafter's distribution (logits) for block position i.
+    """
+    n, block_len = context_ids.shape[1], block_ids.shape[1]
+    if spec.logits_shift and n == 0:
+        raise ValueError("a shifted drafter needs at least one context token to predict the first block position")
+    if spec.attention == "block_causal" and state is not None:
+        return _cached_block_logits(model, spec, context_ids, block_ids, state)
+    ids = torch.cat([context_ids, block_ids], dim=1)
+    mask = None
+    if spec.attention == "block_causal":
+        mask = additive_mask(block_causal_allowed(n, block_len, ids.device), model.dtype).unsqueeze(0)
+    logits = model(input_ids=ids, attention_mask=mask).logits  # (B, n + γ, V)
+    return logits[:, n - spec.logits_shift : n + block_len - spec.logits_shift]
+
+
+def _cached_block_logits(
+    model: PreTrainedModel, spec: DrafterSpec, context_ids: torch.Tensor, block_ids: torch.Tensor,
+    state: DrafterContext,
+) -> torch.Tensor:
+    if spec.logits_shift and state.last_logits is None and state.length == context_ids.shape[1]:
+        crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
+    encode_context(model, context_ids, state)
+    n, block_len = state.length, block_ids.shape[1]
+    positions = torch.arange(n, n + block_len, device=block_ids.device).unsqueeze(0)
+    # Every block query sees the whole cached context and the whole block: an all-visible mask.
+    mask = torch.zeros(1, 1, block_len, n + block_len, dtype=model.dtype, device=block_ids.device)
+    out = model(input_ids=block_ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True)
+    state.cache.crop(-block_len)  # the block is a guess: it never stays in the context cache
+    if not spec.logits_shift:
+        return out.logits
+    # Shifted: block position 0 is predicted by the last context position, position i by block position i-1.
+    return torch.cat([state.last_logits.unsqueeze(1), out.logits[:, :-1]], dim=1)

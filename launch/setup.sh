@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install align into it, once (again only when pyproject.toml changes).
+# torch is named in the same pip command as everything else: on its own, a dependency's "torch>=..." would let pip
+# pick a multi-GB CUDA wheel on a CPU machine. Set ALIGN_TORCH to the torch you want (e.g. your CUDA build's pin).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+torch_spec=${ALIGN_TORCH:-torch==2.13.0}
+stamp=.venv/.align-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "$torch_spec" -e ".[dev]"
+echo "$want" > "$stamp"

@@ -1,0 +1,72 @@
+"""The `align` command: stages and their sections in --help; bad input is one line on stderr and exit code 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.cli import STAGES, strip_launcher_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def align(*args, cwd=ROOT):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "align", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_stages():
+    result = align("--help")
+    assert result.returncode == 0
+    for name in STAGES:
+        assert name in result.stdout
+
+
+def test_stage_help_lists_its_sections():
+    result = align("bootstrap", "--help")
+    assert result.returncode == 0
+    assert "bootstrap.verifier" in result.stdout and "data.dir" in result.stdout
+    assert "train.lr" not in result.stdout  # sections the stage does not read are not listed
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["recipes/tiny/bootstrap.yaml", "bootstrap.vocab_sise=10"], "did you mean 'bootstrap.vocab_size'?"),
+    (["recipes/tiny/bootstrap.yaml", "bootstrap.vocab_size=big"], "bootstrap.vocab_size: Input should be a valid integer"),
+    (["recipes/tiny/bootstrap.yaml", "bootstrap.corpus_fraction=0"], "bootstrap.corpus_fraction: Input should be greater than 0"),
+    (["recipes/tiny/missing.yaml"], "recipe not found: recipes/tiny/missing.yaml"),
+    (["recipes/tiny/bootstrap.yaml", "decode.gamma"], "bad override 'decode.gamma'"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, expected):
+    result = align("bootstrap", *args)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("align bootstrap: error: ") and expected in result.stderr, result.stderr
+
+
+def test_bad_input_touches_nothing(tmp_path):
+    out = tmp_path / "family"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = align("bootstrap", "recipes/tiny/bootstrap.yaml", f"bootstrap.out={out}", f"data.dir={tmp_path / 'data'}",
+                   "bootstrap.verifier.num_layers=0")
+    assert result.returncode == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["family"]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+
+
+def test_validate_prints_the_resolved_recipe():
+    import yaml
+
+    result = align("validate", "recipes/tiny/eval.yaml", "decode.gamma=5")
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["decode"]["gamma"] == 5
+    assert resolved["train"]["zero_stage"] == 0  # a default the recipe never names
+
+
+def test_deepspeed_local_rank_is_ignored():
+    assert strip_launcher_args(["r.yaml", "--local_rank=1", "a.b=1"]) == ["r.yaml", "a.b=1"]
+    assert strip_launcher_args(["r.yaml", "--local_rank", "0", "a.b=1"]) == ["r.yaml", "a.b=1"]

@@ -1,0 +1,148 @@
+"""The recipe schema: every shipped recipe loads; bad recipes and overrides are refused with one clear line."""
+
+from pathlib import Path
+
+import pytest
+
+from align.config import Recipe, RecipeError, check_inputs, load_recipe, parse_override
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+
+
+def refused(overrides=(), recipe=None) -> str:
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe, list(overrides))
+    message = str(err.value)
+    assert "\n" not in message, "errors are one line"
+    return message
+
+
+def test_recipes_exist():
+    names = {p.relative_to(ROOT / "recipes").as_posix() for p in RECIPES}
+    assert {"tiny/bootstrap.yaml", "tiny/eval.yaml", "tiny/align.yaml", "tiny/spiffy.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
+def test_every_recipe_loads(path):
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+    assert recipe.verifier.path and recipe.drafter.path
+
+
+def test_defaults_live_in_the_schema():
+    recipe = load_recipe(None)
+    assert recipe == Recipe()
+    assert recipe.verifier.path == "checkpoints/tiny/verifier"
+    assert recipe.drafter.path == "checkpoints/tiny/drafter-base"
+    assert recipe.bootstrap.drafter.objective == "mdlm"
+
+
+def test_overrides_are_typed_and_nested():
+    recipe = load_recipe(None, ["decode.gamma=12", "train.lr=3e-4", "bootstrap.drafter.block_sizes=[8, 16]",
+                                "decode.temperature=0.7", "train.bf16=false", "eval.num_prompts=null"])
+    assert recipe.decode.gamma == 12
+    assert recipe.train.lr == pytest.approx(3e-4) and isinstance(recipe.train.lr, float)
+    assert recipe.bootstrap.drafter.block_sizes == [8, 16]
+    assert recipe.decode.temperature == 0.7 and recipe.train.bf16 is False and recipe.eval.num_prompts is None
+
+
+def test_partial_nested_override_keeps_the_other_defaults():
+    recipe = load_recipe(None, ["bootstrap.verifier.lr=1e-4"])
+    assert recipe.bootstrap.verifier.lr == pytest.approx(1e-4)
+    assert recipe.bootstrap.verifier.hidden_size == Recipe().bootstrap.verifier.hidden_size
+
+
+def test_override_wins_over_yaml(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("decode:\n  gamma: 4\n")
+    assert load_recipe(path).decode.gamma == 4
+    assert load_recipe(path, ["decode.gamma=6"]).decode.gamma == 6
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.lrr=1", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
+    ("decod.gamma=3", "unknown key 'decod' (did you mean 'decode'?)"),
+    ("bootstrap.verifier.hiden_size=3", "did you mean 'bootstrap.verifier.hidden_size'?"),
+])
+def test_unknown_key_suggests_the_closest(override, expected):
+    assert expected in refused([override])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("train:\n  zero_stag: 2\n")
+    assert "unknown key 'train.zero_stag' (did you mean 'train.zero_stage'?)" in refused(recipe=path)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("decode.gamma=abc", "decode.gamma"),
+    ("train.bf16=maybe", "train.bf16"),
+    ("train.losses=5", "train.losses"),
+    ("bootstrap.parts=tokenizer", "bootstrap.parts"),
+])
+def test_wrong_type(override, key):
+    message = refused([override])
+    assert message.startswith(key + ":"), message
+
+
+@pytest.mark.parametrize("override, key, allowed", [
+    ("decode.gamma=0", "decode.gamma", "greater than or equal to 1"),
+    ("decode.temperature=-0.5", "decode.temperature", "greater than or equal to 0"),
+    ("train.zero_stage=4", "train.zero_stage", "0, 1, 2 or 3"),
+    ("decode.top_p=1.5", "decode.top_p", "less than or equal to 1"),
+    ("drafter.attention=causal", "drafter.attention", "'bidirectional' or 'block_causal'"),
+    ("bootstrap.verifier.num_heads=7", "bootstrap.verifier", "divisible"),
+    ("bootstrap.drafter.block_sizes=[5]", "bootstrap.drafter", "divisors of seq_len"),
+])
+def test_impossible_values(override, key, allowed):
+    message = refused([override])
+    assert message.startswith(key) and allowed in message, message
+
+
+@pytest.mark.parametrize("override", ["gamma", "=3", "decode..gamma=3", "decode.gamma"])
+def test_malformed_override(override):
+    assert "key.sub=value" in refused([override])
+
+
+def test_override_through_a_value(tmp_path):
+    assert refused(["decode.gamma.x=1"]) == "decode.gamma: Input should be a valid integer"
+    path = tmp_path / "r.yaml"
+    path.write_text("decode:\n  gamma: 4\n")
+    assert refused(["decode.gamma.x=1"], recipe=path) == "decode.gamma.x: decode.gamma is a value, not a section"
+
+
+def test_parse_override_reads_yaml_values():
+    assert parse_override("a.b=1e-4") == (["a", "b"], 1e-4)
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("a.b=hello world") == (["a", "b"], "hello world")
+    assert parse_override("a.b=") == (["a", "b"], None)
+
+
+def test_missing_and_malformed_recipe_files(tmp_path):
+    assert "recipe not found" in refused(recipe=tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: [1, 2\n")
+    assert "invalid YAML" in refused(recipe=bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    assert "mapping of sections" in refused(recipe=scalar)
+
+
+def test_missing_inputs_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(None, ["eval.prompts=missing.jsonl", "verifier.path=nowhere/at/all"])
+    with pytest.raises(RecipeError, match=r"^eval.prompts: no such file: missing.jsonl$"):
+        check_inputs(recipe, file_keys=("eval.prompts",))
+    with pytest.raises(RecipeError, match=r"^verifier.path: no such model folder: nowhere/at/all$"):
+        check_inputs(recipe, model_keys=("verifier.path",))
+    # A Hub id cannot be fetched offline: say so rather than fail deep inside transformers.
+    hub = load_recipe(None, ["verifier.path=Qwen/Qwen2.5-7B-Instruct"])
+    with pytest.raises(RecipeError, match="Hub is offline"):
+        check_inputs(hub, model_keys=("verifier.path",))
+    # A folder that is not a model.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError, match="has no config.json"):
+        check_inputs(load_recipe(None, ["verifier.path=empty"]), model_keys=("verifier.path",))
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "def f():"}\n')
+    check_inputs(load_recipe(None, ["eval.prompts=prompts.jsonl"]), file_keys=("eval.prompts",))

@@ -1,0 +1,392 @@
+"""Tests of align/models.py on real tiny transformers models (Llama and Qwen2, fp32, CPU).
+
+The central claim of the model layer is that `block_logits` reads the right logits for every DrafterSpec. It is tested
+semantically: tiny drafters are trained on a counting task with their targets placed as each spec says, and then the
+helper must recover the true continuation, while reading the same model with the other logits_shift must not.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from align.config import DrafterSection, RecipeError, VerifierSection
+from align.models import (
+    KNOWN_DLLMS,
+    DrafterSpec,
+    additive_mask,
+    block_causal_allowed,
+    block_diffusion_allowed,
+    block_logits,
+    check_vocab_compatible,
+    crop_context,
+    drafter_spec_from_config,
+    encode_context,
+    load_drafter,
+    load_verifier,
+)
+
+VOCAB = 40
+MASK = VOCAB - 1  # the mask token: the last id of the vocabulary
+FIRST_DIGIT, NUM_DIGITS = 4, 10  # the counting task's "digit" tokens are ids 4..13
+GAMMA = 4  # draft block length
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models gain nothing from threads, and the test machine is small and shared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(arch: str, seed: int = 0, vocab: int = VOCAB, bidirectional: bool = False, **config_kwargs):
+    """A random tiny causal LM; `bidirectional` sets config.is_causal=False, as load_drafter does."""
+    config_cls, model_cls = ARCHS[arch]
+    if bidirectional:
+        config_kwargs["is_causal"] = False
+    config = config_cls(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **config_kwargs,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. block_logits reads the right logits: trained on a task where a wrong read fails
+# --------------------------------------------------------------------------------------------------------------------
+def counting_batch(gen: torch.Generator, batch: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences that count up mod NUM_DIGITS from a random digit: (context (B, n), its true continuation (B, γ))."""
+    start = torch.randint(0, NUM_DIGITS, (batch, 1), generator=gen)
+    seq = FIRST_DIGIT + (start + torch.arange(context_len + GAMMA)) % NUM_DIGITS
+    return seq[:, :context_len], seq[:, context_len:]
+
+
+def masked_block(batch: int) -> torch.Tensor:
+    return torch.full((batch, GAMMA), MASK)
+
+
+def train_counting_drafter(arch: str, logits_shift: int, attention: str, steps: int = 150):
+    """Train a tiny drafter to fill `context ⊕ MASK×γ` with the counting continuation.
+
+    Written independently of `block_logits`: the target of block position i is placed at output index n+i (shift 0)
+    or n+i-1 (shift 1); block_causal training uses the explicit block-causal mask, bidirectional the model's own
+    full attention (config.is_causal=False).
+    """
+    model = tiny_model(arch, seed=0, bidirectional=attention == "bidirectional")
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        n = int(torch.randint(2, 9, (1,), generator=gen))
+        context, target = counting_batch(gen, 32, n)
+        ids = torch.cat([context, masked_block(32)], dim=1)
+        mask = None
+        if attention == "block_causal":
+            mask = additive_mask(block_causal_allowed(n, GAMMA), torch.float32).unsqueeze(0)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        target_positions = torch.arange(GAMMA) + n - logits_shift
+        loss = F.cross_entropy(logits[:, target_positions].reshape(-1, VOCAB), target.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def read_accuracy(model, spec: DrafterSpec, use_cache: bool = False) -> float:
+    """Fraction of block positions whose argmax under `spec` is the true continuation, on fresh contexts."""
+    gen = torch.Generator().manual_seed(1234)
+    correct = total = 0
+    for n in range(2, 9):
+        context, target = counting_batch(gen, 16, n)
+        state = encode_context(model, context[:, : n // 2]) if use_cache else None
+        predicted = block_logits(model, spec, context, masked_block(16), state).argmax(-1)
+        correct += int((predicted == target).sum())
+        total += target.numel()
+    return correct / total
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "block_causal"])
+@pytest.mark.parametrize("logits_shift", [0, 1])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_block_logits_reads_the_trained_positions(arch, logits_shift, attention):
+    model = train_counting_drafter(arch, logits_shift, attention)
+    right = DrafterSpec(MASK, logits_shift, attention)
+    wrong = DrafterSpec(MASK, 1 - logits_shift, attention)
+
+    assert read_accuracy(model, right) >= 0.95
+    # The same model read with the other shift is off by one position: the counting task makes that visibly wrong.
+    assert read_accuracy(model, wrong) < 0.5
+    if attention == "block_causal":
+        # The cached path (the one speculative decoding uses) reads the same positions.
+        assert read_accuracy(model, right, use_cache=True) >= 0.95
+        assert read_accuracy(model, wrong, use_cache=True) < 0.5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. a block-causal drafter's context cache gives exactly the logits of re-encoding
+# --------------------------------------------------------------------------------------------------------------------
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def cache_len(state) -> int:
+    return state.cache.get_seq_length()
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("logits_shift", [0, 1])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_block_causal_cache_equals_reencoding(arch, logits_shift, attn_implementation):
+    model = tiny_model(arch, seed=1, attn_implementation=attn_implementation).eval()
+    spec = DrafterSpec(MASK, logits_shift, "block_causal")
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(0, MASK, (2, 12), generator=gen)
+    block = masked_block(2)
+    block[:, 1] = torch.randint(0, MASK, (2,), generator=gen)  # a partly unmasked block, as in later denoising steps
+
+    def reencoded(ctx: torch.Tensor) -> torch.Tensor:
+        return block_logits(model, spec, ctx, block, state=None)
+
+    # Grow the context cache in two steps, the second inside block_logits.
+    state = encode_context(model, context[:, :4])
+    assert state.length == cache_len(state) == 4
+    cached = block_logits(model, spec, context[:, :7], block, state)
+    assert_same_logits(cached, reencoded(context[:, :7]))
+    assert state.length == cache_len(state) == 7  # the block never stays in the cache
+    assert cached.shape == (2, GAMMA, VOCAB)
+
+    # The verifier rejects part of the draft: crop back, and the accepted tokens then differ from the old ones.
+    crop_context(state, 5)
+    assert state.length == cache_len(state) == 5
+    context2 = context.clone()
+    context2[:, 5:] = (context[:, 5:] + 1) % MASK
+    cached = block_logits(model, spec, context2[:, :9], block, state)
+    expected = reencoded(context2[:, :9])
+    assert_same_logits(cached, expected)
+    assert state.length == cache_len(state) == 9
+    # The crop mattered: the stale tokens would have given other logits.
+    assert not torch.allclose(expected, reencoded(context[:, :9]), atol=1e-3)
+
+    # Calling again with the same context reuses the cache and gives identical logits.
+    again = block_logits(model, spec, context2[:, :9], block, state)
+    assert torch.equal(again, cached)
+    assert state.length == cache_len(state) == 9
+
+    # Cropping to exactly the next context length (the last position's logits were dropped with the crop).
+    crop_context(state, 6)
+    assert_same_logits(block_logits(model, spec, context2[:, :6], block, state), reencoded(context2[:, :6]))
+    assert state.length == cache_len(state) == 6
+
+    # A context shorter than the cache without a crop is a caller's error, not a silent misread.
+    with pytest.raises(ValueError, match="crop"):
+        block_logits(model, spec, context2[:, :3], block, state)
+
+
+@pytest.mark.parametrize("logits_shift", [0, 1])
+def test_block_logits_empty_context(logits_shift):
+    model = tiny_model("llama", seed=2).eval()
+    spec = DrafterSpec(MASK, logits_shift, "block_causal")
+    empty, block = torch.zeros(1, 0, dtype=torch.long), masked_block(1)
+    fresh_state = encode_context(model, empty)
+    if logits_shift:
+        # Nothing predicts the first block position of a shifted drafter: both paths refuse.
+        for state in (None, fresh_state):
+            with pytest.raises(ValueError, match="context token"):
+                block_logits(model, spec, empty, block, state)
+    else:
+        assert_same_logits(block_logits(model, spec, empty, block, fresh_state), block_logits(model, spec, empty, block))
+        assert fresh_state.length == cache_len(fresh_state) == 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. loading a drafter and resolving its spec
+# --------------------------------------------------------------------------------------------------------------------
+def save_drafter(path, spec: DrafterSpec | None, arch: str = "llama") -> str:
+    model = tiny_model(arch, seed=3)
+    if spec is not None:
+        model.config.drafter_spec = spec.to_dict()
+    model.save_pretrained(path)
+    return str(path)
+
+
+def section(path: str, **overrides) -> DrafterSection:
+    return DrafterSection(path=path, device="cpu", dtype="float32", **overrides)
+
+
+def first_position_sees_last_token(model) -> bool:
+    ids = torch.arange(4, 12).unsqueeze(0)
+    changed = ids.clone()
+    changed[0, -1] = 20
+    with torch.no_grad():
+        return not torch.allclose(model(input_ids=ids).logits[0, 0], model(input_ids=changed).logits[0, 0])
+
+
+def test_load_drafter_reads_spec_from_config(tmp_path):
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    path = save_drafter(tmp_path / "drafter", spec)
+    model, loaded = load_drafter(section(path))
+    assert loaded == spec
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert model.dtype == torch.float32
+    # Block-causal: the context stays causal.
+    assert getattr(model.config, "is_causal", True) is True
+    assert not first_position_sees_last_token(model)
+
+
+def test_recipe_overrides_win_over_config(tmp_path):
+    path = save_drafter(tmp_path / "drafter", DrafterSpec(MASK, 0, "block_causal"))
+    _, spec = load_drafter(section(path, logits_shift=1))
+    assert spec == DrafterSpec(MASK, 1, "block_causal")
+    _, spec = load_drafter(section(path, mask_token_id=7, attention="bidirectional"))
+    assert spec == DrafterSpec(7, 0, "bidirectional")
+
+
+def test_config_without_spec_needs_overrides(tmp_path):
+    path = save_drafter(tmp_path / "plain", None)
+    with pytest.raises(RecipeError) as err:
+        load_drafter(section(path))
+    for key in ("mask_token_id", "logits_shift", "attention"):
+        assert f"drafter.{key}" in str(err.value)
+
+    with pytest.raises(RecipeError) as err:
+        load_drafter(section(path, mask_token_id=MASK))
+    message = str(err.value)
+    assert "drafter.logits_shift" in message and "drafter.attention" in message
+    assert "mask_token_id" not in message
+
+    _, spec = load_drafter(section(path, mask_token_id=MASK, logits_shift=1, attention="block_causal"))
+    assert spec == DrafterSpec(MASK, 1, "block_causal")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bidirectional_drafter_loads_non_causal(tmp_path, arch):
+    path = save_drafter(tmp_path / "drafter", DrafterSpec(MASK, 1, "bidirectional"), arch)
+    model, spec = load_drafter(section(path))
+    assert spec.attention == "bidirectional"
+    assert model.config.is_causal is False
+    assert first_position_sees_last_token(model)  # the flag really reaches the attention
+
+
+def test_mask_token_outside_vocabulary(tmp_path):
+    path = save_drafter(tmp_path / "drafter", DrafterSpec(MASK, 0, "block_causal"))
+    with pytest.raises(RecipeError, match="mask_token_id"):
+        load_drafter(section(path, mask_token_id=VOCAB))
+    _, spec = load_drafter(section(path, mask_token_id=VOCAB - 1))
+    assert spec.mask_token_id == VOCAB - 1
+
+
+def test_spec_resolution_order():
+    # Known dLLM families supply logits_shift and attention; the mask token comes from their config or tokenizer.
+    assert KNOWN_DLLMS["dream"] == (1, "bidirectional")
+    dream = SimpleNamespace(model_type="Dream", mask_token_id=151666)
+    assert drafter_spec_from_config(dream) == DrafterSpec(151666, 1, "bidirectional")
+    llada = SimpleNamespace(model_type="llada")
+    tokenizer = SimpleNamespace(mask_token_id=126336)
+    assert drafter_spec_from_config(llada, tokenizer) == DrafterSpec(126336, 0, "bidirectional")
+    with pytest.raises(RecipeError, match="mask_token_id") as err:
+        drafter_spec_from_config(llada)
+    assert "logits_shift" not in str(err.value)
+
+    # config.drafter_spec beats the family defaults and the tokenizer; explicit arguments beat everything.
+    stored = SimpleNamespace(model_type="dream", drafter_spec=DrafterSpec(5, 0, "block_causal").to_dict())
+    assert drafter_spec_from_config(stored, tokenizer) == DrafterSpec(5, 0, "block_causal")
+    assert drafter_spec_from_config(stored, tokenizer, mask_token_id=6, logits_shift=1, attention="bidirectional") == (
+        DrafterSpec(6, 1, "bidirectional")
+    )
+    # An unknown family with nothing stored names all three keys.
+    with pytest.raises(RecipeError, match="mask_token_id, logits_shift, attention"):
+        drafter_spec_from_config(SimpleNamespace(model_type="llama"))
+
+
+def test_drafter_spec_validates():
+    with pytest.raises(ValueError):
+        DrafterSpec(MASK, 2, "block_causal")
+    with pytest.raises(ValueError):
+        DrafterSpec(MASK, 0, "causal")
+    with pytest.raises(ValueError):
+        DrafterSpec(-1, 0, "block_causal")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 4. verifier and drafter must share a vocabulary
+# --------------------------------------------------------------------------------------------------------------------
+def test_check_vocab_compatible(tmp_path):
+    tiny_model("qwen2", seed=4).save_pretrained(tmp_path / "verifier")
+    verifier = load_verifier(VerifierSection(path=str(tmp_path / "verifier"), device="cpu", dtype="float32"))
+    assert not verifier.training
+
+    check_vocab_compatible(verifier, tiny_model("llama", vocab=VOCAB))  # equal sizes pass
+
+    with pytest.raises(RecipeError) as err:
+        check_vocab_compatible(verifier, tiny_model("llama", vocab=48), drafter_key="ar_drafter")
+    message = str(err.value)
+    assert "48" in message and str(VOCAB) in message and "ar_drafter" in message
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 5. attention masks
+# --------------------------------------------------------------------------------------------------------------------
+def test_block_causal_allowed():
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1],
+            [1, 1, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(block_causal_allowed(3, 2), expected)
+
+
+def test_block_diffusion_allowed():
+    # Rows/columns 0-3: the clean copy (causal); 4-7: the noised copy in blocks of 2.
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0],
+            [0, 0, 0, 0, 1, 1, 0, 0],  # noised block 0: no clean context, its own block
+            [0, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 0, 1, 1],  # noised block 1: clean block 0, its own block
+            [1, 1, 0, 0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(block_diffusion_allowed(4, 2), expected)
+
+
+def test_additive_mask():
+    allowed = block_causal_allowed(2, 1)
+    mask = additive_mask(allowed, torch.float32)
+    assert mask.shape == (1, 3, 3) and mask.dtype == torch.float32
+    assert torch.equal(mask[0] == 0, allowed)
+    assert torch.all(mask[0][~allowed] == torch.finfo(torch.float32).min)
