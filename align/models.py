@@ -145,8 +145,13 @@ def load_drafter(
         config, tokenizer, section.mask_token_id, section.logits_shift, section.attention
     )
     # A bidirectional drafter must never get transformers' default causal mask; a block-causal one keeps the causal
-    # default for its context and receives an explicit block mask in `block_logits`.
-    overrides = {"is_causal": False} if spec.attention == "bidirectional" else {}
+    # default for its context and receives an explicit block mask in `block_logits`. The flag is set on the config
+    # object rather than passed as a `from_pretrained` kwarg: configs without an `is_causal` attribute (Llama, Qwen2)
+    # would hand the kwarg to the model's __init__, which rejects it.
+    overrides = {}
+    if spec.attention == "bidirectional":
+        config.is_causal = False
+        overrides["config"] = config
     model = _load(section, **overrides)
     if spec.mask_token_id >= vocab_size(model):
         raise RecipeError(f"drafter.mask_token_id: {spec.mask_token_id} is outside the vocabulary ({vocab_size(model)})")

@@ -285,11 +285,13 @@ def test_config_without_spec_needs_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bidirectional_drafter_loads_non_causal(tmp_path, arch):
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_bidirectional_drafter_loads_non_causal(tmp_path, arch, attn_implementation):
     path = save_drafter(tmp_path / "drafter", DrafterSpec(MASK, 1, "bidirectional"), arch)
-    model, spec = load_drafter(section(path))
+    model, spec = load_drafter(section(path, attn_implementation=attn_implementation))
     assert spec.attention == "bidirectional"
     assert model.config.is_causal is False
+    assert model.config._attn_implementation == attn_implementation
     assert first_position_sees_last_token(model)  # the flag really reaches the attention
 
 
