@@ -1,0 +1,1 @@
+"""The speculative decoding runtime: plain PyTorch, one function per screen. Never imports training code."""

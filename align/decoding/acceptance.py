@@ -1,0 +1,99 @@
+"""Acceptance rules: which draft tokens to keep, and the token the verifier adds. Every rule is lossless.
+
+Shapes are for one sequence: a draft of γ tokens, the verifier's distributions at the γ + 1 positions it scored in
+one forward (the γ draft positions and the bonus position after them). Each rule returns (num_accepted, next_token):
+the first `num_accepted` draft tokens are kept and `next_token` follows them (the correction at the first rejection,
+or the bonus token when everything was accepted), so an iteration always emits num_accepted + 1 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from align.decoding.sampling import residual, sample
+
+
+def accept_greedy(draft_tokens: torch.Tensor, verifier_logits: torch.Tensor) -> tuple[int, int]:
+    """Temperature 0: keep draft tokens while they equal the verifier's argmax; the output is AR greedy's, exactly.
+
+    draft_tokens: (γ,); verifier_logits: (γ + 1, V).
+    """
+    verifier_tokens = verifier_logits.argmax(-1)  # (γ + 1,)
+    matches = (draft_tokens == verifier_tokens[:-1]).int().cumprod(0)
+    num_accepted = int(matches.sum())
+    return num_accepted, int(verifier_tokens[num_accepted])
+
+
+def accept_sampled(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    verifier_probs: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[int, int]:
+    """Speculative sampling: keep draft token x_i with probability min(1, verifier_probs_i(x_i) / draft_probs_i(x_i));
+    at the first rejection sample from norm(max(verifier_probs_i - draft_probs_i, 0)).
+
+    draft_tokens: (γ,) sampled from draft_probs: (γ, V), the distribution *actually sampled from* (after temperature
+    and truncation). verifier_probs: (γ + 1, V). Emitted tokens are distributed exactly as the verifier's.
+    """
+    gamma = draft_tokens.shape[0]
+    positions = torch.arange(gamma, device=draft_tokens.device)
+    verifier_p = verifier_probs[positions, draft_tokens]
+    draft_p = draft_probs[positions, draft_tokens]
+    u = torch.rand(gamma, generator=generator, device=draft_tokens.device)
+    # u < p/q  <=>  u * q < p, which needs no division by a q that underflowed to 0.
+    accepted = (u * draft_p < verifier_p).int().cumprod(0)
+    num_accepted = int(accepted.sum())
+    if num_accepted == gamma:
+        return gamma, int(sample(verifier_probs[gamma], generator))
+    fallback = residual(verifier_probs[num_accepted], draft_probs[num_accepted])
+    return num_accepted, int(sample(fallback, generator))
+
+
+def accept_point_mass(
+    draft_tokens: torch.Tensor, verifier_probs: torch.Tensor, generator: Optional[torch.Generator] = None
+) -> tuple[int, int]:
+    """Deterministic drafts (argmax, beam search) under sampling: the rule for a point-mass draft distribution.
+
+    Keep x_i with probability verifier_probs_i(x_i); on rejection sample from the verifier's distribution with x_i
+    removed. Never pretend a deterministic token was sampled from the drafter's softmax: that would not be lossless.
+    """
+    point_mass = torch.nn.functional.one_hot(draft_tokens, verifier_probs.shape[-1]).to(verifier_probs.dtype)
+    return accept_sampled(draft_tokens, point_mass, verifier_probs, generator)
+
+
+def accept_multi_candidate(
+    candidates: torch.Tensor,
+    draft_probs: torch.Tensor,
+    verifier_probs: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[int, int, int]:
+    """Several drafts verified together (SpecDiff-2 self-selection): SpecInfer's recursive rejection sampling.
+
+    candidates: (K, γ), each sampled independently position by position from draft_probs: (γ, V) (one diffusion
+    drafter pass gives position-wise marginals). verifier_probs: (K, γ + 1, V), the verifier's distributions along
+    each candidate. At each depth, the surviving candidates' tokens are tried in turn against the verifier's
+    distribution, which after every rejection becomes the residual norm(max(p - q, 0)); this is lossless because
+    those tokens are independent draws from q given the accepted prefix. At temperature 0 (one-hot verifier_probs)
+    it keeps the longest prefix that matches the verifier's argmax among the candidates.
+
+    Returns (num_accepted, next_token, candidate): `candidate` is a row whose first num_accepted tokens were kept.
+    """
+    num_candidates, gamma = candidates.shape
+    alive = list(range(num_candidates))
+    for depth in range(gamma):
+        target = verifier_probs[alive[0], depth]  # every surviving candidate shares the prefix, hence this row
+        chosen = None
+        for k in alive:
+            token = int(candidates[k, depth])
+            u = float(torch.rand((), generator=generator))
+            if u * float(draft_probs[depth, token]) < float(target[token]):
+                chosen = token
+                break
+            target = residual(target, draft_probs[depth])
+        if chosen is None:
+            return depth, int(sample(target, generator)), alive[0]
+        alive = [k for k in alive if int(candidates[k, depth]) == chosen]
+    return gamma, int(sample(verifier_probs[alive[0], gamma], generator)), alive[0]

@@ -1,0 +1,122 @@
+"""Acceptance rules: greedy is exact, and the sampled rules reproduce the verifier's distribution (chi-square).
+
+The toy verifier is a Markov chain on a small vocabulary (its next-token distribution depends on the previous token),
+so that a rule that ignored the prefix, or sampled the wrong thing after a rejection, would show in the joint
+distribution of the first two emitted tokens.
+"""
+
+import pytest
+import torch
+
+from align.decoding.acceptance import accept_greedy, accept_multi_candidate, accept_point_mass, accept_sampled
+from align.decoding.sampling import logits_to_probs, sample
+
+VOCAB, GAMMA, ROOT, TRIALS = 6, 3, 0, 12000
+
+
+def make_problem(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    transitions = torch.distributions.Dirichlet(torch.full((VOCAB,), 0.7)).sample((VOCAB,))
+    draft_probs = torch.distributions.Dirichlet(torch.full((VOCAB,), 0.7)).sample((GAMMA,))
+    return transitions, draft_probs, gen
+
+
+def verifier_along(transitions, state, draft):
+    """(γ + 1, V): the verifier's distribution at each draft position and the bonus position."""
+    states = torch.cat([torch.tensor([state]), draft])
+    return transitions[states]
+
+
+def first_two_tokens(propose_and_accept, transitions, gen):
+    emitted, state = [], ROOT
+    while len(emitted) < 2:
+        accepted, next_token = propose_and_accept(state, gen)
+        emitted += [*accepted, next_token]
+        state = emitted[-1]
+    return emitted[:2]
+
+
+def chi_square_pvalue(samples, expected_probs):
+    counts = torch.zeros(VOCAB * VOCAB)
+    for a, b in samples:
+        counts[a * VOCAB + b] += 1
+    expected = expected_probs.flatten() * len(samples)
+    small = expected < 5  # merge sparse cells so the chi-square approximation holds
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), stat / 2))
+
+
+def joint_of_two(transitions):
+    return transitions[ROOT][:, None] * transitions  # P(a, b) = p(a | root) p(b | a)
+
+
+def run_rule(rule_name, seed=0):
+    transitions, draft_probs, gen = make_problem(seed)
+
+    def sampled(state, gen):
+        draft = sample(draft_probs, gen)
+        n, nxt = accept_sampled(draft, draft_probs, verifier_along(transitions, state, draft), gen)
+        return draft[:n].tolist(), nxt
+
+    def point_mass(state, gen):
+        draft = draft_probs.argmax(-1)  # deterministic, as a beam search's or argmax's draft would be
+        n, nxt = accept_point_mass(draft, verifier_along(transitions, state, draft), gen)
+        return draft[:n].tolist(), nxt
+
+    def multi(state, gen):
+        candidates = sample(draft_probs.expand(3, GAMMA, VOCAB), gen)  # (K, γ)
+        verifier = torch.stack([verifier_along(transitions, state, c) for c in candidates])
+        n, nxt, k = accept_multi_candidate(candidates, draft_probs, verifier, gen)
+        return candidates[k, :n].tolist(), nxt
+
+    def broken(state, gen):
+        # The classic mistake: after a rejection, sample from the verifier instead of the residual.
+        draft = sample(draft_probs, gen)
+        verifier = verifier_along(transitions, state, draft)
+        n, _ = accept_sampled(draft, draft_probs, verifier, gen)
+        return draft[:n].tolist(), int(sample(verifier[n], gen))
+
+    rule = {"sampled": sampled, "point_mass": point_mass, "multi_candidate": multi, "broken": broken}[rule_name]
+    samples = [first_two_tokens(rule, transitions, gen) for _ in range(TRIALS)]
+    return chi_square_pvalue(samples, joint_of_two(transitions))
+
+
+@pytest.mark.parametrize("rule", ["sampled", "point_mass", "multi_candidate"])
+def test_sampled_rules_reproduce_the_verifier_distribution(rule):
+    assert run_rule(rule) > 1e-3
+
+
+def test_a_broken_rule_fails_the_same_test():
+    assert run_rule("broken") < 1e-6
+
+
+def test_greedy_keeps_the_prefix_matching_the_argmax():
+    logits = torch.full((4, 5), -1.0)
+    logits[0, 2] = logits[1, 4] = logits[2, 1] = logits[3, 0] = 1.0  # verifier argmax: 2, 4, 1, then bonus 0
+    assert accept_greedy(torch.tensor([2, 4, 1]), logits) == (3, 0)
+    assert accept_greedy(torch.tensor([2, 3, 1]), logits) == (1, 4)  # a match after a mismatch does not count
+    assert accept_greedy(torch.tensor([0, 4, 1]), logits) == (0, 2)
+
+
+def test_multi_candidate_at_temperature_zero_takes_the_longest_matching_candidate():
+    verifier_tokens = torch.tensor([[1, 2, 3, 4]] * 3)
+    verifier = torch.nn.functional.one_hot(verifier_tokens, 5).float()  # (K, γ + 1, V)
+    candidates = torch.tensor([[1, 0, 0], [1, 2, 0], [4, 4, 4]])
+    draft_probs = torch.full((3, 5), 0.2)
+    assert accept_multi_candidate(candidates, draft_probs, verifier)[:2] == (2, 3)
+    assert accept_multi_candidate(candidates, draft_probs, verifier)[2] == 1
+
+
+def test_logits_to_probs_truncation():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert torch.equal(logits_to_probs(logits, 0.0), torch.tensor([1.0, 0, 0, 0]))
+    top2 = logits_to_probs(logits, 1.0, top_k=2)
+    assert (top2[2:] == 0).all() and torch.isclose(top2.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)
+    nucleus = logits_to_probs(logits, 1.0, top_p=float(full[0]) + 1e-3)  # needs the top two tokens
+    assert (nucleus > 0).tolist() == [True, True, False, False]
+    assert torch.allclose(logits_to_probs(logits, 2.0), torch.softmax(logits / 2, -1))
