@@ -219,7 +219,11 @@ class DrafterContext:
 
     cache: DynamicCache
     length: int
-    last_logits: torch.Tensor  # (B, V): what a shifted drafter predicts for the first block position
+    last_logits: Optional[torch.Tensor]  # (B, V): what a shifted drafter predicts for the first block position
+
+    @classmethod
+    def empty(cls, model: PreTrainedModel) -> "DrafterContext":
+        return cls(DynamicCache(config=model.config), 0, None)
 
 
 def encode_context(
@@ -231,7 +235,7 @@ def encode_context(
     token by token as the verifier accepts them.
     """
     if state is None:
-        state = DrafterContext(DynamicCache(config=model.config), 0, None)  # type: ignore[arg-type]
+        state = DrafterContext.empty(model)
     n = context_ids.shape[1]
     if state.length > n:
         raise ValueError(f"context shrank from {state.length} to {n} tokens; crop the DrafterContext first")
@@ -248,7 +252,7 @@ def crop_context(state: DrafterContext, length: int) -> None:
     if length < state.length:
         state.cache.crop(length - state.length)
         state.length = length
-        state.last_logits = None  # type: ignore[assignment]  # re-encoding the last token restores it
+        state.last_logits = None  # re-encoding the last token restores it
 
 
 def block_logits(
@@ -283,14 +287,22 @@ def _cached_block_logits(
 ) -> torch.Tensor:
     if spec.logits_shift and state.last_logits is None and state.length == context_ids.shape[1]:
         crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
-    encode_context(model, context_ids, state)
-    n, block_len = state.length, block_ids.shape[1]
-    positions = torch.arange(n, n + block_len, device=block_ids.device).unsqueeze(0)
-    # Every block query sees the whole cached context and the whole block: an all-visible mask.
-    mask = torch.zeros(1, 1, block_len, n + block_len, dtype=model.dtype, device=block_ids.device)
-    out = model(input_ids=block_ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True)
+    if state.length > context_ids.shape[1]:
+        raise ValueError(f"context shrank from {state.length} to {context_ids.shape[1]} tokens; crop first")
+    # One forward for the context tokens not yet cached and the block together (a draft then costs one drafter
+    # call, not two): the new context tokens are causal, the block sees all the context and itself.
+    cached, n, block_len = state.length, context_ids.shape[1], block_ids.shape[1]
+    new = context_ids[:, cached:]
+    ids = torch.cat([new, block_ids], dim=1)
+    positions = torch.arange(cached, n + block_len, device=ids.device).unsqueeze(0)
+    allowed = block_causal_allowed(n, block_len, ids.device)[cached:]  # rows of the new tokens, all columns
+    mask = additive_mask(allowed, model.dtype).unsqueeze(0)
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True)
     state.cache.crop(-block_len)  # the block is a guess: it never stays in the context cache
+    if n > cached:
+        state.length, state.last_logits = n, out.logits[:, n - cached - 1]
+    block_out = out.logits[:, n - cached :]  # (B, γ, V)
     if not spec.logits_shift:
-        return out.logits
+        return block_out
     # Shifted: block position 0 is predicted by the last context position, position i by block position i-1.
-    return torch.cat([state.last_logits.unsqueeze(1), out.logits[:, :-1]], dim=1)
+    return torch.cat([state.last_logits.unsqueeze(1), block_out[:, :-1]], dim=1)

@@ -1,0 +1,118 @@
+"""The AR baseline (a KV-cached decoding loop), the verifier-side helpers every method shares, and generation stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from align.decoding.sampling import logits_to_probs, sample
+
+
+@dataclass
+class Sampling:
+    """How the verifier's tokens are chosen. temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+        """One token from (V,) logits."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        return int(sample(self.probs(logits), generator))
+
+
+@dataclass
+class GenerationStats:
+    """What one generation cost and how drafts fared. τ counts tokens per verifier forward after the prefill."""
+
+    new_tokens: int = 0
+    verifier_forwards: int = 0  # decoding forwards, the prefill not counted
+    drafter_forwards: int = 0
+    accept_counts: list[int] = field(default_factory=list)  # draft tokens kept, per iteration
+    draft_lengths: list[int] = field(default_factory=list)  # draft tokens proposed, per iteration
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length: tokens emitted per decoding verifier forward (accepted drafts + 1)."""
+        if not self.accept_counts:
+            return 1.0
+        return sum(n + 1 for n in self.accept_counts) / len(self.accept_counts)
+
+    def per_position_acceptance(self, max_len: int) -> list[Optional[float]]:
+        """α_i = P(draft position i accepted | positions < i accepted), i = 1..max_len (None: never reached)."""
+        alphas: list[Optional[float]] = []
+        for i in range(max_len):
+            reached = sum(1 for n, g in zip(self.accept_counts, self.draft_lengths) if n >= i and g > i)
+            kept = sum(1 for n, g in zip(self.accept_counts, self.draft_lengths) if n > i and g > i)
+            alphas.append(kept / reached if reached else None)
+        return alphas
+
+
+def verifier_forward(
+    verifier: PreTrainedModel, input_ids: torch.Tensor, cache: DynamicCache
+) -> torch.Tensor:
+    """Run (1, k) new tokens through the verifier, extending its cache. Returns (k, V) logits."""
+    start = cache.get_seq_length()
+    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    return verifier(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True).logits[0]
+
+
+def prefill(verifier: PreTrainedModel, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+    """Encode the prompt (1, n): a cache covering it, and the (V,) logits predicting the first new token."""
+    cache = DynamicCache(config=verifier.config)
+    logits = verifier_forward(verifier, prompt_ids, cache)
+    return logits[-1], cache
+
+
+def finished(tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> bool:
+    """Enough tokens, or an end-of-sequence token anywhere (a method may emit several tokens past it at once)."""
+    return len(tokens) >= max_new_tokens or not eos_ids.isdisjoint(tokens)
+
+
+def truncate(tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> list[int]:
+    """Cut at max_new_tokens and just after the first end-of-sequence token, as AR decoding would stop."""
+    tokens = tokens[:max_new_tokens]
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.no_grad()
+def ar_generate(
+    verifier: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_ids: frozenset[int] = frozenset(),
+    generator: Optional[torch.Generator] = None,
+) -> tuple[list[int], GenerationStats]:
+    """The baseline: one verifier forward per token, KV-cached. prompt_ids: (1, n). Returns new tokens and stats."""
+    stats = GenerationStats()
+    t0 = time.perf_counter()
+    logits, cache = prefill(verifier, prompt_ids)
+    stats.prefill_s = time.perf_counter() - t0
+    tokens = [sampling.pick(logits, generator)]
+    while not finished(tokens, max_new_tokens, eos_ids):
+        logits = verifier_forward(verifier, prompt_ids.new_tensor([[tokens[-1]]]), cache)[-1]
+        stats.verifier_forwards += 1
+        stats.accept_counts.append(0)
+        stats.draft_lengths.append(0)
+        tokens.append(sampling.pick(logits, generator))
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - t0
+    stats.verify_s = stats.wall_s - stats.prefill_s
+    return tokens, stats

@@ -1,0 +1,77 @@
+"""SpecDiff: a diffusion drafter proposes γ tokens in one pass, the verifier checks them in one cached forward."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from transformers import PreTrainedModel
+
+from align.decoding.acceptance import accept_greedy, accept_sampled
+from align.decoding.ar import GenerationStats, Sampling, finished, prefill, truncate, verifier_forward
+from align.models import DrafterContext, DrafterSpec, block_logits
+
+
+@torch.no_grad()
+def specdiff_generate(
+    verifier: PreTrainedModel,
+    drafter: PreTrainedModel,
+    spec: DrafterSpec,
+    prompt_ids: torch.Tensor,
+    gamma: int,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    draft_sampling: Optional[Sampling] = None,
+    eos_ids: frozenset[int] = frozenset(),
+    generator: Optional[torch.Generator] = None,
+) -> tuple[list[int], GenerationStats]:
+    """Speculative decoding with a one-pass diffusion draft. prompt_ids: (1, n). Lossless for any drafter.
+
+    Temperature 0: the draft is the drafter's argmax and the output equals AR greedy decoding token for token.
+    Temperature > 0: the draft is sampled from `draft_sampling` (default: the verifier's settings) applied to the
+    drafter's logits, and accepted by speculative sampling against that very distribution.
+    """
+    draft_sampling = draft_sampling or sampling
+    stats = GenerationStats()
+    t0 = time.perf_counter()
+    logits, cache = prefill(verifier, prompt_ids)  # invariant: the cache covers every token but the newest one
+    stats.prefill_s = time.perf_counter() - t0
+    tokens = [sampling.pick(logits, generator)]
+    # A block-causal drafter keeps an exact context cache that only ever grows: drafts never enter it.
+    state: Optional[DrafterContext] = None
+    while not finished(tokens, max_new_tokens, eos_ids):
+        # Never draft past max_new_tokens: those tokens would be thrown away.
+        draft_len = min(gamma, max_new_tokens - len(tokens))
+        context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
+
+        t_draft = time.perf_counter()
+        block = prompt_ids.new_full((1, draft_len), spec.mask_token_id)
+        if spec.attention == "block_causal" and state is None:
+            state = DrafterContext.empty(drafter)
+        draft_logits = block_logits(drafter, spec, context, block, state)[0]  # (γ, V)
+        if sampling.temperature == 0:
+            draft_probs, draft = None, draft_logits.argmax(-1)
+        else:
+            draft_probs = draft_sampling.probs(draft_logits)
+            draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
+        stats.drafter_forwards += 1
+        stats.draft_s += time.perf_counter() - t_draft
+
+        t_verify = time.perf_counter()
+        verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
+        if draft_probs is None:
+            num_accepted, next_token = accept_greedy(draft, verify_logits)
+        else:
+            num_accepted, next_token = accept_sampled(draft, draft_probs, sampling.probs(verify_logits), generator)
+        cache.crop(-(draft_len - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
+        stats.verifier_forwards += 1
+        stats.verify_s += time.perf_counter() - t_verify
+
+        tokens += [*draft[:num_accepted].tolist(), next_token]
+        stats.accept_counts.append(num_accepted)
+        stats.draft_lengths.append(draft_len)
+    tokens = truncate(tokens, max_new_tokens, eos_ids)
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - t0
+    return tokens, stats
