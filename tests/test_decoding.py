@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from align.decoding.ar import Sampling, ar_generate
+from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.models import DrafterSpec
 
@@ -88,3 +89,22 @@ def test_sampled_specdiff_runs_and_is_reproducible(verifier):
     runs = [specdiff_generate(verifier, drafter, spec, PROMPTS[0], 4, 20, sampling,
                               generator=torch.Generator().manual_seed(7))[0] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sd_ar_greedy_is_identical_to_ar(verifier, arch):
+    drafter = tiny(arch, seed=3)
+    for prompt in PROMPTS:
+        expected, _ = ar_generate(verifier, prompt, 30)
+        for gamma in (1, 3, 6):
+            tokens, stats = sd_ar_generate(verifier, drafter, prompt, gamma, 30)
+            assert tokens == expected, (prompt.tolist(), gamma)
+            assert stats.drafter_forwards == sum(stats.draft_lengths)
+
+
+def test_sd_ar_with_the_verifier_as_drafter_accepts_everything(verifier):
+    prompt = PROMPTS[2]
+    expected, _ = ar_generate(verifier, prompt, 33)
+    tokens, stats = sd_ar_generate(verifier, verifier, prompt, 4, 33)
+    assert tokens == expected
+    assert stats.accept_counts[:-1] == [4] * (len(stats.accept_counts) - 1) and stats.tau > 4.5

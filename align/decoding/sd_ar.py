@@ -1,0 +1,86 @@
+"""SD-AR: standard speculative decoding with a small autoregressive drafter (γ drafter forwards per iteration)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from align.decoding.acceptance import accept_greedy, accept_sampled
+from align.decoding.ar import GenerationStats, Sampling, finished, prefill, truncate, verifier_forward
+
+
+@torch.no_grad()
+def draft_autoregressive(
+    drafter: PreTrainedModel, context: torch.Tensor, cache: DynamicCache, draft_len: int,
+    sampling: Sampling, generator: Optional[torch.Generator],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Draft `draft_len` tokens one by one. context: (1, C), of which the cache already covers a prefix.
+
+    Returns draft (γ,) and, when sampling, the (γ, V) distributions they were drawn from (None when greedy).
+    The cache ends up covering context ⊕ draft[:-1].
+    """
+    new = context[:, cache.get_seq_length():]
+    tokens, probs = [], []
+    for _ in range(draft_len):
+        logits = verifier_forward(drafter, new, cache)[-1]  # any causal LM: the same cached forward
+        if sampling.temperature == 0:
+            token = logits.argmax()
+        else:
+            probs.append(sampling.probs(logits))
+            token = torch.multinomial(probs[-1], 1, generator=generator)[0]
+        tokens.append(token)
+        new = token.view(1, 1)
+    return torch.stack(tokens), (torch.stack(probs) if probs else None)
+
+
+@torch.no_grad()
+def sd_ar_generate(
+    verifier: PreTrainedModel,
+    drafter: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    gamma: int,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    draft_sampling: Optional[Sampling] = None,
+    eos_ids: frozenset[int] = frozenset(),
+    generator: Optional[torch.Generator] = None,
+) -> tuple[list[int], GenerationStats]:
+    """Speculative decoding with an AR drafter. prompt_ids: (1, n). Greedy output equals AR greedy exactly."""
+    draft_sampling = draft_sampling or sampling
+    stats = GenerationStats()
+    t0 = time.perf_counter()
+    logits, cache = prefill(verifier, prompt_ids)
+    stats.prefill_s = time.perf_counter() - t0
+    tokens = [sampling.pick(logits, generator)]
+    draft_cache = DynamicCache(config=drafter.config)
+    while not finished(tokens, max_new_tokens, eos_ids):
+        draft_len = min(gamma, max_new_tokens - len(tokens))
+        context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
+
+        t_draft = time.perf_counter()
+        draft, draft_probs = draft_autoregressive(drafter, context, draft_cache, draft_len, draft_sampling, generator)
+        stats.drafter_forwards += draft_len
+        stats.draft_s += time.perf_counter() - t_draft
+
+        t_verify = time.perf_counter()
+        verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
+        if draft_probs is None:
+            num_accepted, next_token = accept_greedy(draft, verify_logits)
+        else:
+            num_accepted, next_token = accept_sampled(draft, draft_probs, sampling.probs(verify_logits), generator)
+        cache.crop(-(draft_len - num_accepted))
+        # The drafter's cache covers context ⊕ draft[:-1]; keep only what was accepted.
+        draft_cache.crop(-max(0, draft_len - 1 - num_accepted))
+        stats.verifier_forwards += 1
+        stats.verify_s += time.perf_counter() - t_verify
+
+        tokens += [*draft[:num_accepted].tolist(), next_token]
+        stats.accept_counts.append(num_accepted)
+        stats.draft_lengths.append(draft_len)
+    tokens = truncate(tokens, max_new_tokens, eos_ids)
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - t0
+    return tokens, stats
