@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from align.decoding.ar import Sampling, ar_generate
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
+from align.decoding.specdiff2 import specdiff2_select_generate
 from align.models import DrafterSpec
 
 VOCAB, MASK = 48, 47
@@ -108,3 +109,24 @@ def test_sd_ar_with_the_verifier_as_drafter_accepts_everything(verifier):
     tokens, stats = sd_ar_generate(verifier, verifier, prompt, 4, 33)
     assert tokens == expected
     assert stats.accept_counts[:-1] == [4] * (len(stats.accept_counts) - 1) and stats.tau > 4.5
+
+
+@pytest.mark.parametrize("shift, attention", [(0, "block_causal"), (1, "bidirectional")])
+def test_self_selection_greedy_is_identical_to_ar(verifier, shift, attention):
+    drafter = tiny("qwen2", seed=4, bidirectional=attention == "bidirectional")
+    spec = DrafterSpec(MASK, shift, attention)
+    for prompt in PROMPTS:
+        expected, _ = ar_generate(verifier, prompt, 30)
+        for k in (1, 4):
+            tokens, stats = specdiff2_select_generate(verifier, drafter, spec, prompt, 5, 30, k, 1.5,
+                                                      generator=torch.Generator().manual_seed(0))
+            assert tokens == expected, (prompt.tolist(), k)
+        assert stats.drafter_forwards == stats.verifier_forwards
+
+
+def test_self_selection_sampling_is_reproducible(verifier):
+    drafter = tiny("llama", seed=1)
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    runs = [specdiff2_select_generate(verifier, drafter, spec, PROMPTS[0], 4, 20, 3, 1.5, Sampling(temperature=0.8),
+                                      generator=torch.Generator().manual_seed(3))[0] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 20
