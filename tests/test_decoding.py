@@ -4,7 +4,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import numpy as np
+
+from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import Sampling, ar_generate
+from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate
@@ -130,3 +134,28 @@ def test_self_selection_sampling_is_reproducible(verifier):
     runs = [specdiff2_select_generate(verifier, drafter, spec, PROMPTS[0], 4, 20, 3, 1.5, Sampling(temperature=0.8),
                                       generator=torch.Generator().manual_seed(3))[0] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 20
+
+
+@pytest.mark.parametrize("use_cps, use_adl", [(True, False), (False, True), (True, True)])
+def test_cps_and_adl_greedy_are_identical_to_ar(verifier, use_cps, use_adl):
+    drafter = tiny("llama", seed=5)
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    proxy = TrigramModel.fit(np.random.default_rng(0).integers(0, VOCAB, 3000), VOCAB)
+    eos = frozenset({VOCAB - 2})
+    for prompt in PROMPTS:
+        expected, _ = ar_generate(verifier, prompt, 30, eos_ids=eos)
+        adl = AdaptiveLength(min_len=2, max_len=8, delta=2) if use_adl else None
+        tokens, stats = specdiff_generate(verifier, drafter, spec, prompt, 6, 30, eos_ids=eos,
+                                          path_search=(PathSearch(), proxy) if use_cps else None, adaptive=adl)
+        assert tokens == expected
+        if use_adl:
+            assert max(stats.draft_lengths) <= 8
+
+
+def test_cps_under_sampling_uses_the_point_mass_rule(verifier):
+    drafter = tiny("llama", seed=5)
+    proxy = TrigramModel.fit(np.random.default_rng(0).integers(0, VOCAB, 3000), VOCAB)
+    tokens, stats = specdiff_generate(verifier, drafter, DrafterSpec(MASK, 0, "block_causal"), PROMPTS[0], 4, 20,
+                                      Sampling(temperature=1.0), path_search=(PathSearch(), proxy),
+                                      generator=torch.Generator().manual_seed(0))
+    assert len(tokens) == 20 and stats.verifier_forwards >= 5

@@ -8,8 +8,10 @@ from typing import Optional
 import torch
 from transformers import PreTrainedModel
 
-from align.decoding.acceptance import accept_greedy, accept_sampled
+from align.decoding.acceptance import accept_greedy, accept_point_mass, accept_sampled
+from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import GenerationStats, Sampling, finished, prefill, truncate, verifier_forward
+from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
 from align.models import DrafterContext, DrafterSpec, block_logits
 
 
@@ -25,12 +27,16 @@ def specdiff_generate(
     draft_sampling: Optional[Sampling] = None,
     eos_ids: frozenset[int] = frozenset(),
     generator: Optional[torch.Generator] = None,
+    path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
+    adaptive: Optional[AdaptiveLength] = None,
 ) -> tuple[list[int], GenerationStats]:
     """Speculative decoding with a one-pass diffusion draft. prompt_ids: (1, n). Lossless for any drafter.
 
     Temperature 0: the draft is the drafter's argmax and the output equals AR greedy decoding token for token.
     Temperature > 0: the draft is sampled from `draft_sampling` (default: the verifier's settings) applied to the
     drafter's logits, and accepted by speculative sampling against that very distribution.
+    path_search (DiffuSpec CPS): the draft is the beam-searched path instead; being deterministic, it is accepted by
+    the point-mass rule when sampling. adaptive (DiffuSpec ADL): the draft length follows `adaptive` instead of γ.
     """
     draft_sampling = draft_sampling or sampling
     stats = GenerationStats()
@@ -39,19 +45,23 @@ def specdiff_generate(
     stats.prefill_s = time.perf_counter() - t0
     tokens = [sampling.pick(logits, generator)]
     # A block-causal drafter keeps an exact context cache that only ever grows: drafts never enter it.
-    state: Optional[DrafterContext] = None
+    state: Optional[DrafterContext] = DrafterContext.empty(drafter) if spec.attention == "block_causal" else None
     while not finished(tokens, max_new_tokens, eos_ids):
         # Never draft past max_new_tokens: those tokens would be thrown away.
-        draft_len = min(gamma, max_new_tokens - len(tokens))
+        draft_len = min(adaptive.current if adaptive else gamma, max_new_tokens - len(tokens))
         context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
 
         t_draft = time.perf_counter()
         block = prompt_ids.new_full((1, draft_len), spec.mask_token_id)
-        if spec.attention == "block_causal" and state is None:
-            state = DrafterContext.empty(drafter)
         draft_logits = block_logits(drafter, spec, context, block, state)[0]  # (γ, V)
-        if sampling.temperature == 0:
-            draft_probs, draft = None, draft_logits.argmax(-1)
+        raw_draft = draft_logits.argmax(-1)
+        draft_probs = None  # None: a deterministic draft
+        if path_search is not None:
+            settings, proxy = path_search
+            draft = raw_draft.new_tensor(causal_path_search(
+                torch.log_softmax(draft_logits.float(), -1), context[0, -2:].tolist(), proxy, settings, eos_ids))
+        elif sampling.temperature == 0:
+            draft = raw_draft
         else:
             draft_probs = draft_sampling.probs(draft_logits)
             draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
@@ -60,17 +70,21 @@ def specdiff_generate(
 
         t_verify = time.perf_counter()
         verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
-        if draft_probs is None:
+        if sampling.temperature == 0:
             num_accepted, next_token = accept_greedy(draft, verify_logits)
+        elif draft_probs is None:
+            num_accepted, next_token = accept_point_mass(draft, sampling.probs(verify_logits), generator)
         else:
             num_accepted, next_token = accept_sampled(draft, draft_probs, sampling.probs(verify_logits), generator)
-        cache.crop(-(draft_len - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
+        cache.crop(-(len(draft) - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
         stats.verifier_forwards += 1
         stats.verify_s += time.perf_counter() - t_verify
 
         tokens += [*draft[:num_accepted].tolist(), next_token]
         stats.accept_counts.append(num_accepted)
-        stats.draft_lengths.append(draft_len)
+        stats.draft_lengths.append(len(draft))
+        if adaptive is not None:
+            adaptive.update(raw_draft, num_accepted, eos_ids)
     tokens = truncate(tokens, max_new_tokens, eos_ids)
     stats.new_tokens = len(tokens)
     stats.wall_s = time.perf_counter() - t0

@@ -1,0 +1,76 @@
+"""DiffuSpec's CPS and ADL against hand-computed cases from the paper's definitions."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from align.decoding.adl import AdaptiveLength
+from align.decoding.cps import PathSearch, TrigramModel, candidate_sets, causal_path_search
+
+EOS = 3
+
+
+def test_candidate_sets_keep_the_smallest_top_m_reaching_the_threshold_plus_eos():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02], [0.4, 0.25, 0.2, 0.15]])
+    assert candidate_sets(probs, 0.8, 15, frozenset()) == [[0, 1], [0], [0, 1, 2]]
+    assert candidate_sets(probs, 0.8, 2, frozenset()) == [[0, 1], [0], [0, 1]]  # capped at max_candidates
+    assert candidate_sets(probs, 0.8, 15, frozenset({EOS})) == [[0, 1, 3], [0, 3], [0, 1, 2, 3]]
+
+
+def test_trigram_probabilities_by_hand():
+    # Stream: 0 1 2 0 1 0. Trigram (0,1)->2 once and (0,1)->0 once; bigram 1->2 once, 1->0 once; 6 tokens, V = 4.
+    model = TrigramModel.fit(np.array([0, 1, 2, 0, 1, 0]), 4)
+    got = np.exp(model.log_probs(0, 1, np.array([2, 0, 3])))
+    uni = lambda c: (np.bincount([0, 1, 2, 0, 1, 0], minlength=4)[c] + 1) / (6 + 4)  # noqa: E731
+    expected = [0.6 * 0.5 + 0.3 * 0.5 + 0.1 * uni(2), 0.6 * 0.5 + 0.3 * 0.5 + 0.1 * uni(0), 0.1 * uni(3)]
+    assert np.allclose(got, expected)
+    # One token of context: no trigram term.
+    assert np.allclose(np.exp(model.log_probs(-1, 1, np.array([2]))), 0.3 * 0.5 + 0.1 * uni(2))
+
+
+def test_trigram_round_trips(tmp_path):
+    model = TrigramModel.fit(np.random.default_rng(0).integers(0, 9, 500), 9)
+    model.save(tmp_path)
+    again = TrigramModel.load(tmp_path)
+    assert np.array_equal(model.log_probs(1, 2, np.arange(9)), again.log_probs(1, 2, np.arange(9)))
+
+
+def proxy_preferring(path_after, vocab=6):
+    """A trigram model fitted on text that always continues the context token 5 with `path_after`."""
+    return TrigramModel.fit(np.array(([5, *path_after] * 50)), vocab)
+
+
+def test_path_search_trades_drafter_and_proxy_scores():
+    # The drafter's marginals favour 0 then 0 ("the the"), but 1 then 2 is close at both positions;
+    # the causal proxy has only ever seen 5 -> 1 -> 2.
+    log_q = torch.log(torch.tensor([[0.5, 0.4, 0.05, 0.05, 0.0, 0.0], [0.5, 0.05, 0.4, 0.05, 0.0, 0.0]]) + 1e-9)
+    proxy = proxy_preferring([1, 2])
+    assert causal_path_search(log_q, [5], proxy, PathSearch(weight=0.5), frozenset()) == [1, 2]
+    # λ = 1 ignores the proxy: the drafter's argmax path.
+    assert causal_path_search(log_q, [5], proxy, PathSearch(weight=1.0), frozenset()) == [0, 0]
+    # Beam width 1 commits to the first position's best combined token, then continues from it.
+    assert causal_path_search(log_q, [5], proxy, PathSearch(beam_width=1, weight=0.5), frozenset()) == [1, 2]
+
+
+def test_path_search_stops_a_beam_at_eos():
+    log_q = torch.log(torch.tensor([[0.1, 0.05, 0.05, 0.8, 0.0, 0.0], [0.9, 0.05, 0.03, 0.02, 0.0, 0.0]]) + 1e-9)
+    proxy = proxy_preferring([EOS])
+    path = causal_path_search(log_q, [5], proxy, PathSearch(), frozenset({EOS}))
+    assert path == [EOS]
+
+
+def test_adl_by_hand():
+    adl = AdaptiveLength(min_len=2, max_len=8, delta=3, rho=0.5)
+    assert adl.current == 8  # k_1 = k_max
+    # Everything generated and accepted: EMAs 4 and 4, L̃_acc >= L̃_gen, so k = 4 + 3.
+    assert adl.update(torch.tensor([0] * 8), 8, frozenset({EOS})) == 7
+    # EOS at index 2 of the raw draft: L_gen = 2; 1 accepted. EMAs 3 and 2.5: k = round(3) = 3.
+    assert adl.update(torch.tensor([0, 0, EOS, 0, 0, 0, 0]), 1, frozenset({EOS})) == 3
+    assert (adl.gen_ema, adl.acc_ema) == (3.0, 2.5)
+    # EOS first: L_gen = 0, nothing accepted. EMAs 1.5 and 1.25: k = clip(round(1.5) = 2, 2, 8).
+    assert adl.update(torch.tensor([EOS, 0, 0]), 0, frozenset({EOS})) == 2
+    with pytest.raises(ValueError):
+        AdaptiveLength(min_len=5, max_len=4, delta=1)
+    assert math.isclose(adl.gen_ema, 1.5)
