@@ -38,6 +38,11 @@ STAGES: dict[str, Stage] = {
         "build the tiny embedded family (corpus, prompts, tokenizer, verifier, drafter-base, ar-drafter)",
         "align.bootstrap", ("bootstrap", "data"),
     ),
+    "eval": Stage(
+        "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
+        "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "data"),
+        model_keys=("verifier.path", "drafter.path", "ar_drafter.path"), file_keys=("eval.prompts",),
+    ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
         None, tuple(name for name in Recipe.model_fields if name != "name"),

@@ -45,6 +45,13 @@ class Section(BaseModel):
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# The evaluation methods (align/evaluate.py's METHODS must have exactly these keys; a test checks it). Listed here so
+# that a bad name is refused when the recipe loads, before torch is imported.
+METHOD_NAMES: tuple[str, ...] = (
+    "ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps",
+    "specdiff_adl", "specdiff_cps_adl",
+)
+MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -169,6 +176,32 @@ class DecodeSection(Section):
     #: drafter temperature for self-selection (SpecDiff-2 samples hot, ~1.5-2, for diverse candidates)
     draft_temperature: float = Field(default=1.5, gt=0.0)
     seed: int = 0
+    # DiffuSpec causal-consistency path search (defaults from the paper).
+    #: beams kept while searching the draft path
+    cps_beam_width: int = Field(default=3, ge=1)
+    #: per position, keep the smallest top-m set with at least this drafter mass
+    cps_threshold: float = Field(default=0.8, gt=0.0, le=1.0)
+    #: and at most this many tokens
+    cps_max_candidates: int = Field(default=15, ge=1)
+    #: weight of the drafter's log-probability against the causal proxy's
+    cps_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+    #: text (JSONL with a `text` field) the trigram proxy is fitted on; None: the tiny corpus's train split
+    cps_proxy_corpus: Optional[str] = None
+    # DiffuSpec adaptive draft length. The paper's 20-30 (δ 10) suit 7B models whose drafts run long; the tiny
+    # family's accepted lengths are a few tokens.
+    adl_min_len: int = Field(default=2, ge=1)
+    adl_max_len: int = Field(default=16, ge=1)
+    adl_delta: int = Field(default=4, ge=0)
+    #: EMA rate of the generated and accepted lengths
+    adl_rho: float = Field(default=0.5, gt=0.0, le=1.0)
+    #: n-gram size HF prompt lookup matches against the prompt
+    prompt_lookup_tokens: int = Field(default=10, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DecodeSection":
+        if self.adl_min_len > self.adl_max_len:
+            raise ValueError(f"adl_min_len ({self.adl_min_len}) must not exceed adl_max_len ({self.adl_max_len})")
+        return self
 
 
 class CalibrateSection(Section):
@@ -185,14 +218,22 @@ class CalibrateSection(Section):
 
 
 class EvalSection(Section):
-    #: JSONL with a `prompt` field; None: the tiny test split
+    #: JSONL of prompts; None: the tiny test split
     prompts: Optional[str] = None
+    #: the JSONL field holding the prompt (a list, as Spec-Bench's `turns`, gives its first element)
+    prompt_field: str = "prompt"
     #: output folder: eval.json, report.md, plots
     out: str = "checkpoints/tiny-eval"
     #: prompts evaluated; None: all
     num_prompts: Optional[int] = Field(default=None, ge=1)
     #: untimed generations before timing starts
     warmup: int = Field(default=2, ge=0)
+    #: methods compared (names of align/evaluate.py's METHODS); the AR baseline always runs
+    methods: list[MethodName] = Field(default_factory=lambda: list(METHOD_NAMES))
+    #: temperature of the sampled run (reported under `sampling`); 0: greedy run only
+    sampling_temperature: float = Field(default=1.0, ge=0.0)
+    #: timed runs per prompt and method; the median is kept
+    repeats: int = Field(default=1, ge=1)
 
 
 class ExportSection(Section):

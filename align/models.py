@@ -162,14 +162,23 @@ def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def check_vocab_compatible(verifier: PreTrainedModel, drafter: PreTrainedModel, drafter_key: str = "drafter") -> None:
-    """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are."""
-    v_size, d_size = vocab_size(verifier), vocab_size(drafter)
+def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter") -> None:
+    """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are.
+
+    Takes models or their configs, so that a stage can refuse a mismatch before loading any weights.
+    """
+    v_size, d_size = _vocab_size_of(verifier), _vocab_size_of(drafter)
     if v_size != d_size:
         raise RecipeError(
             f"{drafter_key}.path: vocabulary size {d_size} differs from the verifier's {v_size}; "
             "verifier and drafter must share a tokenizer"
         )
+
+
+def _vocab_size_of(model_or_config: Any) -> int:
+    if isinstance(model_or_config, torch.nn.Module):
+        return vocab_size(model_or_config)
+    return int(model_or_config.vocab_size)
 
 
 # --------------------------------------------------------------------------------------------------------------------

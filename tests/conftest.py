@@ -4,3 +4,25 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402
+
+# A toy tiny family: the real bootstrap stage at minimal sizes and budgets (~20 s), shared by the stage tests.
+TOY = [
+    "bootstrap.corpus_fraction=0.15", "bootstrap.vocab_size=512",
+    *(f"bootstrap.{m}.{k}" for m in ("verifier", "drafter", "ar_drafter") for k in (
+        "hidden_size=32", "num_layers=1", "num_heads=2", "num_kv_heads=2", "intermediate_size=64",
+        "seq_len=64", "batch_size=2", "budget_minutes=0.03", "eval_tokens=512", "warmup_steps=2")),
+]
+
+
+@pytest.fixture(scope="session")
+def toy_family(tmp_path_factory):
+    """(root, bootstrap args): root/ck/{tokenizer,verifier,drafter-base,ar-drafter} and root/data."""
+    from align.cli import main
+
+    root = tmp_path_factory.mktemp("toy")
+    args = ["bootstrap", "recipes/tiny/bootstrap.yaml", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}", *TOY]
+    assert main(args) == 0
+    return root, args

@@ -12,20 +12,12 @@ from align.cli import main
 from align.config import load_recipe
 from align.models import DrafterSpec
 
-TOY = [
-    "bootstrap.corpus_fraction=0.15", "bootstrap.vocab_size=512",
-    *(f"bootstrap.{m}.{k}" for m in ("verifier", "drafter", "ar_drafter") for k in (
-        "hidden_size=32", "num_layers=1", "num_heads=2", "num_kv_heads=2", "intermediate_size=64",
-        "seq_len=64", "batch_size=2", "budget_minutes=0.03", "eval_tokens=512", "warmup_steps=2")),
-]
+from conftest import TOY
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bootstrap")
-    args = ["bootstrap", "recipes/tiny/bootstrap.yaml", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}", *TOY]
-    assert main(args) == 0
-    return root, args
+def family(toy_family):
+    return toy_family
 
 
 def test_every_part_has_a_manifest(family):

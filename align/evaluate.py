@@ -1,0 +1,443 @@
+"""`align eval`: every decoding method on the same prompts, in one process, interleaved, after warm-up.
+
+Writes `eval.json` (per method: τ, speedup, tokens/s, exact match with AR greedy, per-position acceptance, forwards,
+wall time, ideal speedup), `report.md` and PNG plots to `eval.out`. The greedy run is under `methods`, the sampled
+run under `sampling.methods`. Speedups are against the faster of our AR loop and HF `generate()`: a slow baseline
+would inflate every number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError
+from align.decoding.adl import AdaptiveLength
+from align.decoding.ar import GenerationStats, Sampling, ar_generate, prefill, verifier_forward
+from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.sd_ar import sd_ar_generate
+from align.decoding.specdiff import specdiff_generate
+from align.decoding.specdiff2 import specdiff2_select_generate
+from align.models import (DrafterSpec, check_vocab_compatible, load_ar_drafter, load_drafter, load_tokenizer,
+                          load_verifier)
+
+
+@dataclass
+class Setup:
+    """Everything a method needs besides the prompt."""
+
+    verifier: Any
+    drafter: Any
+    spec: DrafterSpec
+    ar_drafter: Any
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    decode: DecodeSection
+    proxy: Optional[TrigramModel] = None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# methods: name -> fn(setup, prompt_ids (1, n), sampling, generator) -> (new tokens, stats)
+# --------------------------------------------------------------------------------------------------------------------
+@contextmanager
+def count_forwards(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Count a model's forward calls (HF's generate() reports none of its own)."""
+    calls = [0]
+    handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: Optional[torch.Generator],
+        **extra: Any) -> tuple[list[int], GenerationStats]:
+    if sampling.temperature > 0:
+        # HF samples from the global RNG: seed it from our generator so runs are reproducible.
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        mode = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    else:
+        mode = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+    assistant = extra.get("assistant_model") or torch.nn.Identity()
+    with count_forwards(setup.verifier) as verifier_calls, count_forwards(assistant) as drafts:
+        out = setup.verifier.generate(
+            prompt_ids, max_new_tokens=setup.decode.max_new_tokens, eos_token_id=sorted(setup.eos_ids) or None,
+            pad_token_id=setup.tokenizer.pad_token_id, **mode, **extra,
+        )
+    tokens = out[0, prompt_ids.shape[1]:].tolist()
+    stats = GenerationStats(new_tokens=len(tokens), verifier_forwards=verifier_calls[0] - 1,
+                            drafter_forwards=drafts[0])
+    return tokens, stats
+
+
+def run_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+    return ar_generate(s.verifier, ids, s.decode.max_new_tokens, sampling, s.eos_ids, gen)
+
+
+def run_hf_generate(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+    return _hf(s, ids, sampling, gen)
+
+
+def run_hf_assisted(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+    return _hf(s, ids, sampling, gen, assistant_model=s.ar_drafter)
+
+
+def run_prompt_lookup(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+    return _hf(s, ids, sampling, gen, prompt_lookup_num_tokens=s.decode.prompt_lookup_tokens)
+
+
+def run_sd_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+    return sd_ar_generate(s.verifier, s.ar_drafter, ids, s.decode.gamma, s.decode.max_new_tokens, sampling,
+                          eos_ids=s.eos_ids, generator=gen)
+
+
+def _specdiff(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator], cps: bool, adl: bool):
+    d = s.decode
+    search = (PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight), s.proxy) if cps else None
+    adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if adl else None
+    return specdiff_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens, sampling,
+                             eos_ids=s.eos_ids, generator=gen, path_search=search, adaptive=adaptive)
+
+
+def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+    d = s.decode
+    return specdiff2_select_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens,
+                                     d.num_candidates, d.draft_temperature, sampling, s.eos_ids, gen)
+
+
+MethodFn = Callable[[Setup, torch.Tensor, Sampling, Optional[torch.Generator]], tuple[list[int], GenerationStats]]
+METHODS: dict[str, MethodFn] = {
+    "ar": run_ar,
+    "hf_generate": run_hf_generate,
+    "hf_assisted": run_hf_assisted,
+    "prompt_lookup": run_prompt_lookup,
+    "sd_ar": run_sd_ar,
+    "specdiff": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=False),
+    "specdiff2_select": run_specdiff2_select,
+    "specdiff_cps": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=False),
+    "specdiff_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=True),
+    "specdiff_cps_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=True),
+}
+assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
+BASELINES = ("ar", "hf_generate")
+# HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
+OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# inputs
+# --------------------------------------------------------------------------------------------------------------------
+def load_prompts(recipe: Recipe) -> list[str]:
+    """Prompts from eval.prompts (JSONL, `prompt` field; a list takes its first turn) or the tiny test split."""
+    path = recipe.eval.prompts
+    if path is None:
+        path = str(Path(recipe.data.dir) / "prompts" / "test.jsonl")
+        if not Path(path).is_file():
+            raise RecipeError(f"eval.prompts: not set, and {path} does not exist (run align bootstrap first)")
+    import datasets
+
+    datasets.disable_progress_bars()  # a bar per small file is noise, and would split a refusal over lines
+    try:
+        rows = datasets.load_dataset("json", data_files=path, split="train") if os.path.getsize(path) else []
+    except Exception as e:  # datasets raises several types for a malformed file; all mean the same to the user
+        raise RecipeError(f"eval.prompts: cannot read {path} as JSONL ({type(e).__name__})") from None
+    field = recipe.eval.prompt_field
+    if len(rows) and field not in rows.column_names:
+        raise RecipeError(f"eval.prompts: {path} has no '{field}' field (fields: {', '.join(rows.column_names)})")
+    prompts = [r[field][0] if isinstance(r[field], list) else r[field] for r in rows]
+    prompts = [p for p in prompts if isinstance(p, str) and p]
+    if not prompts:
+        raise RecipeError(f"eval.prompts: {path} holds no prompts")
+    return prompts[: recipe.eval.num_prompts]
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], max_new_tokens: int, context: int) -> list[torch.Tensor]:
+    encoded = []
+    for i, text in enumerate(prompts):
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        if ids.shape[1] + max_new_tokens > context:
+            raise RecipeError(
+                f"eval.prompts: prompt {i} has {ids.shape[1]} tokens; with decode.max_new_tokens={max_new_tokens} it "
+                f"exceeds the verifier's context of {context} (use shorter prompts or fewer new tokens)"
+            )
+        encoded.append(ids)
+    return encoded
+
+
+def trigram_proxy(recipe: Recipe, tokenizer: Any) -> TrigramModel:
+    """The CPS causal proxy, fitted once on the train corpus with the verifier's tokenizer and cached under data.dir."""
+    from datasets import load_dataset
+
+    corpus = recipe.decode.cps_proxy_corpus or str(Path(recipe.data.dir) / "corpus" / "train.jsonl")
+    if not Path(corpus).is_file():
+        raise RecipeError(f"decode.cps_proxy_corpus: no such file: {corpus}")
+    key = f"{Path(corpus).resolve()}:{os.path.getsize(corpus)}:{len(tokenizer)}:{tokenizer.name_or_path}"
+    folder = Path(recipe.data.dir) / "trigram"
+    try:
+        if json.loads((folder / "manifest.json").read_text()).get("key") == key:
+            return TrigramModel.load(folder)
+    except (OSError, json.JSONDecodeError, KeyError):
+        pass
+    import numpy as np
+
+    texts = list(load_dataset("json", data_files=corpus, split="train")["text"])
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    stream = np.fromiter((t for doc in ids for t in (*doc, tokenizer.eos_token_id)), dtype=np.int64)
+    model = TrigramModel.fit(stream, len(tokenizer))
+    model.save(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "key": key}))
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# measuring
+# --------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def verifier_latency(verifier: Any, context_len: int, new_tokens: int, batch: int = 1, repeats: int = 7) -> float:
+    """Median seconds of one cached verifier forward over `new_tokens` tokens (× batch) after `context_len` tokens."""
+    context = torch.zeros(1, context_len, dtype=torch.long)
+    _, cache = prefill(verifier, context)
+    if batch > 1:
+        cache.batch_repeat_interleave(batch)
+    block = torch.zeros(batch, new_tokens, dtype=torch.long)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        positions = torch.arange(context_len, context_len + new_tokens).expand(batch, -1)
+        verifier(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        cache.crop(-new_tokens)
+    return statistics.median(times)
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    stats: list[GenerationStats]
+    wall_s: list[float]
+
+
+def run_all(setup: Setup, names: list[str], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
+            repeats: int, seed: int, desc: str) -> dict[str, Run]:
+    """Every method on every prompt; the method order rotates per prompt so that no method always runs first."""
+    for name in names:
+        for ids in prompts[:warmup]:
+            METHODS[name](setup, ids, sampling, torch.Generator().manual_seed(seed))
+    runs = {name: Run([], [], []) for name in names}
+    bar = tqdm(total=len(prompts) * len(names) * repeats, desc=desc, unit="gen", dynamic_ncols=True)
+    for i, ids in enumerate(prompts):
+        order = names[i % len(names):] + names[: i % len(names)]
+        walls: dict[str, list[float]] = {n: [] for n in names}
+        last: dict[str, tuple[list[int], GenerationStats]] = {}
+        for _ in range(repeats):
+            for name in order:
+                gen = torch.Generator().manual_seed(seed * 100_003 + i)
+                t0 = time.perf_counter()
+                last[name] = METHODS[name](setup, ids, sampling, gen)
+                walls[name].append(time.perf_counter() - t0)
+                bar.update()
+        for name in names:
+            runs[name].tokens.append(last[name][0])
+            runs[name].stats.append(last[name][1])
+            runs[name].wall_s.append(statistics.median(walls[name]))
+    bar.close()
+    return runs
+
+
+def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
+              reference: Optional[list[list[int]]]) -> dict[str, dict[str, Any]]:
+    """eval.json's per-method fields. reference: AR greedy tokens per prompt (None for a sampled run)."""
+    baseline_wall = min(sum(runs[b].wall_s) for b in BASELINES if b in runs)
+    context = int(statistics.median(p.shape[1] for p in prompts)) + setup.decode.max_new_tokens // 2
+    latency: dict[tuple[int, int], float] = {}
+
+    def verify_cost(tokens: int, batch: int) -> float:
+        if (tokens, batch) not in latency:
+            latency[tokens, batch] = verifier_latency(setup.verifier, context, tokens, batch)
+        return latency[tokens, batch]
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, run in runs.items():
+        pooled = GenerationStats(
+            new_tokens=sum(len(t) for t in run.tokens),
+            verifier_forwards=sum(s.verifier_forwards for s in run.stats),
+            drafter_forwards=sum(s.drafter_forwards for s in run.stats),
+            accept_counts=[n for s in run.stats for n in s.accept_counts],
+            draft_lengths=[g for s in run.stats for g in s.draft_lengths],
+            draft_s=sum(s.draft_s for s in run.stats), verify_s=sum(s.verify_s for s in run.stats),
+        )
+        wall = sum(run.wall_s)
+        speculative = name != "ar" and name not in OPAQUE
+        if speculative:
+            tau = pooled.tau
+        else:  # tokens after the first (which the prefill gives) per decoding verifier forward
+            tau = (pooled.new_tokens - len(run.tokens)) / max(pooled.verifier_forwards, 1)
+        entry: dict[str, Any] = {
+            "tau": round(tau, 4),
+            "speedup": round(baseline_wall / wall, 4),
+            "tokens_per_s": round(pooled.new_tokens / wall, 2),
+            "exact_match": None if reference is None else sum(t == r for t, r in zip(run.tokens, reference)) / len(reference),
+            "per_position_acceptance": None,
+            "verifier_forwards": pooled.verifier_forwards,
+            "drafter_forwards": pooled.drafter_forwards,
+            "new_tokens": pooled.new_tokens,
+            "wall_s": round(wall, 4),
+            "ideal_speedup": None,
+        }
+        if speculative and pooled.accept_counts:
+            iterations = len(pooled.accept_counts)
+            mean_draft = sum(pooled.draft_lengths) / iterations
+            batch = setup.decode.num_candidates if name == "specdiff2_select" else 1
+            ideal = tau * verify_cost(1, 1) / (verify_cost(round(mean_draft) + 1, batch) + pooled.draft_s / iterations)
+            entry.update({
+                "per_position_acceptance": [None if a is None else round(a, 4)
+                                            for a in pooled.per_position_acceptance(max(pooled.draft_lengths))],
+                "ideal_speedup": round(ideal, 4),
+                "overhead": round(1 - entry["speedup"] / ideal, 4),
+                "mean_draft_length": round(mean_draft, 3),
+                "draft_s": round(pooled.draft_s, 4),
+                "verify_s": round(pooled.verify_s, 4),
+            })
+            if name.endswith("adl"):
+                entry["draft_length_trace"] = run.stats[0].draft_lengths
+        out[name] = entry
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------------------------
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def report_table(methods: dict[str, dict[str, Any]]) -> str:
+    lines = ["| method | τ | speedup | ideal | tokens/s | exact match | verifier fwd | drafter fwd |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, m in methods.items():
+        lines.append(f"| {name} | {_fmt(m['tau'])} | {_fmt(m['speedup'])}× | {_fmt(m['ideal_speedup'])} | "
+                     f"{_fmt(m['tokens_per_s'], '.1f')} | {_fmt(m['exact_match'])} | {m['verifier_forwards']} | "
+                     f"{m['drafter_forwards']} |")
+    return "\n".join(lines)
+
+
+def write_plots(result: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    names = list(methods)
+    written = []
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.bar(names, [methods[n]["tau"] for n in names], color="tab:blue")
+    ax.set_ylabel("τ (tokens per verifier forward)")
+    ax.set_title("Mean accepted length, temperature 0")
+    ax.tick_params(axis="x", rotation=35)
+    fig.tight_layout(); fig.savefig(out / "tau.png", dpi=110); plt.close(fig); written.append("tau.png")
+
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [methods[n]["speedup"] for n in names], width=0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [methods[n]["ideal_speedup"] or 0 for n in names], width=0.4, label="ideal")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(list(x), names, rotation=35)
+    ax.set_ylabel("speedup vs fastest AR baseline")
+    ax.legend(); fig.tight_layout(); fig.savefig(out / "speedup.png", dpi=110); plt.close(fig); written.append("speedup.png")
+
+    curves = {n: m["per_position_acceptance"] for n, m in methods.items() if m["per_position_acceptance"]}
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for name, alphas in curves.items():
+            points = [(i + 1, a) for i, a in enumerate(alphas) if a is not None]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=name)
+        ax.set_xlabel("draft position i"); ax.set_ylabel("α_i = P(accept i | accepted < i)"); ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(out / "acceptance.png", dpi=110); plt.close(fig)
+        written.append("acceptance.png")
+
+    traces = {n: m["draft_length_trace"] for n, m in methods.items() if m.get("draft_length_trace")}
+    if traces:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        for name, trace in traces.items():
+            ax.step(range(1, len(trace) + 1), trace, where="post", label=name)
+        ax.set_xlabel("iteration (first prompt)"); ax.set_ylabel("draft length")
+        ax.legend(); fig.tight_layout(); fig.savefig(out / "adl_trace.png", dpi=110); plt.close(fig)
+        written.append("adl_trace.png")
+    return written
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------------------------------
+def main(recipe: Recipe, command: str) -> None:
+    d, e = recipe.decode, recipe.eval
+    names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
+    tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+    texts = load_prompts(recipe)
+    # Configs first: a too-long prompt or a vocabulary mismatch is refused before any weights are loaded.
+    uses_drafter = any(n.startswith("specdiff") for n in names)
+    uses_ar_drafter = any(n in ("sd_ar", "hf_assisted") for n in names)
+    sections = {"verifier": recipe.verifier, "drafter": recipe.drafter if uses_drafter else None,
+                "ar_drafter": recipe.ar_drafter if uses_ar_drafter else None}
+    configs = {key: AutoConfig.from_pretrained(sec.path, trust_remote_code=sec.trust_remote_code)
+               for key, sec in sections.items() if sec is not None}
+    prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, configs["verifier"].max_position_embeddings)
+    for key in configs.keys() - {"verifier"}:
+        check_vocab_compatible(configs["verifier"], configs[key], key)
+    verifier = load_verifier(recipe.verifier)
+    drafter, spec = load_drafter(recipe.drafter, tokenizer) if uses_drafter else (None, None)
+    ar_drafter = load_ar_drafter(recipe.ar_drafter) if uses_ar_drafter else None
+    eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    proxy = trigram_proxy(recipe, tokenizer) if any("cps" in n for n in names) else None
+    setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
+    out = Path(e.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"eval: {len(prompts)} prompts, {d.max_new_tokens} new tokens, γ={d.gamma}, methods: {', '.join(names)}")
+    greedy = run_all(setup, names, prompts, Sampling(), e.warmup, e.repeats, d.seed, "temperature 0")
+    result: dict[str, Any] = {"methods": summarise(greedy, setup, prompts, greedy["ar"].tokens)}
+    if e.sampling_temperature > 0:
+        sampling = Sampling(e.sampling_temperature, d.top_k, d.top_p)
+        sampled = run_all(setup, names, prompts, sampling, e.warmup, e.repeats, d.seed, f"temperature {sampling.temperature}")
+        result["sampling"] = {"temperature": sampling.temperature, "methods": summarise(sampled, setup, prompts, None)}
+    result["meta"] = {
+        "command": command, "recipe": recipe.to_dict(), "prompts": e.prompts or "tiny test split",
+        "num_prompts": len(prompts), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "device": str(next(verifier.parameters()).device), "dtype": str(verifier.dtype)},
+        "baseline": "fastest of " + " and ".join(BASELINES),
+        "drafter_spec": spec.to_dict() if spec else None,
+    }
+    write_atomic(out / "eval.json", json.dumps(result, indent=2))
+    plots = write_plots(result, out)
+    report = [f"# align eval: {recipe.name}", "", f"`{command}`", "",
+              f"{len(prompts)} prompts ({result['meta']['prompts']}), {d.max_new_tokens} new tokens, γ={d.gamma}; "
+              f"{result['meta']['machine']['processor']}, {result['meta']['machine']['cpus']} CPUs, "
+              f"{result['meta']['machine']['dtype']}; speedup vs the {result['meta']['baseline']}.", "",
+              "## Temperature 0", "", report_table(result["methods"]), ""]
+    if "sampling" in result:
+        report += [f"## Temperature {result['sampling']['temperature']}", "", report_table(result["sampling"]["methods"]), ""]
+    report += [f"![{p}]({p})" for p in plots]
+    write_atomic(out / "report.md", "\n".join(report) + "\n")
+    print("\n".join(report[:-len(plots)] if plots else report))
+    print(f"wrote {out / 'eval.json'}, {out / 'report.md'} and {len(plots)} plots")

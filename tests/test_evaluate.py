@@ -1,0 +1,103 @@
+"""`align eval` end to end on the toy family: every method is lossless at temperature 0, and bad input is refused."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from align.cli import main
+from align.config import METHOD_NAMES
+from align.evaluate import METHODS
+
+FIELDS = {"tau", "speedup", "tokens_per_s", "exact_match", "per_position_acceptance", "verifier_forwards",
+          "drafter_forwards", "new_tokens", "wall_s", "ideal_speedup"}
+
+
+def eval_args(root, out, *extra):
+    ck = root / "ck"
+    return ["eval", "recipes/tiny/eval.yaml", f"verifier.path={ck / 'verifier'}", f"drafter.path={ck / 'drafter-base'}",
+            f"ar_drafter.path={ck / 'ar-drafter'}", f"data.dir={root / 'data'}", f"eval.out={out}",
+            "eval.num_prompts=2", "decode.max_new_tokens=10", "eval.warmup=0", *extra]
+
+
+def test_method_table_matches_the_schema():
+    assert tuple(METHODS) == METHOD_NAMES
+
+
+@pytest.fixture(scope="module")
+def evaluated(toy_family, tmp_path_factory):
+    root, _ = toy_family
+    out = tmp_path_factory.mktemp("eval")
+    assert main(eval_args(root, out, "decode.gamma=4", "decode.num_candidates=3")) == 0
+    return out, json.loads((out / "eval.json").read_text())
+
+
+def test_every_method_is_reported_and_exact_at_temperature_0(evaluated):
+    _, result = evaluated
+    assert set(result["methods"]) == set(METHOD_NAMES)
+    for name, m in result["methods"].items():
+        assert FIELDS <= set(m), name
+        assert m["exact_match"] == 1.0, name
+        assert m["new_tokens"] > 0 and m["wall_s"] > 0 and m["tau"] >= 1.0
+    for name in ("sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl"):
+        m = result["methods"][name]
+        assert m["ideal_speedup"] > 0 and m["per_position_acceptance"] is not None
+        assert m["verifier_forwards"] == len(m["per_position_acceptance"]) or m["verifier_forwards"] > 0
+    assert result["methods"]["specdiff"]["drafter_forwards"] == result["methods"]["specdiff"]["verifier_forwards"]
+    assert "draft_length_trace" in result["methods"]["specdiff_adl"]
+
+
+def test_sampled_run_and_report(evaluated):
+    out, result = evaluated
+    assert result["sampling"]["temperature"] == 1.0
+    assert all(m["exact_match"] is None for m in result["sampling"]["methods"].values())
+    report = (out / "report.md").read_text()
+    assert "| specdiff2_select |" in report and "Temperature 0" in report
+    for plot in ("tau.png", "speedup.png", "acceptance.png", "adl_trace.png"):
+        assert (out / plot).stat().st_size > 1000
+    assert result["meta"]["num_prompts"] == 2 and result["meta"]["command"].startswith("align eval")
+
+
+def run_refused(args, capsys):
+    capsys.readouterr()  # drop what the test itself printed
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def test_prompt_longer_than_the_context_is_refused(toy_family, tmp_path, capsys):
+    root, _ = toy_family
+    err = run_refused(eval_args(root, tmp_path / "out", "decode.max_new_tokens=1020"), capsys)
+    assert "exceeds the verifier's context of 1024" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_prompt_file_is_refused(toy_family, tmp_path, capsys):
+    root, _ = toy_family
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    err = run_refused(eval_args(root, tmp_path / "out", f"eval.prompts={empty}"), capsys)
+    assert "holds no prompts" in err
+
+
+def test_prompt_file_without_the_field_is_refused(toy_family, tmp_path, capsys):
+    root, _ = toy_family
+    other = tmp_path / "q.jsonl"
+    other.write_text('{"question": "what?"}\n')
+    assert "has no 'prompt' field" in run_refused(eval_args(root, tmp_path / "out", f"eval.prompts={other}"), capsys)
+    # ... and naming the field makes it work as a prompt source.
+    assert main(eval_args(root, tmp_path / "ok", f"eval.prompts={other}", "eval.prompt_field=question",
+                          "eval.methods=[specdiff]", "eval.sampling_temperature=0")) == 0
+
+
+def test_drafter_with_another_vocabulary_is_refused(toy_family, tmp_path, capsys):
+    root, _ = toy_family
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    config.drafter_spec = {"mask_token_id": 2, "logits_shift": 0, "attention": "block_causal"}
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "other")
+    err = run_refused(eval_args(root, tmp_path / "out", f"drafter.path={tmp_path / 'other'}"), capsys)
+    assert "drafter.path: vocabulary size 300 differs from the verifier's 512" in err
