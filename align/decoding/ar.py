@@ -91,7 +91,7 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int]) ->
     return tokens
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def ar_generate(
     verifier: PreTrainedModel,
     prompt_ids: torch.Tensor,

@@ -12,7 +12,7 @@ from align.decoding.acceptance import accept_greedy, accept_sampled
 from align.decoding.ar import GenerationStats, Sampling, finished, prefill, truncate, verifier_forward
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def draft_autoregressive(
     drafter: PreTrainedModel, context: torch.Tensor, cache: DynamicCache, draft_len: int,
     sampling: Sampling, generator: Optional[torch.Generator],
@@ -36,7 +36,7 @@ def draft_autoregressive(
     return torch.stack(tokens), (torch.stack(probs) if probs else None)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sd_ar_generate(
     verifier: PreTrainedModel,
     drafter: PreTrainedModel,

@@ -15,7 +15,7 @@ from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
 from align.models import DrafterContext, DrafterSpec, block_logits
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def specdiff_generate(
     verifier: PreTrainedModel,
     drafter: PreTrainedModel,

@@ -13,7 +13,7 @@ from align.decoding.ar import GenerationStats, Sampling, finished, prefill, trun
 from align.models import DrafterContext, DrafterSpec, block_logits
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def specdiff2_select_generate(
     verifier: PreTrainedModel,
     drafter: PreTrainedModel,

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Benchmark every decoding method on the shipped tiny family (a benchmark, not a test: timings vary by machine).
+#   bash launch/benchmark_eval.sh [extra key=value overrides]
+# Runs the tiny test split, then HumanEval's prompts when a copy of the benchmark file is at
+# $HUMANEVAL (default ../shared/benchmarks/humaneval.jsonl). Reports land in checkpoints/bench-*/report.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+humaneval=${HUMANEVAL:-../shared/benchmarks/humaneval.jsonl}
+.venv/bin/align eval recipes/tiny/eval.yaml eval.out=checkpoints/bench-tiny-test "$@"
+if [ -f "$humaneval" ]; then
+  .venv/bin/align eval recipes/tiny/eval.yaml eval.prompts="$humaneval" eval.out=checkpoints/bench-humaneval "$@"
+else
+  echo "no $humaneval: HumanEval run skipped"
+fi
