@@ -304,7 +304,10 @@ def _cached_block_logits(
     new = context_ids[:, cached:]
     ids = torch.cat([new, block_ids], dim=1)
     positions = torch.arange(cached, n + block_len, device=ids.device).unsqueeze(0)
-    allowed = block_causal_allowed(n, block_len, ids.device)[cached:]  # rows of the new tokens, all columns
+    # Rows of the new tokens and the block only: a new token at position p sees columns <= p, the block sees all.
+    rows = torch.arange(cached, n + block_len, device=ids.device)
+    allowed = torch.arange(n + block_len, device=ids.device)[None, :] <= rows[:, None]
+    allowed[n - cached:] = True
     mask = additive_mask(allowed, model.dtype).unsqueeze(0)
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True)
     state.cache.crop(-block_len)  # the block is a guess: it never stays in the context cache
