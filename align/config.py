@@ -52,6 +52,9 @@ METHOD_NAMES: tuple[str, ...] = (
     "specdiff_adl", "specdiff_cps_adl",
 )
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
+# align/losses.py's WINDOW_LOSSES keys, likewise.
+LOSS_NAMES: tuple[str, ...] = ("streak", "ce_streak", "streak_tv", "fkl", "rkl", "tvd", "jsd")
+LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -130,7 +133,7 @@ class TrainSection(Section):
     #: run folder: step_<N>/ merged HF folders, ds_state/, metrics.jsonl
     out: str = "checkpoints/tiny-align"
     #: loss name -> weight; names are those of align/losses.py
-    losses: dict[str, float] = Field(default_factory=lambda: {"streak": 1.0})
+    losses: dict[LossName, float] = Field(default_factory=lambda: {"streak": 1.0})
     #: draft length of a training window
     gamma: int = Field(default=16, ge=1)
     #: offline: stored trajectories; online: verifier labels inside the step; on_policy: drafter proposes, verifier labels
@@ -392,7 +395,7 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
 
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
-    loc = tuple(first["loc"])
+    loc = tuple(p for p in first["loc"] if p != "[key]")  # dict keys: name the entry, not pydantic's marker
     key = ".".join(str(p) for p in loc) or "recipe"
     if first["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])

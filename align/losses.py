@@ -6,6 +6,8 @@ sizes gives exactly the gradient of the whole batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,3 +34,101 @@ def mdlm(
 def next_token(logits: torch.Tensor, targets: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
     """Autoregressive cross-entropy: logits (B, L, V) at position t predict targets (B, L) at t (already shifted)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / num_tokens
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# acceptance-aware losses on drafter windows
+#
+# Shapes: draft_logits (B, γ, V) the drafter's predictions for the γ window positions; targets (B, γ) the verifier's
+# tokens; verifier_logits (B, γ, V) the verifier's predictions at the same positions given the true prefix;
+# mask (B, γ) bool, False on padding (padding only ever follows the valid positions of a window).
+# --------------------------------------------------------------------------------------------------------------------
+def _target_log_probs(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, γ) log q(x_i), with -inf at padding so that no streak runs through it."""
+    log_q = torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return log_q.masked_fill(~mask, float("-inf"))
+
+
+def streak(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, num_windows: int) -> torch.Tensor:
+    """SpecDiff-2 streak distillation: −Σ_j Π_{i≤j} q(x_i), per window, / num_windows.
+
+    The expected number of draft tokens a greedy verifier keeps when it agrees with x. Products are cumulative sums
+    of log q, exponentiated, so γ = 32 does not underflow where the naive product would.
+    """
+    prefix = torch.cumsum(_target_log_probs(draft_logits, targets, mask), dim=-1)
+    return -torch.exp(prefix).sum() / num_windows
+
+
+def ce_streak(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, num_windows: int) -> torch.Tensor:
+    """−Σ_j w_j log q(x_j), w_j = Π_{i<j} q(x_i) detached: cross-entropy weighted by the chance to reach position j.
+
+    Its gradient points where streak's does but does not vanish when q(x_j) is small, so it trains from far away.
+    """
+    log_q = _target_log_probs(draft_logits, targets, mask)
+    reach = torch.exp(torch.cumsum(log_q, dim=-1) - log_q).detach()  # Π_{i<j} q(x_i); 0 past padding
+    return -(reach * log_q.masked_fill(~mask, 0.0)).sum() / num_windows
+
+
+def streak_tv(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *,
+              num_windows: int) -> torch.Tensor:
+    """Expected accepted length under speculative *sampling*: −Σ_j Π_{i≤j} α_i, α_i = Σ_v min(p_i(v), q_i(v)).
+
+    α_i = 1 − TV(p_i, q_i) is the probability that position i is accepted; p_i is the verifier's distribution at
+    window position i given the true prefix.
+    """
+    q = torch.softmax(draft_logits.float(), dim=-1)
+    p = torch.softmax(verifier_logits.float(), dim=-1)
+    alpha = torch.minimum(p, q).sum(-1).clamp_min(1e-30)  # (B, γ)
+    prefix = torch.cumsum(torch.log(alpha).masked_fill(~mask, float("-inf")), dim=-1)
+    return -torch.exp(prefix).sum() / num_windows
+
+
+def _per_position(values: torch.Tensor, mask: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    return (values * mask).sum() / num_tokens
+
+
+def fkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
+    """Forward KL(p ‖ q): mass-covering distillation."""
+    log_q = torch.log_softmax(draft_logits.float(), -1)
+    log_p = torch.log_softmax(verifier_logits.float(), -1)
+    return _per_position((log_p.exp() * (log_p - log_q)).sum(-1), mask, num_tokens)
+
+
+def rkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
+    """Reverse KL(q ‖ p): mode-seeking distillation."""
+    log_q = torch.log_softmax(draft_logits.float(), -1)
+    log_p = torch.log_softmax(verifier_logits.float(), -1)
+    return _per_position((log_q.exp() * (log_q - log_p)).sum(-1), mask, num_tokens)
+
+
+def tvd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
+    """Total variation ½Σ|p − q| = 1 − α: DistillSpec's direct proxy for the rejection probability."""
+    q = torch.softmax(draft_logits.float(), -1)
+    p = torch.softmax(verifier_logits.float(), -1)
+    return _per_position(0.5 * (p - q).abs().sum(-1), mask, num_tokens)
+
+
+def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int,
+        beta: float = 0.5) -> torch.Tensor:
+    """Generalised Jensen-Shannon (GKD): β·KL(p ‖ m) + (1−β)·KL(q ‖ m), m = β·p + (1−β)·q, 0 < β < 1."""
+    if not 0 < beta < 1:
+        raise ValueError(f"jsd needs 0 < beta < 1, got {beta}")
+    log_q = torch.log_softmax(draft_logits.float(), -1)
+    log_p = torch.log_softmax(verifier_logits.float(), -1)
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+    kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return _per_position(beta * kl_pm + (1 - beta) * kl_qm, mask, num_tokens)
+
+
+# name -> (loss, what it is computed against): "targets" (the verifier's tokens) or "verifier_logits" (its
+# distributions, online or from stored top-k). train.losses names these; config.LOSS_NAMES must list them.
+WINDOW_LOSSES: dict[str, tuple] = {
+    "streak": (streak, "targets"),
+    "ce_streak": (ce_streak, "targets"),
+    "streak_tv": (streak_tv, "verifier_logits"),
+    "fkl": (fkl, "verifier_logits"),
+    "rkl": (rkl, "verifier_logits"),
+    "tvd": (tvd, "verifier_logits"),
+    "jsd": (jsd, "verifier_logits"),
+}

@@ -1,0 +1,98 @@
+"""Losses against hand computations and identities."""
+
+import math
+
+import pytest
+import torch
+
+from align.config import LOSS_NAMES
+from align.losses import WINDOW_LOSSES, ce_streak, fkl, jsd, mdlm, rkl, streak, streak_tv, tvd
+
+
+def logits_for(probs):
+    """Logits whose softmax is `probs` (B, γ, V)."""
+    return torch.log(torch.as_tensor(probs, dtype=torch.float32))
+
+
+# One window of γ = 3 over V = 3; the verifier's tokens are 0, 1, 2 with drafter probabilities 0.5, 0.4, 0.9.
+Q = [[[0.5, 0.3, 0.2], [0.3, 0.4, 0.3], [0.05, 0.05, 0.9]]]
+TARGETS = torch.tensor([[0, 1, 2]])
+ALL = torch.ones(1, 3, dtype=torch.bool)
+
+
+def test_table_matches_the_schema():
+    assert tuple(WINDOW_LOSSES) == LOSS_NAMES
+
+
+def test_streak_by_hand():
+    # 0.5 + 0.5·0.4 + 0.5·0.4·0.9 = 0.88
+    assert streak(logits_for(Q), TARGETS, ALL, num_windows=1).item() == pytest.approx(-0.88, abs=1e-6)
+    # Padding at the last position ends the streak there: 0.5 + 0.2.
+    mask = torch.tensor([[True, True, False]])
+    assert streak(logits_for(Q), TARGETS, mask, num_windows=1).item() == pytest.approx(-0.70, abs=1e-6)
+    # Normalisation is by the number of windows given, not by the batch.
+    assert streak(logits_for(Q), TARGETS, ALL, num_windows=4).item() == pytest.approx(-0.22, abs=1e-6)
+
+
+def test_streak_in_log_space_equals_the_naive_product_and_survives_long_windows():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8, 11)
+    targets = torch.randint(0, 11, (2, 8))
+    q = torch.softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    naive = -torch.cumprod(q, -1).sum() / 2
+    assert streak(logits, targets, torch.ones(2, 8, dtype=torch.bool), num_windows=2).item() == pytest.approx(naive.item(), rel=1e-5)
+    # γ = 32 with confident agreement: every term stays finite and the gradient is usable.
+    logits = torch.full((1, 32, 5), -4.0, requires_grad=True)
+    with torch.no_grad():
+        logits[..., 0] = 4.0
+    loss = streak(logits, torch.zeros(1, 32, dtype=torch.long), torch.ones(1, 32, dtype=torch.bool), num_windows=1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+
+
+def test_ce_streak_by_hand():
+    expected = -(1.0 * math.log(0.5) + 0.5 * math.log(0.4) + 0.2 * math.log(0.9))
+    assert ce_streak(logits_for(Q), TARGETS, ALL, num_windows=1).item() == pytest.approx(expected, abs=1e-5)
+    # The weights are constants: the gradient at position 1 is that of 0.5·(−log q), not of the product.
+    logits = logits_for(Q).requires_grad_()
+    ce_streak(logits, TARGETS, ALL, num_windows=1).backward()
+    grad_pos0 = logits.grad[0, 0]
+    q0 = torch.tensor(Q[0][0])
+    assert torch.allclose(grad_pos0, -(torch.tensor([1.0, 0, 0]) - q0), atol=1e-5)  # only position 0's own CE term
+
+
+def test_streak_tv_by_hand():
+    P = [[[0.5, 0.5, 0.0], [0.4, 0.4, 0.2], [0.0, 0.1, 0.9]]]
+    # α = Σ min(p, q): 0.5 + 0.3 + 0 = 0.8; 0.3 + 0.4 + 0.2 = 0.9; 0 + 0.05 + 0.9 = 0.95
+    expected = -(0.8 + 0.8 * 0.9 + 0.8 * 0.9 * 0.95)
+    got = streak_tv(logits_for(Q), torch.log(torch.tensor(P) + 1e-12), ALL, num_windows=1).item()
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_kd_identities():
+    torch.manual_seed(1)
+    q_logits, p_logits = torch.randn(2, 4, 7), torch.randn(2, 4, 7)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    for loss in (fkl, rkl, tvd, jsd):
+        assert loss(p_logits, p_logits, mask, num_tokens=8).item() == pytest.approx(0.0, abs=1e-6)
+        assert loss(q_logits, p_logits, mask, num_tokens=8).item() > 0
+    reference = torch.nn.functional.kl_div(torch.log_softmax(q_logits, -1), torch.log_softmax(p_logits, -1),
+                                           log_target=True, reduction="sum") / 8
+    assert fkl(q_logits, p_logits, mask, num_tokens=8).item() == pytest.approx(reference.item(), rel=1e-5)
+    assert rkl(q_logits, p_logits, mask, num_tokens=8).item() == pytest.approx(fkl(p_logits, q_logits, mask, num_tokens=8).item(), rel=1e-5)
+    assert jsd(q_logits, p_logits, mask, num_tokens=8).item() == pytest.approx(jsd(p_logits, q_logits, mask, num_tokens=8).item(), rel=1e-5)
+    assert jsd(q_logits, p_logits, mask, num_tokens=8).item() <= math.log(2) + 1e-6
+    assert tvd(q_logits, p_logits, mask, num_tokens=8).item() <= 1.0
+    # Masked positions do not count.
+    half = mask.clone()
+    half[:, 2:] = False
+    assert fkl(q_logits, p_logits, half, num_tokens=4).item() == pytest.approx(fkl(q_logits[:, :2], p_logits[:, :2], mask[:, :2], num_tokens=4).item(), rel=1e-5)
+
+
+def test_mdlm_by_hand():
+    logits = logits_for([[[0.5, 0.5], [0.25, 0.75]]])
+    targets = torch.tensor([[0, 1]])
+    masked = torch.tensor([[True, False]])
+    ratio = torch.tensor([[0.5, 0.5]])
+    # Only position 0 is masked: −log 0.5 / 0.5, over 2 tokens.
+    assert mdlm(logits, targets, masked, ratio, num_tokens=2).item() == pytest.approx(math.log(2), abs=1e-6)
