@@ -318,3 +318,39 @@ def _cached_block_logits(
         return block_out
     # Shifted: block position 0 is predicted by the last context position, position i by block position i-1.
     return torch.cat([state.last_logits.unsqueeze(1), block_out[:, :-1]], dim=1)
+
+
+def shared_context_block_logits(
+    model: PreTrainedModel,
+    spec: DrafterSpec,
+    context_ids: torch.Tensor,
+    blocks: torch.Tensor,
+    state: Optional[DrafterContext] = None,
+) -> torch.Tensor:
+    """Logits for K candidate blocks that follow the same context, in one forward. (1, n), (K, b) -> (K, b, V).
+
+    For a cached block-causal drafter the K blocks are laid side by side in a single row after the context: each sees
+    the context and itself only, at the same positions, so every row of the result is exactly what `block_logits`
+    gives for that block alone (Spiffy evaluates the real state and all its draft states this way). Other drafters
+    batch the K blocks, each with its own copy of the context.
+    """
+    num_blocks, block_len = blocks.shape
+    if spec.attention != "block_causal" or state is None:
+        return block_logits(model, spec, context_ids.expand(num_blocks, -1), blocks)
+    if spec.logits_shift and state.last_logits is None and state.length == context_ids.shape[1]:
+        crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
+    encode_context(model, context_ids, state)
+    n = state.length
+    ids = blocks.reshape(1, -1)
+    positions = torch.arange(n, n + block_len, device=ids.device).repeat(num_blocks).unsqueeze(0)
+    which = torch.arange(num_blocks, device=ids.device).repeat_interleave(block_len)  # block of each block token
+    own_block = which[:, None] == which[None, :]
+    allowed = torch.cat([torch.ones(len(which), n, dtype=torch.bool, device=ids.device), own_block], dim=1)
+    mask = additive_mask(allowed, model.dtype).unsqueeze(0)
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True)
+    state.cache.crop(-ids.shape[1])  # the blocks are guesses: they never stay in the context cache
+    logits = out.logits.view(num_blocks, block_len, -1)
+    if not spec.logits_shift:
+        return logits
+    first = state.last_logits.expand(num_blocks, -1).unsqueeze(1)
+    return torch.cat([first, logits[:, :-1]], dim=1)

@@ -1,0 +1,104 @@
+"""Vanilla decoding of a diffusion LM: semi-autoregressive blocks, confidence-ordered unmasking (the target process
+Spiffy accelerates, and the reference its outputs must equal)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import PreTrainedModel
+
+from align.decoding.ar import truncate
+from align.models import DrafterContext, DrafterSpec, shared_context_block_logits
+
+
+@dataclass
+class DllmStats:
+    nfe: int = 0  # model forwards
+    steps: int = 0  # state transitions (vanilla: one per forward; Spiffy: more)
+    accepted_drafts: int = 0
+    new_tokens: int = 0
+    wall_s: float = 0.0
+
+
+@dataclass
+class BlockTrace:
+    """One block's vanilla trajectory: states[k] (b,) and probs[k] (b, V), the distribution computed at states[k]
+    that produced states[k + 1]. Calibration reads these."""
+
+    states: list[torch.Tensor] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+def unmask(block: torch.Tensor, probs: torch.Tensor, mask_id: int, tokens_per_step: int,
+           threshold: Optional[float] = None) -> torch.Tensor:
+    """One vanilla transition: unmask the most confident masked positions with their most likely tokens.
+
+    block: (b,), probs: (b, V). Fixed mode unmasks `tokens_per_step` positions; threshold mode (Fast-dLLM) every
+    position whose confidence reaches `threshold`, and at least the most confident one. Ties go to the leftmost
+    position (a stable sort), so the rule is deterministic.
+    """
+    masked = block == mask_id
+    confidence, tokens = probs.max(-1)
+    confidence = confidence.masked_fill(~masked, -1.0)
+    order = torch.sort(confidence, descending=True, stable=True).indices[: int(masked.sum())]
+    if threshold is None:
+        chosen = order[:tokens_per_step]
+    else:
+        chosen = order[confidence[order] >= threshold]
+        chosen = chosen if len(chosen) else order[:1]
+    new = block.clone()
+    new[chosen] = tokens[chosen]
+    return new
+
+
+def block_probs(model: PreTrainedModel, spec: DrafterSpec, context: torch.Tensor, blocks: torch.Tensor,
+                state: Optional[DrafterContext]) -> torch.Tensor:
+    """(K, b) blocks after one context -> (K, b, V) float32 distributions, one forward."""
+    return torch.softmax(shared_context_block_logits(model, spec, context, blocks, state).float(), dim=-1)
+
+
+@torch.inference_mode()
+def dllm_generate(
+    model: PreTrainedModel,
+    spec: DrafterSpec,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    block_length: int,
+    tokens_per_step: int = 1,
+    threshold: Optional[float] = None,
+    eos_ids: frozenset[int] = frozenset(),
+    trace: Optional[list[BlockTrace]] = None,
+) -> tuple[list[int], DllmStats]:
+    """Decode block after block, one forward per transition. prompt_ids: (1, n). Greedy tokens.
+
+    A block-causal model keeps an exact context cache; a bidirectional one re-reads context ⊕ block each step
+    (blocks after the current one are not shown to it, as in block-diffusion decoding).
+    """
+    stats = DllmStats()
+    t0 = time.perf_counter()
+    context = prompt_ids
+    state = DrafterContext.empty(model) if spec.attention == "block_causal" else None
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
+        block = prompt_ids.new_full((block_length,), spec.mask_token_id)
+        record = BlockTrace() if trace is not None else None
+        while bool((block == spec.mask_token_id).any()):
+            probs = block_probs(model, spec, context, block[None], state)[0]
+            stats.nfe += 1
+            if record is not None:
+                record.states.append(block)
+                record.probs.append(probs)
+            block = unmask(block, probs, spec.mask_token_id, tokens_per_step, threshold)
+            stats.steps += 1
+        if record is not None:
+            record.states.append(block)
+            trace.append(record)
+        tokens += block.tolist()
+        context = torch.cat([context, block[None]], dim=1)
+    tokens = truncate(tokens, max_new_tokens, eos_ids)
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - t0
+    return tokens, stats

@@ -1,0 +1,127 @@
+"""Spiffy: the draft graph's structure, calibration's search, and outputs identical to vanilla dLLM decoding."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from align.config import RecipeError
+from align.decoding.dllm import dllm_generate, unmask
+from align.decoding.spiffy import spiffy_generate
+from align.draft_graph import (DraftGraph, apply_formula, calibrate, exhaustive_select, formula_between,
+                               objective, select_nodes)
+from align.models import DrafterSpec
+
+VOCAB, MASK = 40, 39
+F = lambda *pairs: frozenset(pairs)  # noqa: E731
+
+
+def test_parents_on_hand_made_cases():
+    graph = DraftGraph((F((1, 1)), F((2, 1)), F((1, 1), (2, 1)), F((1, 2)), F((1, 1), (2, 1), (3, 1))), block_length=8)
+    assert graph.parents(0) == [-1] and graph.parents(1) == [-1] and graph.parents(3) == [-1]
+    assert graph.parents(2) == [0, 1]  # two parents: the order of unmasking is free
+    assert graph.parents(4) == [2]
+
+
+def test_objective_and_greedy_against_exhaustive():
+    counts = Counter({F((1, 1)): 10, F((2, 1)): 6, F((1, 1), (2, 1)): 5, F((1, 2)): 4, F((1, 2), (2, 1)): 3,
+                      F((1, 1), (2, 1), (3, 1)): 2, F((3, 1)): 1})
+    # By hand: {(1,1)}, {(2,1)}, {(1,1),(2,1)}: 10 + 6 + (5 + 10 + 6) = 37.
+    assert objective([F((1, 1)), F((2, 1)), F((1, 1), (2, 1))], counts, 1) == 37
+    for budget in (1, 2, 3, 4, 5):
+        chosen = select_nodes(counts, budget)
+        assert len(chosen) == budget
+        assert objective(chosen, counts, 1) == exhaustive_select(counts, budget)
+
+
+def test_formulas_round_trip_states():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(6, VOCAB) * 3, -1)
+    block = torch.tensor([MASK, 5, MASK, MASK, 7, MASK])
+    formula = F((1, 1), (3, 2))
+    later = apply_formula(block, probs, formula, MASK)
+    assert int((later == MASK).sum()) == 2
+    assert formula_between(block, later, probs, MASK, 8, 3) == formula
+    assert formula_between(block, later, probs, MASK, 2, 3) is None  # position rank 3 is beyond the limit
+    assert apply_formula(block, probs, F((5, 1)), MASK) is None  # only 4 masked positions
+
+
+def test_unmask_rules():
+    probs = torch.full((4, VOCAB), 0.01)
+    probs[0, 3], probs[1, 4], probs[2, 5], probs[3, 6] = 0.5, 0.9, 0.95, 0.2
+    block = torch.tensor([MASK, MASK, 9, MASK])
+    assert unmask(block, probs, MASK, 1).tolist() == [MASK, 4, 9, MASK]  # position 2 is already unmasked
+    assert unmask(block, probs, MASK, 2).tolist() == [3, 4, 9, MASK]
+    assert unmask(block, probs, MASK, 1, threshold=0.4).tolist() == [3, 4, 9, MASK]
+    assert unmask(block, probs, MASK, 1, threshold=0.99).tolist() == [MASK, 4, 9, MASK]  # at least one
+
+
+def test_graph_file_round_trip_and_refusals(tmp_path):
+    graph = DraftGraph((F((1, 1)), F((1, 1), (2, 1))), block_length=16, counts=(9, 4), meta={"model": "x"})
+    path = tmp_path / "draft_graph.json"
+    graph.save(path)
+    assert DraftGraph.load(path, block_length=16) == graph
+    with pytest.raises(RecipeError, match="block length 16, decoding uses 32"):
+        DraftGraph.load(path, block_length=32)
+    raw = json.loads(path.read_text())
+    for change, message in [({"version": 7}, "version 7"), ({"budget": 5}, "budget 5 does not match"),
+                            ({"nodes": [[[1, 1]], [[2, 1], [3, 1]]]}, "node 1 has no parent"),
+                            ({"nodes": "nope"}, "malformed nodes")]:
+        path.write_text(json.dumps({**raw, **change}))
+        with pytest.raises(RecipeError, match=message):
+            DraftGraph.load(path)
+    path.write_text("{not json")
+    with pytest.raises(RecipeError, match="not a readable JSON"):
+        DraftGraph.load(path)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    yield
+    torch.set_num_threads(threads)
+
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_dllm(arch, bidirectional, seed):
+    config_class, model_class = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if bidirectional:
+        config.is_causal = False
+    model = model_class(config).eval()
+    # Sharpen the output so that the model has confident, structured preferences (as a trained dLLM does), which is
+    # what makes drafts match; random weights alone give near-uniform distributions.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("arch, shift, attention", [
+    ("llama", 0, "block_causal"), ("qwen2", 1, "block_causal"), ("llama", 0, "bidirectional"),
+    ("qwen2", 1, "bidirectional"),
+])
+def test_spiffy_outputs_equal_vanilla(arch, shift, attention, one_thread):
+    model = tiny_dllm(arch, attention == "bidirectional", seed=0)
+    spec = DrafterSpec(MASK, shift, attention)
+    prompts = [torch.tensor([[1, 2, 3, 4]]), torch.tensor([[7, 7, 8]]), torch.tensor([[11, 3, 5, 9, 2]])]
+    traces = []
+    for prompt in prompts:
+        dllm_generate(model, spec, prompt, 16, 8, trace=traces)
+    graph = calibrate(traces, MASK, block_length=8, budget=5)
+    assert graph.budget == 5 and all(graph.parents(k) for k in range(graph.budget))
+    total_vanilla, total_spiffy = 0, 0
+    for prompt in [torch.tensor([[2, 2, 6]]), torch.tensor([[30, 1]]), *prompts]:
+        for threshold in (None, 0.5):
+            expected, vanilla = dllm_generate(model, spec, prompt, 16, 8, threshold=threshold)
+            tokens, stats = spiffy_generate(model, spec, prompt, graph, 16, threshold=threshold)
+            assert tokens == expected, (prompt.tolist(), threshold)
+            assert stats.nfe + stats.accepted_drafts == stats.steps == vanilla.steps
+            total_vanilla, total_spiffy = total_vanilla + vanilla.nfe, total_spiffy + stats.nfe
+    assert total_spiffy < total_vanilla  # the graph does save forwards on these models
