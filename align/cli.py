@@ -40,8 +40,13 @@ STAGES: dict[str, Stage] = {
     ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
-        "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "data"),
-        model_keys=("verifier.path", "drafter.path", "ar_drafter.path"), file_keys=("eval.prompts",),
+        "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
+        file_keys=("eval.prompts", "calibrate.graph"),  # which models it needs depends on the methods: it checks
+    ),
+    "calibrate": Stage(
+        "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
+        "align.calibrate", ("drafter", "calibrate", "decode", "data"),
+        model_keys=("drafter.path",), file_keys=("calibrate.prompts",),
     ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",

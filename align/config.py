@@ -218,9 +218,24 @@ class CalibrateSection(Section):
     budget: int = Field(default=10, ge=1)
     #: semi-autoregressive block length of the dLLM
     block_length: int = Field(default=32, ge=1)
+    #: tokens unmasked per vanilla step
+    tokens_per_step: int = Field(default=1, ge=1)
+    #: confidence threshold of the parallel-unmasking methods (Fast-dLLM's 0.9)
+    threshold: float = Field(default=0.9, gt=0.0, le=1.0)
+    #: formulas may name the i-th most confident masked position up to this rank...
+    max_position_rank: int = Field(default=8, ge=1)
+    #: ... and its j-th most likely token up to this rank
+    max_token_rank: int = Field(default=3, ge=1)
+    #: JSONL (`prompt` field) of calibration prompts; None: the tiny train split
+    prompts: Optional[str] = None
 
 
 class EvalSection(Section):
+    #: speculative: a drafter for an AR verifier (METHOD_NAMES); dllm: the drafter decoded as a diffusion LM, vanilla
+    #: against Spiffy (needs calibrate.graph) and threshold decoding
+    mode: Literal["speculative", "dllm"] = "speculative"
+    #: Spiffy budgets evaluated in dllm mode: the first D nodes of the calibrated graph
+    spiffy_budgets: list[int] = Field(default_factory=lambda: [3, 5, 8, 10])
     #: JSONL of prompts; None: the tiny test split
     prompts: Optional[str] = None
     #: the JSONL field holding the prompt (a list, as Spec-Bench's `turns`, gives its first element)

@@ -86,6 +86,12 @@ class DraftGraph:
     def budget(self) -> int:
         return len(self.nodes)
 
+    def prefix(self, budget: int) -> "DraftGraph":
+        """The graph of the first `budget` nodes: connected, since each node had a parent among those before it."""
+        if not 1 <= budget <= self.budget:
+            raise RecipeError(f"eval.spiffy_budgets: {budget} is not in 1..{self.budget} (the calibrated budget)")
+        return DraftGraph(self.nodes[:budget], self.block_length, self.tokens_per_step, self.counts[:budget], self.meta)
+
     def parents(self, index: int) -> list[int]:
         """Indices of the node's parents; -1 stands for the root (the current state)."""
         return parent_indices(self.nodes[index], self.nodes, self.tokens_per_step)
@@ -209,8 +215,8 @@ def exhaustive_select(counts: Counter, budget: int, tokens_per_step: int = 1) ->
 
 def calibrate(traces: list[BlockTrace], mask_id: int, block_length: int, budget: int, tokens_per_step: int = 1,
               max_position_rank: int = 8, max_token_rank: int = 3, meta: Optional[dict[str, Any]] = None) -> DraftGraph:
+    """Count formulas on vanilla traces and select `budget` nodes. The nodes stay in the greedy's order, so the
+    first D of them are the greedy selection for budget D (`DraftGraph.prefix`)."""
     counts = count_formulas(traces, mask_id, budget, max_position_rank, max_token_rank)
     nodes = select_nodes(counts, budget, tokens_per_step)
-    # Shallow nodes first: they are the ones a chain of accepted drafts meets first.
-    nodes.sort(key=lambda f: (len(f), -counts[f], sorted(f)))
     return DraftGraph(tuple(nodes), block_length, tokens_per_step, tuple(counts[f] for f in nodes), dict(meta or {}))

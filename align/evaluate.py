@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError
+from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs
 from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import GenerationStats, Sampling, ar_generate, prefill, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel
@@ -138,28 +138,35 @@ OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
 # --------------------------------------------------------------------------------------------------------------------
 # inputs
 # --------------------------------------------------------------------------------------------------------------------
-def load_prompts(recipe: Recipe) -> list[str]:
-    """Prompts from eval.prompts (JSONL, `prompt` field; a list takes its first turn) or the tiny test split."""
-    path = recipe.eval.prompts
-    if path is None:
-        path = str(Path(recipe.data.dir) / "prompts" / "test.jsonl")
-        if not Path(path).is_file():
-            raise RecipeError(f"eval.prompts: not set, and {path} does not exist (run align bootstrap first)")
+def load_prompt_file(path: str, field: str, key: str) -> list[str]:
+    """Prompts from a JSONL file (via `datasets`): the `field` of each row; a list (Spec-Bench's turns) gives its
+    first element. Problems are RecipeErrors naming `key`."""
+    if not Path(path).is_file():
+        raise RecipeError(f"{key}: no such file: {path}")
     import datasets
 
     datasets.disable_progress_bars()  # a bar per small file is noise, and would split a refusal over lines
     try:
         rows = datasets.load_dataset("json", data_files=path, split="train") if os.path.getsize(path) else []
     except Exception as e:  # datasets raises several types for a malformed file; all mean the same to the user
-        raise RecipeError(f"eval.prompts: cannot read {path} as JSONL ({type(e).__name__})") from None
-    field = recipe.eval.prompt_field
+        raise RecipeError(f"{key}: cannot read {path} as JSONL ({type(e).__name__})") from None
     if len(rows) and field not in rows.column_names:
-        raise RecipeError(f"eval.prompts: {path} has no '{field}' field (fields: {', '.join(rows.column_names)})")
+        raise RecipeError(f"{key}: {path} has no '{field}' field (fields: {', '.join(rows.column_names)})")
     prompts = [r[field][0] if isinstance(r[field], list) else r[field] for r in rows]
     prompts = [p for p in prompts if isinstance(p, str) and p]
     if not prompts:
-        raise RecipeError(f"eval.prompts: {path} holds no prompts")
-    return prompts[: recipe.eval.num_prompts]
+        raise RecipeError(f"{key}: {path} holds no prompts")
+    return prompts
+
+
+def load_prompts(recipe: Recipe) -> list[str]:
+    """eval.prompts, or the tiny test split that `align bootstrap` writes."""
+    path = recipe.eval.prompts
+    if path is None:
+        path = str(Path(recipe.data.dir) / "prompts" / "test.jsonl")
+        if not Path(path).is_file():
+            raise RecipeError(f"eval.prompts: not set, and {path} does not exist (run align bootstrap first)")
+    return load_prompt_file(path, recipe.eval.prompt_field, "eval.prompts")[: recipe.eval.num_prompts]
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], max_new_tokens: int, context: int) -> list[torch.Tensor]:
@@ -389,13 +396,20 @@ def write_atomic(path: Path, text: str) -> None:
 # the stage
 # --------------------------------------------------------------------------------------------------------------------
 def main(recipe: Recipe, command: str) -> None:
+    if recipe.eval.mode == "dllm":
+        from align.evaluate_dllm import main as dllm_main
+
+        check_inputs(recipe, model_keys=("drafter.path",))
+        return dllm_main(recipe, command)
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
+    uses_drafter = any(n.startswith("specdiff") for n in names)
+    uses_ar_drafter = any(n in ("sd_ar", "hf_assisted") for n in names)
+    check_inputs(recipe, model_keys=("verifier.path", *(("drafter.path",) if uses_drafter else ()),
+                                     *(("ar_drafter.path",) if uses_ar_drafter else ())))
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     texts = load_prompts(recipe)
     # Configs first: a too-long prompt or a vocabulary mismatch is refused before any weights are loaded.
-    uses_drafter = any(n.startswith("specdiff") for n in names)
-    uses_ar_drafter = any(n in ("sd_ar", "hf_assisted") for n in names)
     sections = {"verifier": recipe.verifier, "drafter": recipe.drafter if uses_drafter else None,
                 "ar_drafter": recipe.ar_drafter if uses_ar_drafter else None}
     configs = {key: AutoConfig.from_pretrained(sec.path, trust_remote_code=sec.trust_remote_code)

@@ -125,3 +125,32 @@ def test_spiffy_outputs_equal_vanilla(arch, shift, attention, one_thread):
             assert stats.nfe + stats.accepted_drafts == stats.steps == vanilla.steps
             total_vanilla, total_spiffy = total_vanilla + vanilla.nfe, total_spiffy + stats.nfe
     assert total_spiffy < total_vanilla  # the graph does save forwards on these models
+
+
+def test_calibrate_and_dllm_eval_stages(toy_family, tmp_path, capsys):
+    from align.cli import main
+
+    root, _ = toy_family
+    common = [f"drafter.path={root / 'ck' / 'drafter-base'}", f"data.dir={root / 'data'}", "calibrate.block_length=8",
+              "decode.max_new_tokens=16"]
+    assert main(["calibrate", "recipes/tiny/spiffy.yaml", *common, f"calibrate.out={tmp_path}", "calibrate.num_prompts=3",
+                 "calibrate.budget=4"]) == 0
+    graph = DraftGraph.load(tmp_path / "draft_graph.json", block_length=8)
+    assert graph.budget == 4 and graph.meta["num_prompts"] == 3 and graph.meta["prompts"].endswith("train.jsonl")
+    out = tmp_path / "eval"
+    assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={tmp_path / 'draft_graph.json'}",
+                 f"eval.out={out}", "eval.num_prompts=2", "eval.warmup=0", "eval.spiffy_budgets=[2,4]"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert set(result["methods"]) == {"vanilla", "threshold", "spiffy_d2", "threshold_spiffy_d2", "spiffy_d4",
+                                      "threshold_spiffy_d4"}
+    for name, m in result["methods"].items():
+        assert m["exact_match"] == 1.0, name
+        assert m["nfe_reduction"] >= 1.0 and m["nfe"] > 0
+    # A budget the graph cannot serve, and a graph for another block length, are refused before any work.
+    capsys.readouterr()
+    assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={tmp_path / 'draft_graph.json'}",
+                 f"eval.out={out}", "eval.spiffy_budgets=[9]"]) == 2
+    assert "9 is not in 1..4" in capsys.readouterr().err
+    assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={tmp_path / 'draft_graph.json'}",
+                 "calibrate.block_length=16", f"eval.out={out}"]) == 2
+    assert "calibrated for block length 8, decoding uses 16" in capsys.readouterr().err

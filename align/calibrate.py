@@ -1,0 +1,51 @@
+"""`align calibrate`: run vanilla dLLM decoding on 20-50 prompts and write the Spiffy draft graph it implies."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from align.config import Recipe, RecipeError
+from align.decoding.dllm import BlockTrace, dllm_generate
+from align.draft_graph import calibrate
+from align.evaluate import load_prompt_file
+from align.models import load_drafter, load_tokenizer
+
+
+def main(recipe: Recipe, command: str) -> None:
+    c = recipe.calibrate
+    path = c.prompts or str(Path(recipe.data.dir) / "prompts" / "train.jsonl")
+    prompts = load_prompt_file(path, "prompt", "calibrate.prompts")[: c.num_prompts]
+    tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
+    model, spec = load_drafter(recipe.drafter, tokenizer)
+    eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    t0 = time.perf_counter()
+    traces: list[BlockTrace] = []
+    nfe = 0
+    for text in tqdm(prompts, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        if ids.shape[1] + recipe.decode.max_new_tokens > model.config.max_position_embeddings:
+            continue  # calibration only needs typical prompts; an over-long one is skipped, not fatal
+        _, stats = dllm_generate(model, spec, ids, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,
+                                 eos_ids=eos_ids, trace=traces)
+        nfe += stats.nfe
+    if not traces:
+        raise RecipeError(f"calibrate.prompts: no usable prompt in {path}")
+    graph = calibrate(
+        traces, spec.mask_token_id, c.block_length, c.budget, c.tokens_per_step, c.max_position_rank,
+        c.max_token_rank,
+        meta={"model": recipe.drafter.path, "drafter_spec": spec.to_dict(), "num_prompts": len(prompts),
+              "prompts": path, "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+              "max_new_tokens": recipe.decode.max_new_tokens, "vanilla_nfe": nfe,
+              "seconds": round(time.perf_counter() - t0, 1), "command": command},
+    )
+    out = Path(c.out) / "draft_graph.json"
+    graph.save(out)
+    print(f"calibrated {graph.budget} nodes from {len(traces)} blocks of {len(prompts)} prompts in "
+          f"{graph.meta['seconds']} s -> {out}")
+    for k, node in enumerate(graph.nodes):
+        print(f"  node {k}: {sorted(node)}  count {graph.counts[k]}  parents {graph.parents(k)}")
