@@ -38,6 +38,10 @@ STAGES: dict[str, Stage] = {
         "build the tiny embedded family (corpus, prompts, tokenizer, verifier, drafter-base, ar-drafter)",
         "align.bootstrap", ("bootstrap", "data"),
     ),
+    "trajectories": Stage(
+        "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
+        "align.trajectories", ("verifier", "trajectories", "data"), file_keys=("data.train_prompts",),
+    ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
         "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),

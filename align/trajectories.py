@@ -1,0 +1,174 @@
+"""`align trajectories`: the verifier samples completions of training prompts, stored as `datasets` Arrow chunks.
+
+Chunks of `trajectories.batch_size` prompts are spread over ranks (launched with several processes, each takes every
+WORLD_SIZE-th chunk), written atomically, and skipped when already done, so an interrupted run resumes without
+duplicating work. Each chunk's files are checksummed in the manifest; loading checks them and names a corrupted file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from align.config import Recipe, RecipeError, check_inputs
+from align.evaluate import load_prompt_file
+from align.models import load_tokenizer, load_verifier
+
+MANIFEST = "manifest.json"
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes, from the launcher's environment (1 process without one)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def settings_of(recipe: Recipe, prompts: list[str]) -> dict[str, Any]:
+    t = recipe.trajectories
+    return {
+        "verifier": recipe.verifier.path,
+        "temperature": t.temperature, "top_p": t.top_p, "completions_per_prompt": t.completions_per_prompt,
+        "max_new_tokens": t.max_new_tokens, "store_topk": t.store_topk, "batch_size": t.batch_size,
+        "seed": recipe.train.seed, "num_prompts": len(prompts),
+        "prompts_sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
+    }
+
+
+@torch.inference_mode()
+def sample_chunk(verifier: Any, tokenizer: Any, prompts: list[str], recipe: Recipe, seed: int) -> list[dict[str, Any]]:
+    """Completions of a batch of prompts, `completions_per_prompt` each, by HF generate() (batched, left-padded)."""
+    t = recipe.trajectories
+    tokenizer.padding_side = "left"  # generation appends on the right: padding must not sit between prompt and text
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(verifier.device)
+    torch.manual_seed(seed)
+    out = verifier.generate(
+        **batch, do_sample=t.temperature > 0, temperature=t.temperature or None, top_p=t.top_p, top_k=0,
+        max_new_tokens=t.max_new_tokens, num_return_sequences=t.completions_per_prompt,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        output_logits=t.store_topk > 0, return_dict_in_generate=True,
+    )
+    width = batch.input_ids.shape[1]
+    rows = []
+    for r, sequence in enumerate(out.sequences):
+        prompt_row = r // t.completions_per_prompt
+        prompt_ids = batch.input_ids[prompt_row][batch.attention_mask[prompt_row].bool()].tolist()
+        completion = sequence[width:].tolist()
+        if tokenizer.eos_token_id in completion:  # everything after the first EOS is padding
+            completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
+        row: dict[str, Any] = {"prompt_ids": prompt_ids, "completion_ids": completion}
+        if t.store_topk:
+            # The verifier's own distribution (temperature 1, before sampling's warpers), for KD losses.
+            logits = torch.stack([step[r] for step in out.logits[: len(completion)]]).float()
+            top = torch.log_softmax(logits, -1).topk(t.store_topk, dim=-1)
+            row["topk_ids"], row["topk_logprobs"] = top.indices.tolist(), top.values.tolist()
+        rows.append(row)
+    return rows
+
+
+def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) -> None:
+    """Write a chunk atomically: a tmp folder renamed into place once its files and checksums are written."""
+    from datasets import Dataset
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    Dataset.from_list(rows).save_to_disk(str(tmp))
+    checksums = {p.name: _sha256(p) for p in sorted(tmp.glob("*.arrow"))}
+    tokens = sum(len(r["completion_ids"]) for r in rows)
+    (tmp / "chunk.json").write_text(json.dumps({"settings": settings_hash, "rows": len(rows), "tokens": tokens,
+                                                "sha256": checksums}))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def chunk_done(folder: Path, settings_hash: str) -> bool:
+    try:
+        return json.loads((folder / "chunk.json").read_text())["settings"] == settings_hash
+    except (OSError, json.JSONDecodeError, KeyError):
+        return False
+
+
+def load_trajectories(path: str | Path) -> Any:
+    """All chunks as one `datasets.Dataset`, each Arrow file checked against the manifest's checksum first."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        raise RecipeError(f"trajectories.out: {path} has no readable {MANIFEST} (run align trajectories)") from None
+    parts = []
+    for name, files in manifest["chunks"].items():
+        for file, digest in files.items():
+            target = path / "chunks" / name / file
+            if not target.is_file() or _sha256(target) != digest:
+                raise RecipeError(f"trajectories: {target} is missing or corrupted (checksum mismatch); delete "
+                                  f"{target.parent} and rerun align trajectories to regenerate it")
+        parts.append(load_from_disk(str(path / "chunks" / name)))
+    return concatenate_datasets(parts)
+
+
+def main(recipe: Recipe, command: str) -> None:
+    t = recipe.trajectories
+    check_inputs(recipe, model_keys=("verifier.path",))
+    source = recipe.data.train_prompts or str(Path(recipe.data.dir) / "prompts" / "train.jsonl")
+    prompts = load_prompt_file(source, "prompt", "data.train_prompts")[: t.num_prompts]
+    settings = settings_of(recipe, prompts)
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    out = Path(t.out)
+    old = out / MANIFEST
+    if old.is_file() and json.loads(old.read_text()).get("settings_hash") != settings_hash:
+        raise RecipeError(f"trajectories.out: {out} holds trajectories made with other settings; "
+                          "choose another folder or delete it")
+    rank, world = rank_and_world()
+    tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+    verifier = load_verifier(recipe.verifier)
+    starts = list(range(0, len(prompts), t.batch_size))
+    mine = [c for c in range(len(starts)) if c % world == rank]
+    todo = [c for c in mine if not chunk_done(out / "chunks" / f"chunk-{c:05d}", settings_hash)]
+    t0 = time.perf_counter()
+    for c in tqdm(todo, desc=f"trajectories (rank {rank})", unit="chunk", disable=rank != 0, dynamic_ncols=True,
+                  initial=len(mine) - len(todo), total=len(mine)):
+        chunk_prompts = prompts[starts[c] : starts[c] + t.batch_size]
+        rows = sample_chunk(verifier, tokenizer, chunk_prompts, recipe, seed=recipe.train.seed * 1_000_003 + c)
+        for k, row in enumerate(rows):
+            row["prompt_index"] = starts[c] + k // t.completions_per_prompt
+        write_chunk(rows, out / "chunks" / f"chunk-{c:05d}", settings_hash)
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        dist.barrier()  # every rank's chunks are on disk before rank 0 writes the manifest
+    if rank == 0:
+        chunks = {f"chunk-{c:05d}": json.loads((out / "chunks" / f"chunk-{c:05d}" / "chunk.json").read_text())
+                  for c in range(len(starts))}
+        manifest = {"settings_hash": settings_hash, "settings": settings, "prompts": source, "command": command,
+                    "rows": sum(c["rows"] for c in chunks.values()),
+                    "completion_tokens": sum(c["tokens"] for c in chunks.values()),
+                    "chunks": {name: c["sha256"] for name, c in chunks.items()},
+                    "seconds_this_run": round(time.perf_counter() - t0, 1)}
+        tmp = out / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.replace(out / MANIFEST)
+        print(f"trajectories: {manifest['rows']} completions, {manifest['completion_tokens']} tokens -> {out}")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
