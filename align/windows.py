@@ -1,0 +1,157 @@
+"""Training windows for a diffusion drafter, built from verifier trajectories (DESIGN §6).
+
+A window at offset s of `prompt ⊕ completion` is the input `prompt ⊕ completion[:s] ⊕ MASK×γ` with labels
+`completion[s:s+γ]`. A block-causal drafter trains many windows of one sequence in one forward: the clean sequence
+(causal, as the cached context is at draft time) followed by W masked blocks, each attending to the clean tokens
+before its start and to itself, at the positions it replaces. A bidirectional drafter takes one window per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from align.models import DrafterSpec, additive_mask
+
+
+@dataclass
+class WindowBatch:
+    input_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, 1, T, T) additive
+    clean_ids: torch.Tensor  # (B, L) prompt ⊕ completion, right-padded: what the verifier reads
+    starts: torch.Tensor  # (B, W) absolute position of each window's first masked token
+    targets: torch.Tensor  # (B, W, γ) the verifier's tokens
+    target_mask: torch.Tensor  # (B, W, γ) False where a window runs past the completion (or is padding)
+    block_index: torch.Tensor  # (B, W) where each window's masked block sits in input_ids
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.target_mask[..., 0].sum())
+
+
+def pick_starts(prompt_len: int, completion_len: int, gamma: int, windows: int, rng: np.random.Generator) -> list[int]:
+    """Up to `windows` window offsets inside the completion, distinct, chosen at random, sorted."""
+    offsets = np.arange(completion_len)
+    chosen = rng.choice(offsets, size=min(windows, completion_len), replace=False)
+    return sorted(int(prompt_len + s) for s in chosen)
+
+
+def block_causal_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: int, windows: int, pad_id: int,
+                         rng: np.random.Generator, max_len: Optional[int] = None) -> WindowBatch:
+    """Many windows per sequence, one row per trajectory (see the module docstring for the layout)."""
+    seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows]
+    if max_len is not None:
+        seqs = [s[:max_len] for s in seqs]
+    L = max(len(s) for s in seqs)
+    B, T = len(rows), L + windows * gamma
+    clean = torch.full((B, L), pad_id, dtype=torch.long)
+    input_ids = torch.full((B, T), spec.mask_token_id, dtype=torch.long)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    allowed = torch.zeros(B, T, T, dtype=torch.bool)
+    starts = torch.ones(B, windows, dtype=torch.long)
+    block_index = (L + torch.arange(windows) * gamma).expand(B, -1).clone()
+    targets = torch.full((B, windows, gamma), pad_id, dtype=torch.long)
+    target_mask = torch.zeros(B, windows, gamma, dtype=torch.bool)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    for b, (seq, row) in enumerate(zip(seqs, rows)):
+        n, p = len(seq), len(row["prompt_ids"])
+        clean[b, :n] = torch.tensor(seq)
+        input_ids[b, :L] = clean[b]
+        positions[b, :L] = torch.arange(L)
+        allowed[b, :L, :L] = causal
+        for w, start in enumerate(pick_starts(p, max(0, n - p), gamma, windows, rng)):
+            block = slice(L + w * gamma, L + (w + 1) * gamma)
+            positions[b, block] = torch.arange(start, start + gamma)
+            allowed[b, block, :start] = True  # the clean prefix before the window
+            allowed[b, block, block] = True  # and the window itself
+            starts[b, w] = start
+            label = seq[start : start + gamma]
+            targets[b, w, : len(label)] = torch.tensor(label)
+            target_mask[b, w, : len(label)] = True
+        # Unused window slots attend to themselves only, so that no row of the mask is empty (NaN in softmax).
+        for w in range(windows):
+            if not target_mask[b, w, 0]:
+                block = slice(L + w * gamma, L + (w + 1) * gamma)
+                allowed[b, block, block] = True
+    return WindowBatch(input_ids, positions, additive_mask(allowed, torch.float32), clean, starts, targets,
+                       target_mask, block_index)
+
+
+def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: int, windows: int, pad_id: int,
+                          rng: np.random.Generator, max_len: Optional[int] = None) -> WindowBatch:
+    """One window per row, `prefix ⊕ MASK×γ` right-padded; every real token sees every other (padding is hidden)."""
+    seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows]
+    if max_len is not None:
+        seqs = [s[:max_len] for s in seqs]
+    picked = [(b, start) for b, (seq, row) in enumerate(zip(seqs, rows))
+              for start in pick_starts(len(row["prompt_ids"]), max(0, len(seq) - len(row["prompt_ids"])), gamma,
+                                       windows, rng)]
+    L = max(len(s) for s in seqs)
+    R, T = max(1, len(picked)), max(start for _, start in picked) + gamma if picked else gamma
+    input_ids = torch.full((R, T), pad_id, dtype=torch.long)
+    valid = torch.zeros(R, T, dtype=torch.bool)
+    clean = torch.full((R, L), pad_id, dtype=torch.long)
+    starts = torch.ones(R, 1, dtype=torch.long)
+    targets = torch.full((R, 1, gamma), pad_id, dtype=torch.long)
+    target_mask = torch.zeros(R, 1, gamma, dtype=torch.bool)
+    for r, (b, start) in enumerate(picked):
+        seq = seqs[b]
+        input_ids[r, :start] = torch.tensor(seq[:start])
+        input_ids[r, start : start + gamma] = spec.mask_token_id
+        valid[r, : start + gamma] = True
+        clean[r, : len(seq)] = torch.tensor(seq)
+        starts[r, 0] = start
+        label = seq[start : start + gamma]
+        targets[r, 0, : len(label)] = torch.tensor(label)
+        target_mask[r, 0, : len(label)] = True
+    allowed = valid[:, None, :].expand(R, T, T) | torch.eye(T, dtype=torch.bool)  # padding rows see themselves
+    positions = torch.arange(T).expand(R, -1).clone()
+    return WindowBatch(input_ids, positions, additive_mask(allowed, torch.float32), clean, starts, targets,
+                       target_mask, starts.clone())
+
+
+WINDOW_BUILDERS = {"block_causal": block_causal_windows, "bidirectional": bidirectional_windows}
+
+
+def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Tensor:
+    """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec."""
+    mask = batch.attention_mask.to(model.dtype) if model.dtype != torch.float32 else batch.attention_mask
+    hidden = model.get_decoder()(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                 attention_mask=mask).last_hidden_state
+    B, W, gamma = batch.targets.shape
+    width = hidden.shape[-1]
+    index = (batch.block_index[..., None] + torch.arange(gamma)).view(B, -1)  # (B, W·γ)
+    window_hidden = hidden.gather(1, index[..., None].expand(-1, -1, width)).view(B, W, gamma, width)
+    if spec.logits_shift:
+        # Position start+i is predicted at start+i-1: the clean token before the window, then the window's own.
+        before = hidden.gather(1, (batch.starts - 1).clamp_min(0)[..., None].expand(-1, -1, width))
+        window_hidden = torch.cat([before.unsqueeze(2), window_hidden[:, :, :-1]], dim=2)
+    return model.get_output_embeddings()(window_hidden)
+
+
+def verifier_window_logits(verifier: Any, batch: WindowBatch) -> torch.Tensor:
+    """(B, W, γ, V): the verifier's logits at each window position given the true prefix (one forward per row)."""
+    logits = verifier(input_ids=batch.clean_ids).logits  # (B, L, V)
+    B, W, gamma = batch.targets.shape
+    index = (batch.starts[..., None] - 1 + torch.arange(gamma)).clamp(0, logits.shape[1] - 1)  # (B, W, γ)
+    return logits.gather(1, index.view(B, -1, 1).expand(-1, -1, logits.shape[-1])).view(B, W, gamma, -1)
+
+
+def topk_window_logits(rows: list[dict[str, Any]], batch: WindowBatch, vocab: int) -> torch.Tensor:
+    """(B, W, γ, V) verifier logits rebuilt from stored top-k log-probs (−inf elsewhere): the top-k renormalised
+    distribution, an approximation of the verifier's that KD losses use offline."""
+    B, W, gamma = batch.targets.shape
+    out = torch.full((B, W, gamma, vocab), float("-inf"))
+    for b, row in enumerate(rows):
+        p = len(row["prompt_ids"])
+        for w in range(W):
+            for i in range(gamma):
+                if batch.target_mask[b, w, i]:
+                    k = int(batch.starts[b, w]) + i - p  # completion position
+                    out[b, w, i, row["topk_ids"][k]] = torch.tensor(row["topk_logprobs"][k])
+    out[~batch.target_mask] = 0.0  # padding: any finite row (masked out of every loss)
+    return out

@@ -1,0 +1,76 @@
+"""Training windows read exactly what the runtime's drafting helper reads for the same prefix."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from align.models import DrafterSpec, block_logits
+from align.windows import WINDOW_BUILDERS, topk_window_logits, verifier_window_logits, window_logits
+
+VOCAB, MASK, PAD, GAMMA = 40, 39, 38, 4
+ROWS = [
+    {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5, 6, 7, 8, 9, 10]},
+    {"prompt_ids": [11, 12], "completion_ids": [13, 14, 15]},
+]
+
+
+def tiny(bidirectional: bool):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if bidirectional:
+        config.is_causal = False
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+@pytest.mark.parametrize("shift", [0, 1])
+def test_window_logits_match_the_drafting_helper(attention, shift):
+    model = tiny(attention == "bidirectional")
+    spec = DrafterSpec(MASK, shift, attention)
+    batch = WINDOW_BUILDERS[attention](ROWS, spec, GAMMA, 3, PAD, np.random.default_rng(0))
+    with torch.no_grad():
+        got = window_logits(model, spec, batch)
+    checked = 0
+    for b in range(batch.targets.shape[0]):
+        for w in range(batch.targets.shape[1]):
+            if not batch.target_mask[b, w, 0]:
+                continue
+            start = int(batch.starts[b, w])
+            prefix = batch.clean_ids[b, :start][None]
+            with torch.no_grad():
+                expected = block_logits(model, spec, prefix, torch.full((1, GAMMA), MASK))[0]
+            assert torch.allclose(got[b, w], expected, atol=1e-4), (attention, shift, b, w)
+            # Labels are the tokens that follow the prefix.
+            n = int(batch.target_mask[b, w].sum())
+            assert batch.targets[b, w, :n].tolist() == batch.clean_ids[b, start : start + n].tolist()
+            checked += 1
+    assert checked == 6  # 3 windows of the long row, 3 of the short one (its completion has 3 tokens)
+
+
+def test_windows_past_the_completion_are_masked():
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    batch = WINDOW_BUILDERS["block_causal"](ROWS, spec, GAMMA, 3, PAD, np.random.default_rng(1))
+    for w in range(3):
+        start, n = int(batch.starts[1, w]), int(batch.target_mask[1, w].sum())
+        assert n == min(GAMMA, 5 - start)  # the short row has 5 tokens in all
+    assert batch.num_windows == 6
+
+
+def test_verifier_and_topk_window_logits():
+    verifier = tiny(False)
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    batch = WINDOW_BUILDERS["block_causal"](ROWS, spec, GAMMA, 2, PAD, np.random.default_rng(2))
+    with torch.no_grad():
+        full = verifier(input_ids=batch.clean_ids).logits
+        got = verifier_window_logits(verifier, batch)
+    start = int(batch.starts[0, 0])
+    assert torch.allclose(got[0, 0, 1], full[0, start])  # position start+1 is predicted at start
+    # Stored top-k rebuilds a distribution on those tokens only.
+    rows = [dict(r, topk_ids=[[t, (t + 1) % VOCAB] for t in r["completion_ids"]],
+                 topk_logprobs=[[-0.1, -2.5]] * len(r["completion_ids"])) for r in ROWS]
+    dense = topk_window_logits(rows, batch, VOCAB)
+    k = start - 3
+    assert dense[0, 0, 0, ROWS[0]["completion_ids"][k]] == pytest.approx(-0.1)
+    assert torch.isinf(dense[0, 0, 0]).sum() == VOCAB - 2
