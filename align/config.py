@@ -136,6 +136,8 @@ class TrainSection(Section):
     losses: dict[LossName, float] = Field(default_factory=lambda: {"streak": 1.0})
     #: draft length of a training window
     gamma: int = Field(default=16, ge=1)
+    #: windows drawn from each trajectory per step (a block-causal drafter trains them in one forward)
+    windows_per_sequence: int = Field(default=4, ge=1)
     #: offline: stored trajectories; online: verifier labels inside the step; on_policy: drafter proposes, verifier labels
     data_mode: Literal["offline", "online", "on_policy"] = "offline"
     #: optimiser steps
