@@ -31,6 +31,8 @@ class Stage:
     model_keys: tuple[str, ...] = ()
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
+    #: takes the DeepSpeed launcher's options (align train)
+    launcher: bool = False
 
 
 STAGES: dict[str, Stage] = {
@@ -42,15 +44,20 @@ STAGES: dict[str, Stage] = {
         "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
         "align.trajectories", ("verifier", "trajectories", "data"), file_keys=("data.train_prompts",),
     ),
-    "eval": Stage(
-        "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
-        "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
-        file_keys=("eval.prompts", "calibrate.graph"),  # which models it needs depends on the methods: it checks
+    "train": Stage(
+        "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
+        "align.launch", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
+        launcher=True,
     ),
     "calibrate": Stage(
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
         "align.calibrate", ("drafter", "calibrate", "decode", "data"),
         model_keys=("drafter.path",), file_keys=("calibrate.prompts",),
+    ),
+    "eval": Stage(
+        "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
+        "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
+        file_keys=("eval.prompts", "calibrate.graph"),  # which models it needs depends on the methods: it checks
     ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
@@ -70,7 +77,17 @@ def _section_help(sections: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _stage_arguments(parser: argparse.ArgumentParser, stage: Stage) -> None:
+    parser.add_argument("recipe", help="recipe YAML file")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides, validated as the YAML is")
+    if stage.launcher:
+        from align.launch import add_launcher_arguments
+
+        add_launcher_arguments(parser)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser (stages and help) and each stage's own parser."""
     parser = argparse.ArgumentParser(
         prog="align",
         description="Align discrete-diffusion drafters to autoregressive verifiers for speculative decoding.",
@@ -80,12 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="stage", metavar="<stage>", title="stages")
     sub.required = True
+    stage_parsers = {}
     for name, stage in STAGES.items():
         p = sub.add_parser(name, help=stage.help, description=stage.help, epilog=_section_help(stage.sections),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("recipe", help="recipe YAML file")
-        p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides, validated as the YAML is")
-    return parser
+        _stage_arguments(p, stage)
+        stage_parsers[name] = p
+    return parser, stage_parsers
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:
@@ -103,7 +121,12 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser, stage_parsers = build_parser()
+    if not argv or argv[0] not in STAGES:
+        parser.parse_args(argv)  # help, or argparse's own error for an unknown stage (exit 2)
+    # Per stage, options may come between overrides (`align train r.yaml a=1 --num_gpus 2 b=2`).
+    args = stage_parsers[argv[0]].parse_intermixed_args(argv[1:])
+    args.stage = argv[0]
     stage = STAGES[args.stage]
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -114,6 +137,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if stage.module is None:
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
+    if stage.launcher:
+        from align.launch import run
+
+        return run(args)
     try:
         importlib.import_module(stage.module).main(recipe, shlex.join(["align", *argv]))
     except RecipeError as e:  # a problem only the stage can see (e.g. a model's spec); still before any writing

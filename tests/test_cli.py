@@ -70,3 +70,16 @@ def test_validate_prints_the_resolved_recipe():
 def test_deepspeed_local_rank_is_ignored():
     assert strip_launcher_args(["r.yaml", "--local_rank=1", "a.b=1"]) == ["r.yaml", "a.b=1"]
     assert strip_launcher_args(["r.yaml", "--local_rank", "0", "a.b=1"]) == ["r.yaml", "a.b=1"]
+
+
+def test_train_forwards_launcher_options():
+    from align.launch import TRAIN_SCRIPT, deepspeed_command
+
+    cmd = deepspeed_command("r.yaml", ["train.lr=1e-4"], num_gpus=8, num_nodes=2, hostfile="hosts",
+                            master_addr="10.0.0.1", master_port=29600)
+    assert cmd[0].endswith("deepspeed")
+    assert cmd[1:] == ["--num_gpus", "8", "--num_nodes", "2", "--hostfile", "hosts", "--master_addr", "10.0.0.1",
+                       "--master_port", "29600", str(TRAIN_SCRIPT), "r.yaml", "train.lr=1e-4"]
+    assert deepspeed_command("r.yaml", [])[1:] == [str(TRAIN_SCRIPT), "r.yaml"]
+    result = align("train", "recipes/tiny/align.yaml", "train.zero_stage=5", "--num_gpus", "2")
+    assert result.returncode == 2 and "train.zero_stage: Input should be 0, 1, 2 or 3" in result.stderr

@@ -1,0 +1,55 @@
+"""`align train`: validate the recipe, then run `align/train.py` under the DeepSpeed launcher (or in-process for a
+single local process, which needs no launcher)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """The DeepSpeed launcher's options that `align train` forwards."""
+    group = parser.add_argument_group("launcher (forwarded to the deepspeed runner)")
+    group.add_argument("--num_gpus", type=int, default=None, help="processes per node (CPU: ranks on gloo)")
+    group.add_argument("--num_nodes", type=int, default=None, help="nodes to use from the hostfile")
+    group.add_argument("--hostfile", default=None, help="MPI-style hostfile: 'host slots=N' per line")
+    group.add_argument("--master_addr", default=None, help="address of rank 0 (multi-node)")
+    group.add_argument("--master_port", type=int, default=None, help="port of rank 0")
+
+
+def deepspeed_command(recipe: str, overrides: list[str], num_gpus: Optional[int] = None,
+                      num_nodes: Optional[int] = None, hostfile: Optional[str] = None,
+                      master_addr: Optional[str] = None, master_port: Optional[int] = None) -> list[str]:
+    """The deepspeed runner's command line for this recipe; None options are left to the runner's defaults."""
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    cmd = [launcher]
+    for flag, value in (("--num_gpus", num_gpus), ("--num_nodes", num_nodes), ("--hostfile", hostfile),
+                        ("--master_addr", master_addr), ("--master_port", master_port)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd + [str(TRAIN_SCRIPT), recipe, *overrides]
+
+
+def single_local_process(args: argparse.Namespace) -> bool:
+    return (args.num_gpus in (None, 1)) and args.num_nodes in (None, 1) and args.hostfile is None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch training; returns its exit status."""
+    if single_local_process(args):
+        from align.train import main as train_main
+
+        return train_main([args.recipe, *args.overrides])
+    cmd = deepspeed_command(args.recipe, args.overrides, args.num_gpus, args.num_nodes, args.hostfile,
+                            args.master_addr, args.master_port)
+    print("align train:", " ".join(cmd), flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores
+    return subprocess.call(cmd, env=env)
