@@ -43,6 +43,13 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     wall_s: float = 0.0
+    started: float = 0.0  # perf_counter() when the generation began
+
+    def record(self, num_accepted: int, draft_len: int) -> None:
+        """One iteration: a verifier forward that kept `num_accepted` of `draft_len` draft tokens."""
+        self.verifier_forwards += 1
+        self.accept_counts.append(num_accepted)
+        self.draft_lengths.append(draft_len)
 
     @property
     def tau(self) -> float:
@@ -77,6 +84,24 @@ def prefill(verifier: PreTrainedModel, prompt_ids: torch.Tensor) -> tuple[torch.
     return logits[-1], cache
 
 
+def start(verifier: PreTrainedModel, prompt_ids: torch.Tensor, sampling: Sampling,
+          generator: Optional[torch.Generator]) -> tuple[GenerationStats, DynamicCache, list[int]]:
+    """What every method begins with: the prompt's prefill and the first new token. Starts the stats' clock."""
+    stats = GenerationStats(started=time.perf_counter())
+    logits, cache = prefill(verifier, prompt_ids)
+    stats.prefill_s = time.perf_counter() - stats.started
+    return stats, cache, [sampling.pick(logits, generator)]
+
+
+def finish(stats: GenerationStats, tokens: list[int], max_new_tokens: int,
+           eos_ids: frozenset[int]) -> tuple[list[int], GenerationStats]:
+    """What every method ends with: AR decoding's stopping rule applied to the tokens, and the clock stopped."""
+    tokens = truncate(tokens, max_new_tokens, eos_ids)
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - stats.started
+    return tokens, stats
+
+
 def finished(tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> bool:
     """Enough tokens, or an end-of-sequence token anywhere (a method may emit several tokens past it at once)."""
     return len(tokens) >= max_new_tokens or not eos_ids.isdisjoint(tokens)
@@ -101,18 +126,11 @@ def ar_generate(
     generator: Optional[torch.Generator] = None,
 ) -> tuple[list[int], GenerationStats]:
     """The baseline: one verifier forward per token, KV-cached. prompt_ids: (1, n). Returns new tokens and stats."""
-    stats = GenerationStats()
-    t0 = time.perf_counter()
-    logits, cache = prefill(verifier, prompt_ids)
-    stats.prefill_s = time.perf_counter() - t0
-    tokens = [sampling.pick(logits, generator)]
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
     while not finished(tokens, max_new_tokens, eos_ids):
         logits = verifier_forward(verifier, prompt_ids.new_tensor([[tokens[-1]]]), cache)[-1]
-        stats.verifier_forwards += 1
-        stats.accept_counts.append(0)
-        stats.draft_lengths.append(0)
+        stats.record(0, 0)
         tokens.append(sampling.pick(logits, generator))
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - t0
+    tokens, stats = finish(stats, tokens, max_new_tokens, eos_ids)
     stats.verify_s = stats.wall_s - stats.prefill_s
     return tokens, stats

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from align.decoding.acceptance import accept_greedy, accept_sampled
-from align.decoding.ar import GenerationStats, Sampling, finished, prefill, truncate, verifier_forward
+from align.decoding.ar import GenerationStats, Sampling, finish, finished, start, verifier_forward
 
 
 @torch.inference_mode()
@@ -50,11 +50,7 @@ def sd_ar_generate(
 ) -> tuple[list[int], GenerationStats]:
     """Speculative decoding with an AR drafter. prompt_ids: (1, n). Greedy output equals AR greedy exactly."""
     draft_sampling = draft_sampling or sampling
-    stats = GenerationStats()
-    t0 = time.perf_counter()
-    logits, cache = prefill(verifier, prompt_ids)
-    stats.prefill_s = time.perf_counter() - t0
-    tokens = [sampling.pick(logits, generator)]
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
     draft_cache = DynamicCache(config=drafter.config)
     while not finished(tokens, max_new_tokens, eos_ids):
         draft_len = min(gamma, max_new_tokens - len(tokens))
@@ -74,13 +70,7 @@ def sd_ar_generate(
         cache.crop(-(draft_len - num_accepted))
         # The drafter's cache covers context ⊕ draft[:-1]; keep only what was accepted.
         draft_cache.crop(-max(0, draft_len - 1 - num_accepted))
-        stats.verifier_forwards += 1
         stats.verify_s += time.perf_counter() - t_verify
-
+        stats.record(num_accepted, draft_len)
         tokens += [*draft[:num_accepted].tolist(), next_token]
-        stats.accept_counts.append(num_accepted)
-        stats.draft_lengths.append(draft_len)
-    tokens = truncate(tokens, max_new_tokens, eos_ids)
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - t0
-    return tokens, stats
+    return finish(stats, tokens, max_new_tokens, eos_ids)

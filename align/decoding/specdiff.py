@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from align.decoding.acceptance import accept_greedy, accept_point_mass, accept_sampled
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import GenerationStats, Sampling, finished, prefill, truncate, verifier_forward
+from align.decoding.ar import GenerationStats, Sampling, finish, finished, start, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
 from align.models import DrafterContext, DrafterSpec, block_logits
 
@@ -39,11 +39,8 @@ def specdiff_generate(
     the point-mass rule when sampling. adaptive (DiffuSpec ADL): the draft length follows `adaptive` instead of γ.
     """
     draft_sampling = draft_sampling or sampling
-    stats = GenerationStats()
-    t0 = time.perf_counter()
-    logits, cache = prefill(verifier, prompt_ids)  # invariant: the cache covers every token but the newest one
-    stats.prefill_s = time.perf_counter() - t0
-    tokens = [sampling.pick(logits, generator)]
+    # Invariant: the verifier's cache covers every token but the newest one.
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
     # A block-causal drafter keeps an exact context cache that only ever grows: drafts never enter it.
     state: Optional[DrafterContext] = DrafterContext.empty(drafter) if spec.attention == "block_causal" else None
     while not finished(tokens, max_new_tokens, eos_ids):
@@ -77,15 +74,9 @@ def specdiff_generate(
         else:
             num_accepted, next_token = accept_sampled(draft, draft_probs, sampling.probs(verify_logits), generator)
         cache.crop(-(len(draft) - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
-        stats.verifier_forwards += 1
         stats.verify_s += time.perf_counter() - t_verify
-
+        stats.record(num_accepted, len(draft))
         tokens += [*draft[:num_accepted].tolist(), next_token]
-        stats.accept_counts.append(num_accepted)
-        stats.draft_lengths.append(len(draft))
         if adaptive is not None:
             adaptive.update(raw_draft, num_accepted, eos_ids)
-    tokens = truncate(tokens, max_new_tokens, eos_ids)
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - t0
-    return tokens, stats
+    return finish(stats, tokens, max_new_tokens, eos_ids)

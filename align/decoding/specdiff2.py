@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from align.decoding.acceptance import accept_multi_candidate
-from align.decoding.ar import GenerationStats, Sampling, finished, prefill, truncate
+from align.decoding.ar import GenerationStats, Sampling, finish, finished, start
 from align.models import DrafterContext, DrafterSpec, block_logits
 
 
@@ -35,11 +35,8 @@ def specdiff2_select_generate(
     verifier's argmax, so any candidate set is lossless there, and the argmax one makes τ at least SpecDiff's.
     """
     draft_sampling = Sampling(temperature=draft_temperature)
-    stats = GenerationStats()
-    t0 = time.perf_counter()
-    logits, cache = prefill(verifier, prompt_ids)  # invariant: the cache covers every token but the newest one
-    stats.prefill_s = time.perf_counter() - t0
-    tokens = [sampling.pick(logits, generator)]
+    # Invariant: the verifier's cache covers every token but the newest one.
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
     state: Optional[DrafterContext] = DrafterContext.empty(drafter) if spec.attention == "block_causal" else None
     while not finished(tokens, max_new_tokens, eos_ids):
         draft_len = min(gamma, max_new_tokens - len(tokens))
@@ -56,23 +53,17 @@ def specdiff2_select_generate(
         stats.draft_s += time.perf_counter() - t_draft
 
         t_verify = time.perf_counter()
-        start = cache.get_seq_length()
+        cached = cache.get_seq_length()
         cache.batch_repeat_interleave(num_candidates)
         inputs = torch.cat([context[:, -1:].expand(num_candidates, 1), candidates], dim=1)  # (K, γ + 1)
-        positions = torch.arange(start, start + draft_len + 1).expand(num_candidates, -1)
+        positions = torch.arange(cached, cached + draft_len + 1).expand(num_candidates, -1)
         verify_logits = verifier(input_ids=inputs, position_ids=positions, cache=cache, use_cache=True).logits
         num_accepted, next_token, chosen = accept_multi_candidate(
             candidates, draft_probs, sampling.probs(verify_logits), generator
         )
         cache.batch_select_indices(torch.tensor([chosen]))
         cache.crop(-(draft_len - num_accepted))
-        stats.verifier_forwards += 1
         stats.verify_s += time.perf_counter() - t_verify
-
+        stats.record(num_accepted, draft_len)
         tokens += [*candidates[chosen, :num_accepted].tolist(), next_token]
-        stats.accept_counts.append(num_accepted)
-        stats.draft_lengths.append(draft_len)
-    tokens = truncate(tokens, max_new_tokens, eos_ids)
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - t0
-    return tokens, stats
+    return finish(stats, tokens, max_new_tokens, eos_ids)
