@@ -49,6 +49,10 @@ STAGES: dict[str, Stage] = {
         "align.launch", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
         launcher=True,
     ),
+    "gkd": Stage(
+        "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
+        "align.gkd", ("verifier", "ar_drafter", "trajectories", "gkd"), model_keys=("verifier.path", "ar_drafter.path"),
+    ),
     "calibrate": Stage(
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
         "align.calibrate", ("drafter", "calibrate", "decode", "data"),

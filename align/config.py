@@ -164,6 +164,23 @@ class TrainSection(Section):
     eval_every: int = Field(default=50, ge=1)
 
 
+class GkdSection(Section):
+    """The DistillSpec baseline: the AR drafter distilled from the verifier with TRL's GKD trainer."""
+
+    #: run folder; the distilled drafter lands in <out>/final
+    out: str = "checkpoints/tiny-gkd"
+    #: probability of training on the drafter's own samples (on-policy; DistillSpec's lesson)
+    lmbda: float = Field(default=0.5, ge=0.0, le=1.0)
+    #: generalised JSD interpolation: 0 forward KL, 1 reverse KL
+    beta: float = Field(default=0.5, ge=0.0, le=1.0)
+    max_steps: int = Field(default=100, ge=1)
+    lr: float = Field(default=1e-4, gt=0.0)
+    batch_size: int = Field(default=8, ge=1)
+    #: length of the drafter's on-policy samples
+    max_new_tokens: int = Field(default=64, ge=1)
+    seed: int = 0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # decoding, calibration, evaluation, export
 # --------------------------------------------------------------------------------------------------------------------
@@ -357,6 +374,7 @@ class Recipe(Section):
     data: DataSection = DataSection()
     trajectories: TrajectoriesSection = TrajectoriesSection()
     train: TrainSection = TrainSection()
+    gkd: GkdSection = GkdSection()
     decode: DecodeSection = DecodeSection()
     calibrate: CalibrateSection = CalibrateSection()
     eval: EvalSection = EvalSection()

@@ -128,3 +128,16 @@ def test_lora_and_full_fine_tuning_save_loadable_merged_folders(trajectories, tm
     meta = json.loads((out / "step_2" / "meta.json").read_text())
     assert meta["step"] == 2 and "expected_streak" in meta["metrics"] and "fkl" in meta["metrics"]
     assert merged.config.drafter_spec["attention"] == "block_causal"
+
+
+def test_gkd_baseline_distils_the_ar_drafter(trajectories, tmp_path):
+    root, traj = trajectories
+    out = tmp_path / "gkd"
+    assert align(["gkd", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
+                  f"ar_drafter.path={root / 'ck' / 'ar-drafter'}", f"trajectories.out={traj}", f"gkd.out={out}",
+                  "gkd.max_steps=3", "gkd.batch_size=4", "gkd.max_new_tokens=6", "gkd.lr=1e-2"]) == 0
+    distilled = AutoModelForCausalLM.from_pretrained(out / "final")
+    base = AutoModelForCausalLM.from_pretrained(root / "ck" / "ar-drafter")
+    assert any(not torch.allclose(p.float(), q.float()) for p, q in zip(distilled.parameters(), base.parameters()))
+    log = json.loads((out / "final" / "meta.json").read_text())["log"]
+    assert any("loss" in entry for entry in log)

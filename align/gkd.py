@@ -1,0 +1,74 @@
+"""`align gkd`: the DistillSpec baseline, the AR drafter distilled from the verifier with TRL's GKD trainer.
+
+It reads the same trajectories as `align/train.py`, so that an aligned diffusion drafter and an aligned AR drafter
+are compared on equal data. TRL's trainer owns the loop (generalised JSD, on-policy samples with probability lmbda);
+this module only adapts the trajectories to it and saves the result as a plain HF folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from align.config import Recipe, check_inputs
+from align.models import load_tokenizer
+
+
+class TrajectoryCollator:
+    """Trajectory rows -> the batch GKD expects: prompt ⊕ completion (labels on the completion only), plus the
+    left-padded prompts it samples on-policy continuations from."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
+        width, prompt_width = max(map(len, seqs)), max(len(r["prompt_ids"]) for r in rows)
+        batch = {k: torch.full((len(rows), width), v, dtype=torch.long) for k, v in
+                 (("input_ids", self.pad_id), ("attention_mask", 0), ("labels", -100))}
+        prompts = torch.full((len(rows), prompt_width), self.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros(len(rows), prompt_width, dtype=torch.long)
+        for b, (seq, row) in enumerate(zip(seqs, rows)):
+            p = len(row["prompt_ids"])
+            batch["input_ids"][b, : len(seq)] = torch.tensor(seq)
+            batch["attention_mask"][b, : len(seq)] = 1
+            batch["labels"][b, p : len(seq)] = torch.tensor(row["completion_ids"])
+            prompts[b, prompt_width - p :] = torch.tensor(row["prompt_ids"])  # left-padded: generation appends
+            prompt_mask[b, prompt_width - p :] = 1
+        return {**batch, "prompts": prompts, "prompt_attention_mask": prompt_mask}
+
+
+def main(recipe: Recipe, command: str) -> None:
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from align.trajectories import load_trajectories
+
+    check_inputs(recipe, model_keys=("verifier.path", "ar_drafter.path"))
+    g = recipe.gkd
+    data = load_trajectories(recipe.trajectories.out)
+    tokenizer = load_tokenizer(recipe.ar_drafter.path)
+    student = AutoModelForCausalLM.from_pretrained(recipe.ar_drafter.path, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(recipe.verifier.path, dtype=torch.float32)
+    out = Path(g.out)
+    args = GKDConfig(
+        output_dir=str(out), max_steps=g.max_steps, learning_rate=g.lr, per_device_train_batch_size=g.batch_size,
+        lmbda=g.lmbda, beta=g.beta, max_new_tokens=g.max_new_tokens, seed=g.seed, report_to=[], save_strategy="no",
+        logging_steps=max(1, g.max_steps // 20), use_cpu=not torch.cuda.is_available(), bf16=False,
+    )
+    trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,
+                         data_collator=TrajectoryCollator(tokenizer.pad_token_id), processing_class=tokenizer)
+    trainer.train()
+    final, tmp = out / "final", out / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "meta.json").write_text(json.dumps({"command": command, "recipe": recipe.to_dict(),
+                                               "log": trainer.state.log_history}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    print(f"gkd: distilled AR drafter -> {final}")
