@@ -33,6 +33,8 @@ class Stage:
     file_keys: tuple[str, ...] = ()
     #: takes the DeepSpeed launcher's options (align train)
     launcher: bool = False
+    #: command-line flags that are sugar for recipe overrides: flag -> recipe key
+    flags: tuple[tuple[str, str], ...] = ()
 
 
 STAGES: dict[str, Stage] = {
@@ -63,6 +65,12 @@ STAGES: dict[str, Stage] = {
         "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
         file_keys=("eval.prompts", "calibrate.graph"),  # which models it needs depends on the methods: it checks
     ),
+    "export": Stage(
+        "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
+        "align.export", ("drafter", "verifier", "calibrate", "export"),
+        flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
+               ("--commit-message", "export.commit_message")),
+    ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
         None, tuple(name for name in Recipe.model_fields if name != "name"),
@@ -88,6 +96,8 @@ def _stage_arguments(parser: argparse.ArgumentParser, stage: Stage) -> None:
         from align.launch import add_launcher_arguments
 
         add_launcher_arguments(parser)
+    for flag, key in stage.flags:
+        parser.add_argument(flag, dest=key, default=None, metavar="VALUE", help=f"same as {key}=VALUE")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -132,8 +142,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = stage_parsers[argv[0]].parse_intermixed_args(argv[1:])
     args.stage = argv[0]
     stage = STAGES[args.stage]
+    overrides = list(args.overrides) + [f"{key}={getattr(args, key)}" for _, key in stage.flags
+                                        if getattr(args, key) is not None]
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, overrides)
         check_inputs(recipe, stage.model_keys, stage.file_keys)
     except RecipeError as e:
         print(f"align {args.stage}: error: {e}", file=sys.stderr)

@@ -277,8 +277,15 @@ class ExportSection(Section):
     #: Hub-ready output folder
     out: str = "checkpoints/tiny-export"
     #: org/name on the Hub; None: local folder only
-    push_to_hub: Optional[str] = None
+    push_to_hub: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
     private: bool = True
+    #: branch to push to (created when missing)
+    revision: str = "main"
+    commit_message: str = "Upload drafter aligned with align"
+    #: eval.json whose numbers go into the model card; None: none
+    eval: Optional[str] = None
+    #: license in the model card's metadata
+    license: str = "apache-2.0"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""`align export`: a Hub-ready folder for an aligned drafter, with the numbers that justify it; optionally pushed.
+
+The folder holds the merged weights, `config.json` with the DrafterSpec under `drafter_spec`, the tokenizer,
+`draft_graph.json` when a Spiffy graph was calibrated, `eval.json`, and a model card whose table comes from eval.json.
+It loads with `transformers` alone. Pushing uses `huggingface_hub`; the local folder is written first and kept
+whatever happens to the upload.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from align.config import Recipe, RecipeError, check_file, check_inputs, hub_offline
+
+EXIT_UPLOAD_FAILED = 1
+
+
+def hub_token() -> Optional[str]:
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def check_push(recipe: Recipe) -> None:
+    """Refuse a push that cannot happen, before any work."""
+    if recipe.export.push_to_hub is None:
+        return
+    if hub_offline():
+        raise RecipeError("export.push_to_hub: the Hub is offline (HF_HUB_OFFLINE=1); unset it to push")
+    if not hub_token():
+        raise RecipeError("export.push_to_hub: no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+
+
+def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optional[dict[str, Any]], recipe: Recipe,
+               command: str, base_model: str) -> str:
+    spec = config.get("drafter_spec", {})
+    front = [
+        "---", f"license: {recipe.export.license}", "library_name: transformers", "pipeline_tag: text-generation",
+        f"base_model: {base_model}", "tags:", "- speculative-decoding", "- diffusion-drafter", "- align", "---", "",
+    ]
+    body = [
+        f"# {recipe.export.push_to_hub or Path(recipe.export.out).name}", "",
+        f"A discrete-diffusion drafter for speculative decoding with **{recipe.verifier.path}** as the verifier, "
+        f"aligned with align from `{base_model}`.", "",
+        f"DrafterSpec: mask token id {spec.get('mask_token_id')}, logits shift {spec.get('logits_shift')}, "
+        f"attention `{spec.get('attention')}` (stored in `config.json` under `drafter_spec`).", "",
+    ]
+    if evaluation:
+        m = evaluation.get("meta", {})
+        body += [f"## Measured ({m.get('num_prompts', '?')} prompts from {m.get('prompts', '?')}, temperature 0, "
+                 f"{m.get('machine', {}).get('processor', '?')}; speedup vs the {m.get('baseline', 'AR baseline')})", "",
+                 "| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy |", "|---|---|---|---|"]
+        for name, r in evaluation["methods"].items():
+            body.append(f"| {name} | {r['tau']:.2f} | {r['speedup']:.2f}× | {r['exact_match']} |")
+        body.append("")
+    if meta:
+        losses = meta.get("recipe", {}).get("train", {}).get("losses")
+        body += ["## Training", "", f"Step {meta.get('step')} of `{meta.get('drafter_base', base_model)}` aligned "
+                 f"with losses {losses} on trajectories of the verifier.", ""]
+    body += ["## Reproduce", "", "```bash", command, "```", "",
+             "## Use", "", "```python", "from transformers import AutoModelForCausalLM",
+             f"drafter = AutoModelForCausalLM.from_pretrained(\"{recipe.export.push_to_hub or 'THIS_FOLDER'}\")",
+             "spec = drafter.config.drafter_spec  # mask_token_id, logits_shift, attention", "```", ""]
+    return "\n".join(front + body)
+
+
+def build_folder(recipe: Recipe, command: str, out: Path) -> None:
+    """Write the export folder atomically (a tmp folder renamed into place)."""
+    from align.models import drafter_spec_from_config, load_tokenizer
+
+    source = Path(recipe.drafter.path)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if (source / "adapter_config.json").is_file():
+        raise RecipeError(f"drafter.path: {source} is a LoRA adapter; export a merged step_<N> folder from align train")
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", "*.tmp"))
+    config = json.loads((tmp / "config.json").read_text())
+    if "drafter_spec" not in config:
+        from transformers import AutoConfig
+
+        spec = drafter_spec_from_config(AutoConfig.from_pretrained(source), load_tokenizer(str(source)),
+                                        recipe.drafter.mask_token_id, recipe.drafter.logits_shift,
+                                        recipe.drafter.attention)
+        config["drafter_spec"] = spec.to_dict()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if recipe.calibrate.graph:
+        shutil.copy2(recipe.calibrate.graph, tmp / "draft_graph.json")
+    evaluation = None
+    if recipe.export.eval:
+        evaluation = json.loads(Path(recipe.export.eval).read_text())
+        shutil.copy2(recipe.export.eval, tmp / "eval.json")
+    meta = json.loads((source / "meta.json").read_text()) if (source / "meta.json").is_file() else {}
+    base_model = meta.get("drafter_base") or str(source)
+    (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def push(folder: Path, recipe: Recipe) -> None:
+    from huggingface_hub import HfApi
+
+    e = recipe.export
+    api = HfApi()
+    api.create_repo(e.push_to_hub, private=e.private, exist_ok=True)
+    if e.revision != "main":
+        api.create_branch(e.push_to_hub, branch=e.revision, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=e.push_to_hub, revision=e.revision,
+                      commit_message=e.commit_message)
+
+
+def main(recipe: Recipe, command: str) -> None:
+    check_inputs(recipe, model_keys=("drafter.path",))
+    check_file("calibrate.graph", recipe.calibrate.graph)
+    check_file("export.eval", recipe.export.eval)
+    check_push(recipe)
+    out = Path(recipe.export.out)
+    build_folder(recipe, command, out)
+    print(f"export: {out}")
+    if recipe.export.push_to_hub is None:
+        return
+    try:
+        push(out, recipe)
+    except Exception as e:  # the upload can fail in many ways (network, permissions, quota); all end the same way
+        print(f"align export: upload to {recipe.export.push_to_hub} failed ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); the folder {out} is intact: rerun the same command to "
+              "retry", file=sys.stderr)
+        raise SystemExit(EXIT_UPLOAD_FAILED) from None
+    print(f"export: pushed to {recipe.export.push_to_hub} ({recipe.export.revision})")

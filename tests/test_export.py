@@ -1,0 +1,111 @@
+"""`align export`: a folder that loads with transformers alone and decodes identically; pushes to a local Hub."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from align.cli import main
+from align.decoding.specdiff import specdiff_generate
+from align.models import DrafterSpec
+from hub_server import FakeHub
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def exported(toy_family, tmp_path_factory):
+    root, _ = toy_family
+    tmp = tmp_path_factory.mktemp("export")
+    ck = root / "ck"
+    common = [f"verifier.path={ck / 'verifier'}", f"drafter.path={ck / 'drafter-base'}", f"data.dir={root / 'data'}"]
+    assert main(["eval", "recipes/tiny/eval.yaml", *common, f"ar_drafter.path={ck / 'ar-drafter'}",
+                 f"eval.out={tmp / 'eval'}", "eval.num_prompts=2", "decode.max_new_tokens=8", "eval.warmup=0",
+                 "eval.methods=[specdiff]", "eval.sampling_temperature=0"]) == 0
+    args = ["export", "recipes/tiny/align.yaml", *common, f"export.out={tmp / 'out'}",
+            f"export.eval={tmp / 'eval' / 'eval.json'}"]
+    assert main(args) == 0
+    return root, tmp / "out", args
+
+
+def test_folder_contents_and_model_card(exported):
+    _, out, _ = exported
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "eval.json"} <= names
+    config = json.loads((out / "config.json").read_text())
+    assert config["drafter_spec"]["attention"] == "block_causal"
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlicense: apache-2.0\nlibrary_name: transformers")
+    tau = json.loads((out / "eval.json").read_text())["methods"]["specdiff"]["tau"]
+    assert f"| specdiff | {tau:.2f} |" in card and "align export recipes/tiny/align.yaml" in card
+
+
+def test_loads_in_a_fresh_process_and_decodes_identically(exported):
+    root, out, _ = exported
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+            "print(m.config.drafter_spec['mask_token_id'], m(torch.arange(10)[None]).logits.sum().item())")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    fresh = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    original = AutoModelForCausalLM.from_pretrained(root / "ck" / "drafter-base")
+    mask_id, total = fresh.stdout.split()
+    assert int(mask_id) == original.config.drafter_spec["mask_token_id"]
+    assert float(total) == pytest.approx(original(torch.arange(10)[None]).logits.sum().item(), rel=1e-6)
+    verifier = AutoModelForCausalLM.from_pretrained(root / "ck" / "verifier", dtype=torch.float32)
+    spec = DrafterSpec(**original.config.drafter_spec)
+    copy = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    a = specdiff_generate(verifier, original.float(), spec, prompt, 4, 16)
+    b = specdiff_generate(verifier, copy, spec, prompt, 4, 16)
+    assert a[0] == b[0] and a[1].accept_counts == b[1].accept_counts
+
+
+def push(args, hub, token="hf_fake"):
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HOME": str(Path(args[-1].split("=", 1)[1]).parent / "hf_home")}
+    env.pop("HF_TOKEN", None)
+    if token:
+        env["HF_TOKEN"] = token
+    return subprocess.run([sys.executable, "-m", "align", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_push_to_a_local_hub(exported, tmp_path):
+    _, _, args = exported
+    out = tmp_path / "pushed"
+    with FakeHub() as hub:
+        result = push([*args[:-2], args[-1], "--push-to-hub", "me/tiny-drafter", "--revision", "v1",
+                       f"export.out={out}"], hub)
+        assert result.returncode == 0, result.stderr[-2000:]
+        repo = hub.repos["me/tiny-drafter"]
+        assert repo["private"] is True
+        files = repo["branches"]["v1"]
+        assert {"model.safetensors", "config.json", "README.md", "eval.json"} <= set(files)
+        assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
+
+
+def test_no_token_is_refused_before_any_work(exported, tmp_path):
+    _, _, args = exported
+    out = tmp_path / "never"
+    with FakeHub() as hub:
+        result = push([*args[:-2], args[-1], "--push-to-hub", "me/x", f"export.out={out}"], hub, token=None)
+        assert hub.requests == []
+    assert result.returncode == 2 and "no Hugging Face token" in result.stderr
+    assert not out.exists()
+
+
+def test_failed_upload_keeps_the_folder(exported, tmp_path):
+    _, _, args = exported
+    out = tmp_path / "kept"
+    with FakeHub() as hub:
+        hub.fail_commits = True
+        result = push([*args[:-2], args[-1], "--push-to-hub", "me/y", f"export.out={out}"], hub)
+    assert result.returncode == 1 and "is intact: rerun the same command to retry" in result.stderr
+    assert (out / "model.safetensors").is_file()
+    AutoModelForCausalLM.from_pretrained(out)
