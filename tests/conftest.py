@@ -26,3 +26,17 @@ def toy_family(tmp_path_factory):
     args = ["bootstrap", "recipes/tiny/bootstrap.yaml", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}", *TOY]
     assert main(args) == 0
     return root, args
+
+
+@pytest.fixture(scope="session")
+def toy_trajectories(toy_family, tmp_path_factory):
+    """(root, trajectories folder): verifier completions of 24 toy prompts, with top-8 log-probs."""
+    from align.cli import main
+
+    root, _ = toy_family
+    out = tmp_path_factory.mktemp("traj")
+    assert main(["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
+                 f"data.dir={root / 'data'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
+                 "trajectories.batch_size=8", "trajectories.completions_per_prompt=2",
+                 "trajectories.max_new_tokens=12", "trajectories.store_topk=8"]) == 0
+    return root, out

@@ -19,14 +19,8 @@ DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 
 @pytest.fixture(scope="module")
-def trajectories(toy_family, tmp_path_factory):
-    root, _ = toy_family
-    out = tmp_path_factory.mktemp("traj")
-    assert align(["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
-                  f"data.dir={root / 'data'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
-                  "trajectories.batch_size=8", "trajectories.completions_per_prompt=2",
-                  "trajectories.max_new_tokens=12", "trajectories.store_topk=8"]) == 0
-    return root, out
+def trajectories(toy_trajectories):
+    return toy_trajectories
 
 
 def overrides(trajectories, out, *extra):
