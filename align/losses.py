@@ -64,9 +64,9 @@ def ce_streak(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Ten
 
     Its gradient points where streak's does but does not vanish when q(x_j) is small, so it trains from far away.
     """
-    log_q = _target_log_probs(draft_logits, targets, mask)
-    reach = torch.exp(torch.cumsum(log_q, dim=-1) - log_q).detach()  # Π_{i<j} q(x_i); 0 past padding
-    return -(reach * log_q.masked_fill(~mask, 0.0)).sum() / num_windows
+    log_q = _target_log_probs(draft_logits, targets, mask).masked_fill(~mask, 0.0)  # padding contributes nothing
+    reach = torch.exp(torch.cumsum(log_q, dim=-1) - log_q).detach()  # Π_{i<j} q(x_i), an exclusive product
+    return -(reach * log_q).sum() / num_windows
 
 
 def streak_tv(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *,

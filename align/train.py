@@ -67,7 +67,7 @@ def rows_at(position: int, count: int, seed: int, n_rows: int) -> list[int]:
 
 
 def compute_losses(model: Any, spec: Any, batch: Any, rows: list[dict], recipe: Any, verifier: Any,
-                   num_windows: int, num_tokens: int) -> dict[str, torch.Tensor]:
+                   num_windows: int, num_tokens: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
     from align.losses import WINDOW_LOSSES
     from align.windows import topk_window_logits, verifier_window_logits, window_logits
@@ -75,6 +75,15 @@ def compute_losses(model: Any, spec: Any, batch: Any, rows: list[dict], recipe: 
     draft = window_logits(model, spec, batch).float().flatten(0, 1)  # (B·W, γ, V)
     targets, mask = batch.targets.flatten(0, 1), batch.target_mask.flatten(0, 1)
     verifier_logits = None
+    if recipe.train.data_mode == "on_policy":
+        # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
+        # tokens there (what greedy verification would accept), distributions its distributions there.
+        from align.windows import verifier_path_logits
+
+        with torch.no_grad():
+            drafts = draft.argmax(-1).view(batch.targets.shape)
+            verifier_logits = verifier_path_logits(verifier, batch, drafts, pad_id).float().flatten(0, 1)
+        targets = verifier_logits.argmax(-1)
     parts = {}
     for name, weight in recipe.train.losses.items():
         fn, needs = WINDOW_LOSSES[name]
@@ -167,10 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError("usage: deepspeed align/train.py recipe.yaml [key=value ...]")
         recipe = load_recipe(args[0], args[1:])
         check_inputs(recipe, model_keys=("drafter.path",))
-        if recipe.train.data_mode == "on_policy":
-            raise RecipeError("train.data_mode: on_policy is not implemented yet (offline, online)")
         needs_verifier_logits = any(n not in ("streak", "ce_streak") for n in recipe.train.losses)
-        online = recipe.train.data_mode == "online" and needs_verifier_logits
+        on_policy = recipe.train.data_mode == "on_policy"
+        online = on_policy or (recipe.train.data_mode == "online" and needs_verifier_logits)
         if online:
             check_inputs(recipe, model_keys=("verifier.path",))
         from align.trajectories import load_trajectories
@@ -259,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         totals: dict[str, float] = {}
         finite = torch.ones(1)
         for rows, batch in zip(micro_rows, batches):
-            parts = compute_losses(engine.module, spec, batch, rows, recipe, verifier, int(counts[0]), int(counts[1]))
+            parts = compute_losses(engine.module, spec, batch, rows, recipe, verifier, int(counts[0]), int(counts[1]),
+                                   pad_id)
             loss = sum(parts.values())
             finite *= float(torch.isfinite(loss))
             if world > 1:

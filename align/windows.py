@@ -155,3 +155,26 @@ def topk_window_logits(rows: list[dict[str, Any]], batch: WindowBatch, vocab: in
                     out[b, w, i, row["topk_ids"][k]] = torch.tensor(row["topk_logprobs"][k])
     out[~batch.target_mask] = 0.0  # padding: any finite row (masked out of every loss)
     return out
+
+
+def verifier_path_logits(verifier: Any, batch: WindowBatch, drafts: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, W, γ, V): the verifier's logits along each *drafted* window, p_i = p(· | prefix, draft_<i).
+
+    On-policy training (DistillSpec's lesson): the drafter is taught on the states it will meet, its own drafts,
+    labelled by the verifier. drafts: (B, W, γ). One row per window: prefix ⊕ draft, right-padded.
+    """
+    B, W, gamma = drafts.shape
+    rows, where = [], []
+    for b in range(B):
+        for w in range(W):
+            start = int(batch.starts[b, w])
+            rows.append(torch.cat([batch.clean_ids[b, :start], drafts[b, w]]))
+            where.append(start)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = row  # right padding: causal attention never looks at it
+    logits = verifier(input_ids=ids).logits  # (B·W, width, V)
+    index = (torch.tensor(where)[:, None] - 1 + torch.arange(gamma)).clamp_min(0)  # position start+i predicted at start+i-1
+    picked = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+    return picked.view(B, W, gamma, -1)

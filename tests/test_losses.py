@@ -53,6 +53,10 @@ def test_streak_in_log_space_equals_the_naive_product_and_survives_long_windows(
 def test_ce_streak_by_hand():
     expected = -(1.0 * math.log(0.5) + 0.5 * math.log(0.4) + 0.2 * math.log(0.9))
     assert ce_streak(logits_for(Q), TARGETS, ALL, num_windows=1).item() == pytest.approx(expected, abs=1e-5)
+    # Padding at the end drops its term and stays finite (a padded window once produced NaN here).
+    mask = torch.tensor([[True, True, False]])
+    padded = ce_streak(logits_for(Q), TARGETS, mask, num_windows=1)
+    assert torch.isfinite(padded) and padded.item() == pytest.approx(-(math.log(0.5) + 0.5 * math.log(0.4)), abs=1e-5)
     # The weights are constants: the gradient at position 1 is that of 0.5·(−log q), not of the product.
     logits = logits_for(Q).requires_grad_()
     ce_streak(logits, TARGETS, ALL, num_windows=1).backward()

@@ -135,3 +135,12 @@ def test_gkd_baseline_distils_the_ar_drafter(trajectories, tmp_path):
     assert any(not torch.allclose(p.float(), q.float()) for p, q in zip(distilled.parameters(), base.parameters()))
     log = json.loads((out / "final" / "meta.json").read_text())["log"]
     assert any("loss" in entry for entry in log)
+
+
+def test_on_policy_mode_trains(trajectories, tmp_path):
+    out = tmp_path / "on_policy"
+    rc, log = launch(1, overrides(trajectories, out, "train.max_steps=2", "train.micro_batch_size=2",
+                                  "train.data_mode=on_policy", "train.losses={ce_streak: 1.0, tvd: 1.0}"))
+    assert rc == 0, log[-3000:]
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 2 and record["tvd"] > 0 and record["ce_streak"] > 0

@@ -74,3 +74,19 @@ def test_verifier_and_topk_window_logits():
     k = start - 3
     assert dense[0, 0, 0, ROWS[0]["completion_ids"][k]] == pytest.approx(-0.1)
     assert torch.isinf(dense[0, 0, 0]).sum() == VOCAB - 2
+
+
+def test_verifier_logits_along_drafted_windows():
+    from align.windows import verifier_path_logits
+
+    verifier = tiny(False)
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    batch = WINDOW_BUILDERS["block_causal"](ROWS, spec, GAMMA, 2, PAD, np.random.default_rng(3))
+    drafts = torch.randint(0, 30, batch.targets.shape)
+    with torch.no_grad():
+        got = verifier_path_logits(verifier, batch, drafts, PAD)
+        start = int(batch.starts[0, 1])
+        manual = verifier(input_ids=torch.cat([batch.clean_ids[0, :start], drafts[0, 1]])[None]).logits[0]
+    # Position start+i is predicted after prefix ⊕ draft[:i].
+    for i in range(GAMMA):
+        assert torch.allclose(got[0, 1, i], manual[start - 1 + i], atol=1e-5)
