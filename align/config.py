@@ -162,6 +162,8 @@ class TrainSection(Section):
     save_every: int = Field(default=100, ge=1)
     #: held-out simulated accepted length every N steps
     eval_every: int = Field(default=50, ge=1)
+    #: at the end, real τ of SpecDiff greedy decoding on this many held-out prompts (64 new tokens); 0: skip
+    final_eval_prompts: int = Field(default=8, ge=0)
 
 
 class GkdSection(Section):

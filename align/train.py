@@ -163,6 +163,25 @@ def save_merged(engine: Any, out: Path, step: int, recipe: Any, tokenizer: Any, 
     tmp.rename(final)
 
 
+def final_tau(recipe: Any, checkpoint: Path, data: Any, held_out: list[int], count: int) -> dict[str, float]:
+    """τ of SpecDiff greedy decoding (γ = train.gamma) with the saved checkpoint on held-out prompts."""
+    from align.decoding.specdiff import specdiff_generate
+    from align.models import load_drafter, load_tokenizer, load_verifier
+
+    verifier = load_verifier(recipe.verifier)
+    section = recipe.drafter.model_copy(update={"path": str(checkpoint)})
+    drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint)))
+    prompts, seen = [], set()
+    for i in held_out:
+        if data[i]["prompt_index"] not in seen:
+            seen.add(data[i]["prompt_index"])
+            prompts.append(torch.tensor([data[i]["prompt_ids"]]))
+    counts = []
+    for ids in prompts[:count]:
+        counts += specdiff_generate(verifier, drafter, spec, ids, recipe.train.gamma, 64)[1].accept_counts
+    return {"final_tau": sum(n + 1 for n in counts) / max(len(counts), 1), "final_tau_prompts": len(prompts[:count])}
+
+
 def main(argv: list[str] | None = None) -> int:
     # 1. recipe ----------------------------------------------------------------------------------------------------
     from align.cli import strip_launcher_args
@@ -179,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         needs_verifier_logits = any(n not in ("streak", "ce_streak") for n in recipe.train.losses)
         on_policy = recipe.train.data_mode == "on_policy"
         online = on_policy or (recipe.train.data_mode == "online" and needs_verifier_logits)
-        if online:
+        if online or recipe.train.final_eval_prompts:
             check_inputs(recipe, model_keys=("verifier.path",))
         from align.trajectories import load_trajectories
 
@@ -308,7 +327,16 @@ def main(argv: list[str] | None = None) -> int:
             engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step + 1}", client_state={"step": step + 1})
     bar.close()
 
-    # 7. shutdown --------------------------------------------------------------------------------------------------
+    # 7. real τ with the runtime (training accuracy alone misleads), from the final merged checkpoint ----------------
+    if rank == 0 and status == 0 and t.final_eval_prompts:
+        record = final_tau(recipe, out / f"step_{t.max_steps}", data, held_out, t.final_eval_prompts)
+        with (out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": t.max_steps, **record}) + "\n")
+        meta_path = out / f"step_{t.max_steps}" / "meta.json"
+        meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), **record}, indent=2))
+        print(f"align train: real τ on {t.final_eval_prompts} held-out prompts: {record['final_tau']:.3f}")
+
+    # 8. shutdown --------------------------------------------------------------------------------------------------
     if writer is not None:
         writer.close()
     dist.barrier()

@@ -27,7 +27,7 @@ def overrides(trajectories, out, *extra):
     root, traj = trajectories
     return [f"drafter.path={root / 'ck' / 'drafter-base'}", f"verifier.path={root / 'ck' / 'verifier'}",
             f"trajectories.out={traj}", f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=2",
-            "train.lr=3e-3", "train.warmup_steps=0", "train.eval_every=100", *extra]
+            "train.lr=3e-3", "train.warmup_steps=0", "train.eval_every=100", "train.final_eval_prompts=0", *extra]
 
 
 def env():
@@ -112,7 +112,7 @@ def test_lora_and_full_fine_tuning_save_loadable_merged_folders(trajectories, tm
     out = tmp_path / f"lora{lora}"
     rc, log = launch(1, overrides(trajectories, out, "train.max_steps=2", f"train.lora_r={lora}",
                                   "train.micro_batch_size=2", "train.losses={streak: 1.0, fkl: 0.5}",
-                                  "train.data_mode=online", "train.eval_every=2"))
+                                  "train.data_mode=online", "train.eval_every=2", "train.final_eval_prompts=2"))
     assert rc == 0, log[-3000:]
     merged = AutoModelForCausalLM.from_pretrained(out / "step_2")
     base = AutoModelForCausalLM.from_pretrained(root / "ck" / "drafter-base")
@@ -121,6 +121,7 @@ def test_lora_and_full_fine_tuning_save_loadable_merged_folders(trajectories, tm
     assert changed
     meta = json.loads((out / "step_2" / "meta.json").read_text())
     assert meta["step"] == 2 and "expected_streak" in meta["metrics"] and "fkl" in meta["metrics"]
+    assert meta["final_tau"] >= 1.0 and meta["final_tau_prompts"] == 2  # real τ with the runtime at the end
     assert merged.config.drafter_spec["attention"] == "block_causal"
 
 
