@@ -90,13 +90,17 @@ def test_push_to_a_local_hub(exported, tmp_path):
         assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
 
 
-def test_no_token_is_refused_before_any_work(exported, tmp_path):
+def test_no_token_is_refused_before_any_work(exported, tmp_path, monkeypatch, capsys):
     _, _, args = exported
     out = tmp_path / "never"
-    with FakeHub() as hub:
-        result = push([*args[:-2], args[-1], "--push-to-hub", "me/x", f"export.out={out}"], hub, token=None)
-        assert hub.requests == []
-    assert result.returncode == 2 and "no Hugging Face token" in result.stderr
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_home"))  # no cached login either
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "empty_home" / "token"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    assert main([*args[:-2], args[-1], "--push-to-hub", "me/x", f"export.out={out}"]) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err
     assert not out.exists()
 
 
