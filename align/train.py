@@ -12,6 +12,7 @@ reproduces the losses an uninterrupted run would have had: every batch is a func
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -57,13 +58,14 @@ def stream_position(step: int, micro: int, rank: int, world: int, recipe: Any) -
     return ((step * t.gradient_accumulation_steps + micro) * world + rank) * t.micro_batch_size
 
 
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+
+
 def rows_at(position: int, count: int, seed: int, n_rows: int) -> list[int]:
     """`count` row indices from `position` on; each epoch is a fresh permutation of the rows."""
-    out = []
-    for pos in range(position, position + count):
-        epoch, index = divmod(pos, n_rows)
-        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_rows)[index]))
-    return out
+    return [int(epoch_order(seed, pos // n_rows, n_rows)[pos % n_rows]) for pos in range(position, position + count)]
 
 
 def compute_losses(model: Any, spec: Any, batch: Any, rows: list[dict], recipe: Any, verifier: Any,
