@@ -52,7 +52,6 @@ def test_family_loads_offline_in_a_fresh_process_and_writes_python():
     assert len(set(out["vocab"].values())) == 1  # one shared vocabulary
     assert out["drafter_spec"] == {"mask_token_id": out["mask_token_id"], "logits_shift": 0, "attention": "block_causal"}
     completion = out["completion"]
-    # A function body: indented lines with Python in them.
-    first = next(line for line in completion.splitlines() if line.strip())
-    assert first.startswith("    "), completion
-    assert any(word in completion for word in ("return", "if ", "for ", " = ", "raise")), completion
+    # Recognisably Python: keywords, indentation and the code shapes of the standard library.
+    assert sum(word in completion for word in ("def ", "return", "self", '"""', "if ", " = ", "import")) >= 3, completion
+    assert any(line.startswith("    ") for line in completion.splitlines()), completion
