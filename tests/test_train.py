@@ -75,7 +75,7 @@ def test_two_processes_and_zero3_match_one_process(trajectories, tmp_path):
 
 
 def test_sigkill_after_a_checkpoint_resumes_with_the_same_losses(trajectories, tmp_path):
-    args = ["train.max_steps=8", "train.save_every=3", "train.micro_batch_size=2"]
+    args = ["train.max_steps=24", "train.save_every=3", "train.micro_batch_size=2"]
     full = tmp_path / "full"
     rc, log = launch(1, overrides(trajectories, full, *args))
     assert rc == 0, log[-3000:]
@@ -83,13 +83,13 @@ def test_sigkill_after_a_checkpoint_resumes_with_the_same_losses(trajectories, t
     proc = launch(1, overrides(trajectories, killed, *args), wait=False)
     latest = killed / "ds_state" / "latest"
     deadline = time.time() + 300
-    while not (latest.is_file() and latest.read_text().strip() == "step_3") and time.time() < deadline:
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    while not latest.is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # as soon as the first checkpoint is on disk
     proc.wait()
-    assert (killed / "step_3" / "model.safetensors").is_file()
+    tag = latest.read_text().strip()
+    assert tag != "step_24" and (killed / tag).is_dir()  # killed mid-run, after a checkpoint
     rc, log = launch(1, overrides(trajectories, killed, *args))
     assert rc == 0 and "resuming from step" in log, log[-3000:]
     assert losses(killed) == pytest.approx(losses(full), rel=1e-5, abs=1e-7)
