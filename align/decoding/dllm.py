@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from transformers import PreTrainedModel
@@ -60,6 +60,31 @@ def block_probs(model: PreTrainedModel, spec: DrafterSpec, context: torch.Tensor
     return torch.softmax(shared_context_block_logits(model, spec, context, blocks, state).float(), dim=-1)
 
 
+def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.Tensor, max_new_tokens: int,
+                  block_length: int, eos_ids: frozenset[int],
+                  decode_block: Callable[[torch.Tensor, torch.Tensor, Optional[DrafterContext], DllmStats], torch.Tensor],
+                  ) -> tuple[list[int], DllmStats]:
+    """The semi-autoregressive outer loop every dLLM decoder shares: blocks of masks, each turned into tokens by
+    `decode_block(block, context, state, stats)` and appended to the context, until max_new_tokens or an EOS.
+
+    A block-causal model keeps an exact context cache; a bidirectional one re-reads context ⊕ block each step
+    (blocks after the current one are not shown to it, as in block-diffusion decoding).
+    """
+    stats = DllmStats()
+    t0 = time.perf_counter()
+    context = prompt_ids
+    state = DrafterContext.empty(model) if spec.attention == "block_causal" else None
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
+        block = decode_block(prompt_ids.new_full((block_length,), spec.mask_token_id), context, state, stats)
+        tokens += block.tolist()
+        context = torch.cat([context, block[None]], dim=1)
+    tokens = truncate(tokens, max_new_tokens, eos_ids)
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - t0
+    return tokens, stats
+
+
 @torch.inference_mode()
 def dllm_generate(
     model: PreTrainedModel,
@@ -72,18 +97,10 @@ def dllm_generate(
     eos_ids: frozenset[int] = frozenset(),
     trace: Optional[list[BlockTrace]] = None,
 ) -> tuple[list[int], DllmStats]:
-    """Decode block after block, one forward per transition. prompt_ids: (1, n). Greedy tokens.
+    """Decode block after block, one forward per transition. prompt_ids: (1, n). Greedy tokens."""
 
-    A block-causal model keeps an exact context cache; a bidirectional one re-reads context ⊕ block each step
-    (blocks after the current one are not shown to it, as in block-diffusion decoding).
-    """
-    stats = DllmStats()
-    t0 = time.perf_counter()
-    context = prompt_ids
-    state = DrafterContext.empty(model) if spec.attention == "block_causal" else None
-    tokens: list[int] = []
-    while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
-        block = prompt_ids.new_full((block_length,), spec.mask_token_id)
+    def vanilla_block(block: torch.Tensor, context: torch.Tensor, state: Optional[DrafterContext],
+                      stats: DllmStats) -> torch.Tensor:
         record = BlockTrace() if trace is not None else None
         while bool((block == spec.mask_token_id).any()):
             probs = block_probs(model, spec, context, block[None], state)[0]
@@ -96,9 +113,6 @@ def dllm_generate(
         if record is not None:
             record.states.append(block)
             trace.append(record)
-        tokens += block.tolist()
-        context = torch.cat([context, block[None]], dim=1)
-    tokens = truncate(tokens, max_new_tokens, eos_ids)
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - t0
-    return tokens, stats
+        return block
+
+    return decode_blocks(model, spec, prompt_ids, max_new_tokens, block_length, eos_ids, vanilla_block)

@@ -8,14 +8,12 @@ transition without another forward, and so on down the graph. Outputs are those 
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 from transformers import PreTrainedModel
 
-from align.decoding.ar import truncate
-from align.decoding.dllm import DllmStats, block_probs, unmask
+from align.decoding.dllm import DllmStats, block_probs, decode_blocks, unmask
 from align.draft_graph import DraftGraph, apply_formula, ranked_positions
 from align.models import DrafterContext, DrafterSpec
 
@@ -38,14 +36,10 @@ def spiffy_generate(
     eos_ids: frozenset[int] = frozenset(),
 ) -> tuple[list[int], DllmStats]:
     """prompt_ids: (1, n). Same arguments and outputs as `dllm_generate`, with fewer forwards."""
-    mask_id, block_length = spec.mask_token_id, graph.block_length
-    stats = DllmStats()
-    t0 = time.perf_counter()
-    context = prompt_ids
-    state = DrafterContext.empty(model) if spec.attention == "block_causal" else None
-    tokens: list[int] = []
-    while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
-        block = prompt_ids.new_full((block_length,), mask_id)
+    mask_id = spec.mask_token_id
+
+    def spiffy_block(block: torch.Tensor, context: torch.Tensor, state: Optional[DrafterContext],
+                     stats: DllmStats) -> torch.Tensor:
         prev_probs: Optional[torch.Tensor] = None  # the distribution that produced `block`
         probs: Optional[torch.Tensor] = None  # `block`'s own distribution, when a matched draft gave it for free
         while bool((block == mask_id).any()):
@@ -63,9 +57,6 @@ def spiffy_generate(
             match = next((k for k, d in enumerate(drafts) if torch.equal(d, next_block)), None)
             prev_probs, block = probs, next_block
             probs = None if match is None else all_probs[match + 1]
-        tokens += block.tolist()
-        context = torch.cat([context, block[None]], dim=1)
-    tokens = truncate(tokens, max_new_tokens, eos_ids)
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - t0
-    return tokens, stats
+        return block
+
+    return decode_blocks(model, spec, prompt_ids, max_new_tokens, graph.block_length, eos_ids, spiffy_block)
