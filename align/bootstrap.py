@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from align import __version__
 from align.config import BootstrapSection, PretrainSection, Recipe, RecipeError
-from align.corpus import SPLITS, corpus_hash, prompt_sets, read_corpus, write_jsonl
+from align.corpus import SPLITS, build_data, prompt_sets
 from align.losses import mdlm, next_token
 from align.models import DrafterSpec, additive_mask, block_diffusion_allowed
 
@@ -80,29 +80,6 @@ def use_bf16(precision: str) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 # data: corpus, prompt sets, token streams
 # --------------------------------------------------------------------------------------------------------------------
-def build_data(cfg: BootstrapSection, data_dir: Path) -> tuple[dict[str, list[dict[str, str]]], str]:
-    """Read the corpus, write it (as `datasets` JSONL splits) and the prompt sets under data_dir; return it and its hash."""
-    corpus = read_corpus(cfg.corpus_fraction)
-    digest = corpus_hash(corpus)
-    manifest = _read_manifest(data_dir)
-    if manifest is None or manifest.get("corpus_hash") != digest:
-        for split in SPLITS:
-            write_jsonl(corpus[split], data_dir / "corpus" / f"{split}.jsonl")
-        prompts = prompt_sets(corpus)
-        for split, rows in prompts.items():
-            write_jsonl(rows, data_dir / "prompts" / f"{split}.jsonl")
-        data_dir.mkdir(parents=True, exist_ok=True)
-        (data_dir / "manifest.json").write_text(json.dumps({
-            "corpus_hash": digest,
-            "source": f"Python {platform.python_version()} standard library",
-            "files": {s: len(corpus[s]) for s in SPLITS},
-            "chars": {s: sum(len(r["text"]) for r in corpus[s]) for s in SPLITS},
-            "prompts": {s: len(r) for s, r in prompts.items()},
-            "corpus_fraction": cfg.corpus_fraction,
-        }, indent=2))
-    return corpus, digest
-
-
 def token_stream(tokenizer: Any, rows: list[dict[str, str]]) -> np.ndarray:
     """All files of a split as one int32 stream, each file followed by end-of-text."""
     ids = tokenizer([r["text"] for r in rows], add_special_tokens=False)["input_ids"]
@@ -299,7 +276,7 @@ def main(recipe: Recipe, command: str) -> None:
         torch.set_num_threads(cfg.threads)
     bf16 = use_bf16(cfg.precision)
     print(f"bootstrap: corpus -> {data_dir}, models -> {out}, precision {'bf16' if bf16 else 'fp32'}")
-    corpus, digest = build_data(cfg, data_dir)
+    corpus, digest = build_data(data_dir, cfg.corpus_fraction)
     empty = [s for s in SPLITS if not corpus[s]]
     if empty:
         raise RecipeError(f"bootstrap.corpus_fraction: {cfg.corpus_fraction} leaves no {'/'.join(empty)} files; raise it")

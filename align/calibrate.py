@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from align.config import Recipe, RecipeError
+from align.corpus import ensure_data
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import calibrate
 from align.evaluate import load_prompt_file
@@ -18,7 +19,8 @@ from align.models import load_drafter, load_tokenizer
 
 def main(recipe: Recipe, command: str) -> None:
     c = recipe.calibrate
-    path = c.prompts or str(Path(recipe.data.dir) / "prompts" / "train.jsonl")
+    path = c.prompts or str(
+        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.drafter.path) / "prompts" / "train.jsonl")
     prompts = load_prompt_file(path, "prompt", "calibrate.prompts")[: c.num_prompts]
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
     model, spec = load_drafter(recipe.drafter, tokenizer)

@@ -11,6 +11,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
+import platform
+import sys
 import sysconfig
 import textwrap
 from pathlib import Path
@@ -97,10 +100,61 @@ def prompt_sets(corpus: dict[str, list[dict[str, str]]]) -> dict[str, list[dict[
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
-    """Write atomically: a reader never sees a half-written prompt file."""
+    """Write atomically: a reader never sees a half-written prompt file, and ranks writing at once do not collide."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with tmp.open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     tmp.replace(path)
+
+
+def build_data(data_dir: Path, fraction: float = 1.0) -> tuple[dict[str, list[dict[str, str]]], str]:
+    """Read the corpus, write it (as `datasets` JSONL splits) and the prompt sets under data_dir unless the folder
+    already holds this very corpus; return it and its hash."""
+    corpus = read_corpus(fraction)
+    digest = corpus_hash(corpus)
+    try:
+        manifest = json.loads((data_dir / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        manifest = None
+    if manifest is None or manifest.get("corpus_hash") != digest:
+        for split in SPLITS:
+            write_jsonl(corpus[split], data_dir / "corpus" / f"{split}.jsonl")
+        prompts = prompt_sets(corpus)
+        for split, rows in prompts.items():
+            write_jsonl(rows, data_dir / "prompts" / f"{split}.jsonl")
+        # The manifest goes last: its presence means the folder is complete.
+        manifest_tmp = data_dir / f"manifest.json.{os.getpid()}.tmp"
+        manifest_tmp.write_text(json.dumps({
+            "corpus_hash": digest,
+            "source": f"Python {platform.python_version()} standard library",
+            "files": {s: len(corpus[s]) for s in SPLITS},
+            "chars": {s: sum(len(r["text"]) for r in corpus[s]) for s in SPLITS},
+            "prompts": {s: len(r) for s, r in prompts.items()},
+            "corpus_fraction": fraction,
+        }, indent=2))
+        manifest_tmp.replace(data_dir / "manifest.json")
+    return corpus, digest
+
+
+def ensure_data(data_dir: str | Path, fraction: float = 1.0, model_dir: str | Path | None = None) -> Path:
+    """data_dir, built from the running interpreter's stdlib on first use (about 5 s), so that a fresh clone runs
+    every stage on the tiny family without `align bootstrap`. When `model_dir` has a manifest naming the corpus it was
+    trained on and this interpreter's corpus differs (another Python version), say so: the test split may then
+    overlap the model's training data."""
+    data_dir = Path(data_dir)
+    if not (data_dir / "manifest.json").is_file():
+        print(f"align: building the tiny corpus and prompt sets from the Python standard library into {data_dir}",
+              file=sys.stderr)
+        build_data(data_dir, fraction)
+    if model_dir is not None:
+        try:
+            trained_on = json.loads((Path(model_dir) / "manifest.json").read_text()).get("corpus_hash")
+            built = json.loads((data_dir / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return data_dir
+        if trained_on and trained_on != built.get("corpus_hash"):
+            print(f"align: warning: {data_dir} was built from {built.get('source')}, not the corpus {model_dir} was "
+                  "trained on; its test prompts may overlap that model's training data", file=sys.stderr)
+    return data_dir

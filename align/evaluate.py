@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs
+from align.corpus import ensure_data
 from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import GenerationStats, Sampling, ar_generate, prefill, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel
@@ -160,12 +161,9 @@ def load_prompt_file(path: str, field: str, key: str) -> list[str]:
 
 
 def load_prompts(recipe: Recipe) -> list[str]:
-    """eval.prompts, or the tiny test split that `align bootstrap` writes."""
-    path = recipe.eval.prompts
-    if path is None:
-        path = str(Path(recipe.data.dir) / "prompts" / "test.jsonl")
-        if not Path(path).is_file():
-            raise RecipeError(f"eval.prompts: not set, and {path} does not exist (run align bootstrap first)")
+    """eval.prompts, or the tiny test split (built on first use)."""
+    path = recipe.eval.prompts or str(
+        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.verifier.path) / "prompts" / "test.jsonl")
     return load_prompt_file(path, recipe.eval.prompt_field, "eval.prompts")[: recipe.eval.num_prompts]
 
 
@@ -186,7 +184,8 @@ def trigram_proxy(recipe: Recipe, tokenizer: Any) -> TrigramModel:
     """The CPS causal proxy, fitted once on the train corpus with the verifier's tokenizer and cached under data.dir."""
     from datasets import load_dataset
 
-    corpus = recipe.decode.cps_proxy_corpus or str(Path(recipe.data.dir) / "corpus" / "train.jsonl")
+    corpus = recipe.decode.cps_proxy_corpus or str(
+        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction) / "corpus" / "train.jsonl")
     if not Path(corpus).is_file():
         raise RecipeError(f"decode.cps_proxy_corpus: no such file: {corpus}")
     key = f"{Path(corpus).resolve()}:{os.path.getsize(corpus)}:{len(tokenizer)}:{tokenizer.name_or_path}"

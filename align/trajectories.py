@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from align.config import Recipe, RecipeError, check_inputs
+from align.corpus import ensure_data
 from align.evaluate import load_prompt_file
 from align.models import load_tokenizer, load_verifier
 
@@ -125,7 +126,8 @@ def load_trajectories(path: str | Path) -> Any:
 def main(recipe: Recipe, command: str) -> None:
     t = recipe.trajectories
     check_inputs(recipe, model_keys=("verifier.path",))
-    source = recipe.data.train_prompts or str(Path(recipe.data.dir) / "prompts" / "train.jsonl")
+    source = recipe.data.train_prompts or str(
+        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.verifier.path) / "prompts" / "train.jsonl")
     prompts = load_prompt_file(source, "prompt", "data.train_prompts")[: t.num_prompts]
     settings = settings_of(recipe, prompts)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,8 +1,9 @@
 """The tiny corpus: deterministic file-level splits, and HumanEval-shaped prompts from test files only."""
 
+import json
 from pathlib import Path
 
-from align.corpus import extract_prompts, prompt_sets, read_corpus, split_of, stdlib_files
+from align.corpus import ensure_data, extract_prompts, prompt_sets, read_corpus, split_of, stdlib_files
 
 MODULE = '''\
 import os
@@ -65,3 +66,19 @@ def test_prompt_sets_come_from_their_own_split(tmp_path):
     for split in ("train", "test"):
         files = {row["path"] for row in corpus[split]}
         assert all(t["task_id"].split(":")[0].removeprefix("stdlib/") in files for t in prompts[split])
+
+
+def test_ensure_data_builds_on_first_use_and_warns_on_another_corpus(tmp_path, capsys):
+    data_dir = ensure_data(tmp_path / "data", fraction=0.05)
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    assert manifest["prompts"]["train"] > 0
+    assert sum(1 for _ in (data_dir / "prompts" / "train.jsonl").open()) == manifest["prompts"]["train"]
+    assert "building the tiny corpus" in capsys.readouterr().err
+    # Already built: left alone, and a model trained on this corpus draws no warning.
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "manifest.json").write_text(json.dumps({"corpus_hash": manifest["corpus_hash"]}))
+    ensure_data(data_dir, fraction=0.05, model_dir=tmp_path / "model")
+    assert capsys.readouterr().err == ""
+    (tmp_path / "model" / "manifest.json").write_text(json.dumps({"corpus_hash": "another"}))
+    ensure_data(data_dir, fraction=0.05, model_dir=tmp_path / "model")
+    assert "may overlap" in capsys.readouterr().err
