@@ -31,7 +31,7 @@ class Stage:
     model_keys: tuple[str, ...] = ()
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
-    #: takes the DeepSpeed launcher's options (align train)
+    #: takes the DeepSpeed launcher's options (train, trajectories)
     launcher: bool = False
     #: command-line flags that are sugar for recipe overrides: flag -> recipe key
     flags: tuple[tuple[str, str], ...] = ()
@@ -45,10 +45,11 @@ STAGES: dict[str, Stage] = {
     "trajectories": Stage(
         "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
         "align.trajectories", ("verifier", "trajectories", "data"), file_keys=("data.train_prompts",),
+        launcher=True,
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.launch", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
+        "align.train", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
         launcher=True,
     ),
     "gkd": Stage(
@@ -154,9 +155,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
     if stage.launcher:
-        from align.launch import run
+        from align.launch import run, single_local_process
 
-        return run(args)
+        if not single_local_process(args):
+            return run(args)
+        if args.stage == "train":  # the DeepSpeed script's own entry point: it reads the recipe and returns a status
+            from align.train import main as train_main
+
+            return train_main([args.recipe, *args.overrides])
     try:
         importlib.import_module(stage.module).main(recipe, shlex.join(["align", *argv]))
     except RecipeError as e:  # a problem only the stage can see (e.g. a model's spec); still before any writing

@@ -1,5 +1,6 @@
-"""`align train`: validate the recipe, then run `align/train.py` under the DeepSpeed launcher (or in-process for a
-single local process, which needs no launcher)."""
+"""`align train` and `align trajectories` on several processes: validate the recipe, then run the stage under the
+DeepSpeed launcher (a single local process runs in-process and needs no launcher). Training runs `align/train.py`,
+the script users also give `deepspeed` themselves; other stages run as `python -m align.cli <stage>` on every rank."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
 
 def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
-    """The DeepSpeed launcher's options that `align train` forwards."""
+    """The DeepSpeed launcher's options that `align train` and `align trajectories` forward."""
     group = parser.add_argument_group("launcher (forwarded to the deepspeed runner)")
     group.add_argument("--num_gpus", type=int, default=None, help="processes per node (CPU: ranks on gloo)")
     group.add_argument("--num_nodes", type=int, default=None, help="nodes to use from the hostfile")
@@ -26,15 +27,18 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
 
 def deepspeed_command(recipe: str, overrides: list[str], num_gpus: Optional[int] = None,
                       num_nodes: Optional[int] = None, hostfile: Optional[str] = None,
-                      master_addr: Optional[str] = None, master_port: Optional[int] = None) -> list[str]:
-    """The deepspeed runner's command line for this recipe; None options are left to the runner's defaults."""
+                      master_addr: Optional[str] = None, master_port: Optional[int] = None,
+                      stage: str = "train") -> list[str]:
+    """The deepspeed runner's command line for this stage and recipe; None options are left to the runner's
+    defaults."""
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     cmd = [launcher]
     for flag, value in (("--num_gpus", num_gpus), ("--num_nodes", num_nodes), ("--hostfile", hostfile),
                         ("--master_addr", master_addr), ("--master_port", master_port)):
         if value is not None:
             cmd += [flag, str(value)]
-    return cmd + [str(TRAIN_SCRIPT), recipe, *overrides]
+    program = [str(TRAIN_SCRIPT)] if stage == "train" else ["--module", "align.cli", stage]
+    return cmd + program + [recipe, *overrides]
 
 
 def single_local_process(args: argparse.Namespace) -> bool:
@@ -42,14 +46,10 @@ def single_local_process(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Launch training; returns its exit status."""
-    if single_local_process(args):
-        from align.train import main as train_main
-
-        return train_main([args.recipe, *args.overrides])
+    """Launch the stage on every rank; returns its exit status."""
     cmd = deepspeed_command(args.recipe, args.overrides, args.num_gpus, args.num_nodes, args.hostfile,
-                            args.master_addr, args.master_port)
-    print("align train:", " ".join(cmd), flush=True)
+                            args.master_addr, args.master_port, stage=args.stage)
+    print(f"align {args.stage}:", " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores
     return subprocess.call(cmd, env=env)

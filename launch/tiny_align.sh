@@ -7,7 +7,7 @@ bash launch/setup.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
 recipe=recipes/tiny/align.yaml
 out=$(.venv/bin/align validate "$recipe" "$@" | .venv/bin/python -c "import sys, yaml; print(yaml.safe_load(sys.stdin)['train']['out'])")
-.venv/bin/align trajectories "$recipe" "$@"
+.venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"
 .venv/bin/align train "$recipe" --num_gpus 2 "$@"
 step=$(ls -d "$out"/step_* | sort -V | tail -n 1)
 eval_args=(eval.methods=[specdiff,specdiff2_select,specdiff_cps_adl] eval.num_prompts=24 eval.sampling_temperature=0)

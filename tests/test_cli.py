@@ -81,5 +81,7 @@ def test_train_forwards_launcher_options():
     assert cmd[1:] == ["--num_gpus", "8", "--num_nodes", "2", "--hostfile", "hosts", "--master_addr", "10.0.0.1",
                        "--master_port", "29600", str(TRAIN_SCRIPT), "r.yaml", "train.lr=1e-4"]
     assert deepspeed_command("r.yaml", [])[1:] == [str(TRAIN_SCRIPT), "r.yaml"]
+    assert deepspeed_command("r.yaml", ["a.b=1"], num_gpus=2, stage="trajectories")[1:] == [
+        "--num_gpus", "2", "--module", "align.cli", "trajectories", "r.yaml", "a.b=1"]
     result = align("train", "recipes/tiny/align.yaml", "train.zero_stage=5", "--num_gpus", "2")
     assert result.returncode == 2 and "train.zero_stage: Input should be 0, 1, 2 or 3" in result.stderr

@@ -84,14 +84,13 @@ def test_two_ranks_split_the_chunks(toy_family, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "two"
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "align", *map(str, args(root, out))], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
+    # Through the real DeepSpeed launcher, as `align trajectories recipe.yaml --num_gpus 2` runs it.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "align", *map(str, args(root, out)), "--num_gpus", "2",
+                             "--master_port", str(port)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--module align.cli trajectories" in result.stdout
     assert len(load_trajectories(out)) == 12
     # The same prompts and seeds make the same completions as one process would.
     single = tmp_path / "one"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Training throughput on this machine, 1 vs 2 processes (a benchmark, not a test: timings vary by machine).
+#   bash launch/benchmark_train.sh [key=value ...]        # STEPS=30 by default; needs `align trajectories` first
+# Runs recipes/tiny/align.yaml for STEPS steps as: 1 process with 1 thread, 1 process with 2 threads (both cores to
+# one rank), 2 processes with 1 thread each; reports median tokens/s per rank over the steps after the first 5, and in
+# all. Reports land in checkpoints/bench-train/report.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+export HF_HUB_OFFLINE=1
+steps=${STEPS:-30}
+root=checkpoints/bench-train
+rm -rf "$root"
+run() {  # name processes threads
+  OMP_NUM_THREADS=$3 .venv/bin/align train recipes/tiny/align.yaml --num_gpus "$2" train.out="$root/$1" \
+    train.max_steps="$steps" train.save_every="$steps" train.eval_every="$steps" train.final_eval_prompts=0 "${@:4}"
+}
+run p1-t1 1 1 "$@"
+run p1-t2 1 2 "$@"
+run p2-t1 2 1 "$@"
+.venv/bin/python - "$root" "$steps" <<'PY'
+import json, platform, statistics, sys
+from pathlib import Path
+
+root, steps = Path(sys.argv[1]), int(sys.argv[2])
+lines = [f"# Training throughput ({steps} steps of recipes/tiny/align.yaml, median after 5 warm-up steps)", "",
+         f"Machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores", "",
+         "| run | processes | threads each | tokens/s per rank | tokens/s in all |", "|---|---|---|---|---|"]
+for run in ("p1-t1", "p1-t2", "p2-t1"):
+    records = [json.loads(l) for l in (root / run / "metrics.jsonl").open() if "tokens_per_s_per_rank" in l]
+    per_rank = statistics.median(r["tokens_per_s_per_rank"] for r in records[5:])
+    procs, threads = int(run[1]), int(run[-1])
+    lines.append(f"| {run} | {procs} | {threads} | {per_rank:.0f} | {per_rank * procs:.0f} |")
+report = "\n".join(lines) + "\n"
+(root / "report.md").write_text(report)
+print("\n" + report)
+PY
