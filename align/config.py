@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class RecipeError(ValueError):
@@ -273,6 +273,17 @@ class EvalSection(Section):
     sampling_temperature: float = Field(default=1.0, ge=0.0)
     #: timed runs per prompt and method; the median is kept
     repeats: int = Field(default=1, ge=1)
+    #: more diffusion drafters (label -> path) run in the same interleaved run as drafter.path, e.g. before and after
+    #: alignment; their methods are reported as `<method>@<label>`
+    compare_drafters: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("compare_drafters")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for label in value:
+            if not label or not all(c.isalnum() or c in "-_." for c in label):
+                raise ValueError(f"label '{label}' must be letters, digits, '-', '_' or '.'")
+        return value
 
 
 class ExportSection(Section):

@@ -14,7 +14,7 @@ import platform
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs
+from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path
 from align.corpus import ensure_data
 from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import GenerationStats, Sampling, ar_generate, prefill, verifier_forward
@@ -131,6 +131,12 @@ METHODS: dict[str, MethodFn] = {
     "specdiff_cps_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=True),
 }
 assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
+
+
+def base_method(name: str) -> str:
+    """`specdiff@aligned` (a method run with one of eval.compare_drafters) -> `specdiff`."""
+    return name.split("@", 1)[0]
+
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
@@ -235,12 +241,14 @@ class Run:
     wall_s: list[float]
 
 
-def run_all(setup: Setup, names: list[str], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
+def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
             repeats: int, seed: int, desc: str) -> dict[str, Run]:
-    """Every method on every prompt; the method order rotates per prompt so that no method always runs first."""
+    """Every method (name -> its setup) on every prompt; the method order rotates per prompt so that no method
+    always runs first."""
+    names = list(setups)
     for name in names:
         for ids in prompts[:warmup]:
-            METHODS[name](setup, ids, sampling, torch.Generator().manual_seed(seed))
+            METHODS[base_method(name)](setups[name], ids, sampling, torch.Generator().manual_seed(seed))
     runs = {name: Run([], [], []) for name in names}
     bar = tqdm(total=len(prompts) * len(names) * repeats, desc=desc, unit="gen", dynamic_ncols=True)
     for i, ids in enumerate(prompts):
@@ -251,7 +259,7 @@ def run_all(setup: Setup, names: list[str], prompts: list[torch.Tensor], samplin
             for name in order:
                 gen = torch.Generator().manual_seed(seed * 100_003 + i)
                 t0 = time.perf_counter()
-                last[name] = METHODS[name](setup, ids, sampling, gen)
+                last[name] = METHODS[base_method(name)](setups[name], ids, sampling, gen)
                 walls[name].append(time.perf_counter() - t0)
                 bar.update()
         for name in names:
@@ -285,7 +293,8 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
             draft_s=sum(s.draft_s for s in run.stats), verify_s=sum(s.verify_s for s in run.stats),
         )
         wall = sum(run.wall_s)
-        speculative = name != "ar" and name not in OPAQUE
+        method = base_method(name)
+        speculative = method != "ar" and method not in OPAQUE
         if speculative:
             tau = pooled.tau
         else:  # tokens after the first (which the prefill gives) per decoding verifier forward
@@ -305,7 +314,7 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
         if speculative and pooled.accept_counts:
             iterations = len(pooled.accept_counts)
             mean_draft = sum(pooled.draft_lengths) / iterations
-            batch = setup.decode.num_candidates if name == "specdiff2_select" else 1
+            batch = setup.decode.num_candidates if method == "specdiff2_select" else 1
             ideal = tau * verify_cost(1, 1) / (verify_cost(round(mean_draft) + 1, batch) + pooled.draft_s / iterations)
             entry.update({
                 "per_position_acceptance": [None if a is None else round(a, 4)
@@ -316,7 +325,7 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
                 "draft_s": round(pooled.draft_s, 4),
                 "verify_s": round(pooled.verify_s, 4),
             })
-            if name.endswith("adl"):
+            if method.endswith("adl"):
                 entry["draft_length_trace"] = run.stats[0].draft_lengths
         out[name] = entry
     return out
@@ -415,22 +424,35 @@ def main(recipe: Recipe, command: str) -> None:
                for key, sec in sections.items() if sec is not None}
     prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, configs["verifier"].max_position_embeddings)
     for key in configs.keys() - {"verifier"}:
-        check_vocab_compatible(configs["verifier"], configs[key], key)
+        check_vocab_compatible(configs["verifier"], configs[key], f"{key}.path")
+    compared = {label: recipe.drafter.model_copy(update={"path": path})
+                for label, path in (e.compare_drafters.items() if uses_drafter else ())}
+    for label, section in compared.items():
+        check_model_path(f"eval.compare_drafters.{label}", section.path)
+        check_vocab_compatible(configs["verifier"], AutoConfig.from_pretrained(
+            section.path, trust_remote_code=section.trust_remote_code), f"eval.compare_drafters.{label}")
     verifier = load_verifier(recipe.verifier)
     drafter, spec = load_drafter(recipe.drafter, tokenizer) if uses_drafter else (None, None)
     ar_drafter = load_ar_drafter(recipe.ar_drafter) if uses_ar_drafter else None
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     proxy = trigram_proxy(recipe, tokenizer) if any("cps" in n for n in names) else None
     setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
+    setups = {name: setup for name in names}
+    for label, section in compared.items():
+        other, other_spec = load_drafter(section, tokenizer)
+        for name in names:
+            if name.startswith("specdiff"):
+                setups[f"{name}@{label}"] = replace(setup, drafter=other, spec=other_spec)
+    names = list(setups)
     out = Path(e.out)
     out.mkdir(parents=True, exist_ok=True)
 
     print(f"eval: {len(prompts)} prompts, {d.max_new_tokens} new tokens, γ={d.gamma}, methods: {', '.join(names)}")
-    greedy = run_all(setup, names, prompts, Sampling(), e.warmup, e.repeats, d.seed, "temperature 0")
+    greedy = run_all(setups, prompts, Sampling(), e.warmup, e.repeats, d.seed, "temperature 0")
     result: dict[str, Any] = {"methods": summarise(greedy, setup, prompts, greedy["ar"].tokens)}
     if e.sampling_temperature > 0:
         sampling = Sampling(e.sampling_temperature, d.top_k, d.top_p)
-        sampled = run_all(setup, names, prompts, sampling, e.warmup, e.repeats, d.seed, f"temperature {sampling.temperature}")
+        sampled = run_all(setups, prompts, sampling, e.warmup, e.repeats, d.seed, f"temperature {sampling.temperature}")
         result["sampling"] = {"temperature": sampling.temperature, "methods": summarise(sampled, setup, prompts, None)}
     result["meta"] = {
         "command": command, "recipe": recipe.to_dict(), "prompts": e.prompts or "tiny test split",
@@ -440,6 +462,8 @@ def main(recipe: Recipe, command: str) -> None:
                     "device": str(next(verifier.parameters()).device), "dtype": str(verifier.dtype)},
         "baseline": "fastest of " + " and ".join(BASELINES),
         "drafter_spec": spec.to_dict() if spec else None,
+        "drafter": recipe.drafter.path if uses_drafter else None,
+        "compare_drafters": {label: section.path for label, section in compared.items()},
     }
     write_atomic(out / "eval.json", json.dumps(result, indent=2))
     plots = write_plots(result, out)

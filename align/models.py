@@ -162,7 +162,7 @@ def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter") -> None:
+def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter.path") -> None:
     """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are.
 
     Takes models or their configs, so that a stage can refuse a mismatch before loading any weights.
@@ -170,7 +170,7 @@ def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "draf
     v_size, d_size = _vocab_size_of(verifier), _vocab_size_of(drafter)
     if v_size != d_size:
         raise RecipeError(
-            f"{drafter_key}.path: vocabulary size {d_size} differs from the verifier's {v_size}; "
+            f"{drafter_key}: vocabulary size {d_size} differs from the verifier's {v_size}; "
             "verifier and drafter must share a tokenizer"
         )
 

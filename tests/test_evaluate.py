@@ -101,3 +101,30 @@ def test_drafter_with_another_vocabulary_is_refused(toy_family, tmp_path, capsys
     LlamaForCausalLM(config).save_pretrained(tmp_path / "other")
     err = run_refused(eval_args(root, tmp_path / "out", f"drafter.path={tmp_path / 'other'}"), capsys)
     assert "drafter.path: vocabulary size 300 differs from the verifier's 512" in err
+    # The same drafter among eval.compare_drafters is refused the same way, naming its label.
+    err = run_refused(eval_args(root, tmp_path / "out", f"eval.compare_drafters={{other: {tmp_path / 'other'}}}"),
+                      capsys)
+    assert "eval.compare_drafters.other: vocabulary size 300 differs" in err
+
+
+def test_compared_drafters_run_in_the_same_interleaved_run(toy_family, tmp_path):
+    """A drafter compared under a label is decoded like drafter.path: the same drafter gives the same τ; a randomly
+    re-initialised one is still lossless."""
+    root, _ = toy_family
+    base = root / "ck" / "drafter-base"
+    config = LlamaConfig.from_pretrained(base)
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "random")
+    out = tmp_path / "out"
+    assert main(eval_args(root, out, "eval.methods=[specdiff,specdiff_cps]", "eval.sampling_temperature=0",
+                          f"eval.compare_drafters={{same: {base}, random: {tmp_path / 'random'}}}")) == 0
+    result = json.loads((out / "eval.json").read_text())
+    methods = result["methods"]
+    assert list(methods) == ["ar", "hf_generate", "specdiff", "specdiff_cps", "specdiff@same", "specdiff_cps@same",
+                             "specdiff@random", "specdiff_cps@random"]
+    assert all(m["exact_match"] == 1.0 for m in methods.values())
+    for name in ("specdiff", "specdiff_cps"):
+        assert methods[f"{name}@same"]["tau"] == methods[name]["tau"]
+        assert methods[f"{name}@same"]["per_position_acceptance"] == methods[name]["per_position_acceptance"]
+    assert result["meta"]["compare_drafters"] == {"same": str(base), "random": str(tmp_path / "random")}
+    assert "| specdiff@random |" in (out / "report.md").read_text()
