@@ -50,13 +50,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
         f"attention `{spec.get('attention')}` (stored in `config.json` under `drafter_spec`).", "",
     ]
     if evaluation:
-        m = evaluation.get("meta", {})
-        body += [f"## Measured ({m.get('num_prompts', '?')} prompts from {m.get('prompts', '?')}, temperature 0, "
-                 f"{m.get('machine', {}).get('processor', '?')}; speedup vs the {m.get('baseline', 'AR baseline')})", "",
-                 "| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy |", "|---|---|---|---|"]
-        for name, r in evaluation["methods"].items():
-            body.append(f"| {name} | {r['tau']:.2f} | {r['speedup']:.2f}× | {r['exact_match']} |")
-        body.append("")
+        body += measured_table(evaluation, recipe.drafter.path)
     if meta:
         losses = meta.get("recipe", {}).get("train", {}).get("losses")
         body += ["## Training", "", f"Step {meta.get('step')} of `{meta.get('drafter_base', base_model)}` aligned "
@@ -66,6 +60,35 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              f"drafter = AutoModelForCausalLM.from_pretrained(\"{recipe.export.push_to_hub or 'THIS_FOLDER'}\")",
              "spec = drafter.config.drafter_spec  # mask_token_id, logits_shift, attention", "```", ""]
     return "\n".join(front + body)
+
+
+def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:
+    """The card's table from eval.json: the baselines, and the exported drafter's rows. When eval.json compared it
+    with another drafter in the same run (eval.compare_drafters, e.g. before/after alignment), the other's τ is shown
+    beside it."""
+    m = evaluation.get("meta", {})
+    methods = evaluation["methods"]
+    labels = {label: path for label, path in (m.get("compare_drafters") or {}).items()
+              if Path(path).resolve() == Path(drafter_path).resolve()}
+    suffix = f"@{next(iter(labels))}" if labels else ""
+    before = m.get("drafter") if suffix else None
+    header = "| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy |"
+    rule = "|---|---|---|---|"
+    if before:
+        header, rule = header + f" τ with `{before}` |", rule + "---|"
+    lines = [f"## Measured ({m.get('num_prompts', '?')} prompts from {m.get('prompts', '?')}, temperature 0, "
+             f"{m.get('machine', {}).get('processor', '?')}; speedup vs the {m.get('baseline', 'AR baseline')})", "",
+             header, rule]
+    for name, r in methods.items():
+        drafted = name.startswith("specdiff")  # a diffusion-drafter method: one row per drafter compared
+        row = methods.get(name + suffix) if drafted else r
+        if "@" in name or row is None:
+            continue  # other drafters' rows
+        line = f"| {name} | {row['tau']:.2f} | {row['speedup']:.2f}× | {row['exact_match']} |"
+        if before:
+            line += f" {r['tau']:.2f} |" if drafted else " — |"
+        lines.append(line)
+    return lines + [""]
 
 
 def build_folder(recipe: Recipe, command: str, out: Path) -> None:

@@ -4,22 +4,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
-export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+# Multi-process stages give each rank one thread themselves; single-process eval keeps every core.
+export HF_HUB_OFFLINE=1
 recipe=recipes/tiny/align.yaml
 out=$(.venv/bin/align validate "$recipe" "$@" | .venv/bin/python -c "import sys, yaml; print(yaml.safe_load(sys.stdin)['train']['out'])")
 .venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"
 .venv/bin/align train "$recipe" --num_gpus 2 "$@"
 step=$(ls -d "$out"/step_* | sort -V | tail -n 1)
-eval_args=(eval.methods=[specdiff,specdiff2_select,specdiff_cps_adl] eval.num_prompts=24 eval.sampling_temperature=0)
-.venv/bin/align eval recipes/tiny/eval.yaml "${eval_args[@]}" eval.out="$out/eval-before"
-.venv/bin/align eval recipes/tiny/eval.yaml "${eval_args[@]}" drafter.path="$step" eval.out="$out/eval-after"
-.venv/bin/python - "$out" <<'PY'
+# One interleaved run: the drafter-base and the aligned drafter against the same AR baselines.
+.venv/bin/align eval recipes/tiny/eval.yaml eval.methods=[specdiff,specdiff2_select,specdiff_cps_adl] \
+  eval.num_prompts=24 eval.sampling_temperature=0 "eval.compare_drafters={aligned: $step}" eval.out="$out/eval"
+.venv/bin/python - "$out/eval/eval.json" <<'PY'
 import json, sys
-out = sys.argv[1]
-before, after = (json.load(open(f"{out}/eval-{k}/eval.json"))["methods"] for k in ("before", "after"))
-print(f"\n{'method':<18} {'tau before':>10} {'tau after':>10} {'speedup before':>15} {'speedup after':>14}")
-for name in before:
-    if name.startswith("specdiff"):
-        b, a = before[name], after[name]
-        print(f"{name:<18} {b['tau']:>10.2f} {a['tau']:>10.2f} {b['speedup']:>14.2f}x {a['speedup']:>13.2f}x")
+methods = json.load(open(sys.argv[1]))["methods"]
+print(f"\n{'method':<18} {'tau before':>10} {'tau after':>10} {'ratio':>6} {'speedup before':>15} {'speedup after':>14}")
+for name, before in methods.items():
+    after = methods.get(f"{name}@aligned")
+    if after:
+        print(f"{name:<18} {before['tau']:>10.2f} {after['tau']:>10.2f} {after['tau'] / before['tau']:>5.2f}x "
+              f"{before['speedup']:>14.2f}x {after['speedup']:>13.2f}x")
 PY

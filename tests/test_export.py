@@ -113,3 +113,21 @@ def test_failed_upload_keeps_the_folder(exported, tmp_path):
     assert result.returncode == 1 and "is intact: rerun the same command to retry" in result.stderr
     assert (out / "model.safetensors").is_file()
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
+    from align.export import measured_table
+
+    def entry(tau):
+        return {"tau": tau, "speedup": tau / 2, "exact_match": 1.0}
+
+    evaluation = {"methods": {"ar": entry(1.0), "specdiff": entry(1.4), "specdiff@aligned": entry(1.9),
+                              "specdiff@other": entry(1.1)},
+                  "meta": {"drafter": "ck/base", "compare_drafters": {"aligned": "ck/run/step_9", "other": "ck/x"}}}
+    table = "\n".join(measured_table(evaluation, "ck/run/step_9"))
+    assert "| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy | τ with `ck/base` |" in table
+    assert "| specdiff | 1.90 | 0.95× | 1.0 | 1.40 |" in table and "| ar | 1.00 | 0.50× | 1.0 | — |" in table
+    assert "1.10" not in table and "@" not in table
+    # Exported as the eval's own drafter.path: its plain rows, no comparison column.
+    table = "\n".join(measured_table(evaluation, "ck/base"))
+    assert "| specdiff | 1.40 | 0.70× | 1.0 |" in table and "τ with" not in table

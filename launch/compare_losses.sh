@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Compare alignment losses on the same trajectories (a benchmark, not a test), with the DistillSpec-style GKD AR
+# drafter beside them:
+#   bash launch/compare_losses.sh [key=value ...]     # LOSSES="streak ce_streak streak_tv fkl" by default
+# Trains one drafter per loss from recipes/tiny/align.yaml (2 processes; KD losses read the verifier online), distils
+# the AR drafter with `align gkd`, then evaluates every drafter at temperature 0 in one interleaved `align eval` run
+# (the drafter-base as `specdiff`, each loss as `specdiff@<loss>`) and the GKD drafter in a second one.
+# Reports: checkpoints/losses/eval/report.md and checkpoints/losses/eval-gkd/report.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+# Multi-process stages give each rank one thread themselves; single-process eval keeps every core.
+export HF_HUB_OFFLINE=1
+recipe=recipes/tiny/align.yaml
+root=checkpoints/losses
+losses=${LOSSES:-streak ce_streak streak_tv fkl}
+.venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"
+compare=()
+for loss in $losses; do
+  mode=offline
+  case $loss in streak|ce_streak) ;; *) mode=online ;; esac  # KD losses need the verifier's distributions
+  # A finished run is left as it is (train.py resumes from its last checkpoint, here the final one).
+  .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$loss: 1.0}" train.data_mode=$mode \
+    train.out="$root/$loss" train.final_eval_prompts=0 "$@"
+  compare+=("$loss: $(ls -d "$root/$loss"/step_* | sort -V | tail -n 1)")
+done
+[ -d "$root/gkd/final" ] || .venv/bin/align gkd "$recipe" gkd.out="$root/gkd" "$@"
+joined=$(IFS=,; echo "${compare[*]}")
+common=(eval.num_prompts=24 eval.sampling_temperature=0)
+.venv/bin/align eval recipes/tiny/eval.yaml "${common[@]}" eval.methods=[specdiff,sd_ar] \
+  "eval.compare_drafters={$joined}" eval.out="$root/eval"
+.venv/bin/align eval recipes/tiny/eval.yaml "${common[@]}" eval.methods=[sd_ar] ar_drafter.path="$root/gkd/final" \
+  eval.out="$root/eval-gkd"
