@@ -57,8 +57,10 @@ def sample_chunk(verifier: Any, tokenizer: Any, prompts: list[str], recipe: Reci
     tokenizer.padding_side = "left"  # generation appends on the right: padding must not sit between prompt and text
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(verifier.device)
     torch.manual_seed(seed)
+    sample = dict(do_sample=True, temperature=t.temperature, top_p=t.top_p, top_k=0) if t.temperature > 0 else dict(
+        do_sample=False, temperature=None, top_p=None, top_k=None)  # greedy: sampling flags would only draw warnings
     out = verifier.generate(
-        **batch, do_sample=t.temperature > 0, temperature=t.temperature or None, top_p=t.top_p, top_k=0,
+        **batch, **sample,
         max_new_tokens=t.max_new_tokens, num_return_sequences=t.completions_per_prompt,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         output_logits=t.store_topk > 0, return_dict_in_generate=True,

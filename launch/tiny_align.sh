@@ -12,7 +12,7 @@ out=$(.venv/bin/align validate "$recipe" "$@" | .venv/bin/python -c "import sys,
 .venv/bin/align train "$recipe" --num_gpus 2 "$@"
 step=$(ls -d "$out"/step_* | sort -V | tail -n 1)
 # One interleaved run: the drafter-base and the aligned drafter against the same AR baselines.
-.venv/bin/align eval recipes/tiny/eval.yaml eval.methods=[specdiff,specdiff2_select,specdiff_cps_adl] \
+.venv/bin/align eval recipes/tiny/eval.yaml eval.methods=[specdiff,specdiff_cps_adl] \
   eval.num_prompts=16 eval.sampling_temperature=0 "eval.compare_drafters={aligned: $step}" eval.out="$out/eval"
 .venv/bin/python - "$out/eval/eval.json" <<'PY'
 import json, sys
