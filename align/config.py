@@ -125,6 +125,12 @@ class TrajectoriesSection(Section):
     #: prompts per verifier batch
     batch_size: int = Field(default=8, ge=1)
 
+    @model_validator(mode="after")
+    def _check(self) -> "TrajectoriesSection":
+        if self.temperature == 0 and self.completions_per_prompt > 1:
+            raise ValueError("completions_per_prompt > 1 needs temperature > 0: greedy completions are all the same")
+        return self
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # training
@@ -209,7 +215,8 @@ class DecodeSection(Section):
     cps_max_candidates: int = Field(default=15, ge=1)
     #: weight of the drafter's log-probability against the causal proxy's
     cps_weight: float = Field(default=0.5, ge=0.0, le=1.0)
-    #: text (JSONL with a `text` field) the trigram proxy is fitted on; None: the tiny corpus's train split
+    #: what the trigram proxy is fitted on: text (JSONL with a `text` field), or a trajectories folder (the verifier's
+    #: own continuations: the proxy for an aligned drafter); None: the tiny corpus's train split
     cps_proxy_corpus: Optional[str] = None
     # DiffuSpec adaptive draft length. The paper's 20-30 (δ 10) suit 7B models whose drafts run long; the tiny
     # family's accepted lengths are a few tokens.

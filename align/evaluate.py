@@ -186,30 +186,49 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_new_tokens: int, cont
     return encoded
 
 
-def trigram_proxy(recipe: Recipe, tokenizer: Any) -> TrigramModel:
-    """The CPS causal proxy, fitted once on the train corpus with the verifier's tokenizer and cached under data.dir."""
-    from datasets import load_dataset
+def proxy_source(recipe: Recipe) -> Path:
+    """What the CPS proxy is fitted on: decode.cps_proxy_corpus, a JSONL text corpus (`text` field) or a trajectories
+    folder, or by default the tiny corpus's train split. Checked before any model is loaded."""
+    source = Path(recipe.decode.cps_proxy_corpus or
+                  ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction) / "corpus" / "train.jsonl")
+    if not (source.is_file() or (source / "manifest.json").is_file()):
+        raise RecipeError(f"decode.cps_proxy_corpus: {source} is neither a JSONL file nor a trajectories folder")
+    return source
 
-    corpus = recipe.decode.cps_proxy_corpus or str(
-        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction) / "corpus" / "train.jsonl")
-    if not Path(corpus).is_file():
-        raise RecipeError(f"decode.cps_proxy_corpus: no such file: {corpus}")
-    key = f"{Path(corpus).resolve()}:{os.path.getsize(corpus)}:{len(tokenizer)}:{tokenizer.name_or_path}"
-    folder = Path(recipe.data.dir) / "trigram"
-    try:
-        if json.loads((folder / "manifest.json").read_text()).get("key") == key:
-            return TrigramModel.load(folder)
-    except (OSError, json.JSONDecodeError, KeyError):
-        pass
+
+def trigram_proxy(recipe: Recipe, tokenizer: Any) -> TrigramModel:
+    """The CPS causal proxy, fitted once with the verifier's tokenizer and cached under data.dir/trigram/.
+
+    Fitted on a trajectories folder, it models the verifier's own continuations rather than the corpus: the right
+    proxy for a drafter aligned to that verifier, whose drafts a corpus n-gram would pull back toward the corpus.
+    """
+    import hashlib
+
     import numpy as np
 
-    texts = list(load_dataset("json", data_files=corpus, split="train")["text"])
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    stream = np.fromiter((t for doc in ids for t in (*doc, tokenizer.eos_token_id)), dtype=np.int64)
+    source = proxy_source(recipe)
+    stamp = (json.loads((source / "manifest.json").read_text())["settings_hash"] if source.is_dir()
+             else os.path.getsize(source))
+    key = f"{source.resolve()}:{stamp}:{len(tokenizer)}:{tokenizer.name_or_path}"
+    folder = Path(recipe.data.dir) / "trigram" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (folder / "manifest.json").is_file():
+        return TrigramModel.load(folder)
+    eos = tokenizer.eos_token_id
+    if source.is_dir():
+        from align.trajectories import load_trajectories
+
+        rows = load_trajectories(source)
+        docs = [p + c for p, c in zip(rows["prompt_ids"], rows["completion_ids"])]
+    else:
+        from datasets import load_dataset
+
+        docs = tokenizer(list(load_dataset("json", data_files=str(source), split="train")["text"]),
+                         add_special_tokens=False)["input_ids"]
+    stream = np.fromiter((t for doc in docs for t in (doc if doc and doc[-1] == eos else [*doc, eos])), dtype=np.int64)
     model = TrigramModel.fit(stream, len(tokenizer))
     model.save(folder)
     manifest = json.loads((folder / "manifest.json").read_text())
-    (folder / "manifest.json").write_text(json.dumps({**manifest, "key": key}))
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "source": str(source)}))
     return model
 
 
@@ -423,6 +442,8 @@ def main(recipe: Recipe, command: str) -> None:
     configs = {key: AutoConfig.from_pretrained(sec.path, trust_remote_code=sec.trust_remote_code)
                for key, sec in sections.items() if sec is not None}
     prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, configs["verifier"].max_position_embeddings)
+    if any("cps" in n for n in names):
+        proxy_source(recipe)
     for key in configs.keys() - {"verifier"}:
         check_vocab_compatible(configs["verifier"], configs[key], f"{key}.path")
     compared = {label: recipe.drafter.model_copy(update={"path": path})

@@ -37,6 +37,6 @@ def toy_trajectories(toy_family, tmp_path_factory):
     out = tmp_path_factory.mktemp("traj")
     assert main(["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
                  f"data.dir={root / 'data'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
-                 "trajectories.batch_size=8", "trajectories.completions_per_prompt=2",
+                 "trajectories.batch_size=8", "trajectories.completions_per_prompt=2", "trajectories.temperature=0.5",
                  "trajectories.max_new_tokens=12", "trajectories.store_topk=8"]) == 0
     return root, out

@@ -95,6 +95,7 @@ def test_wrong_type(override, key):
     ("bootstrap.verifier.num_heads=7", "bootstrap.verifier", "divisible"),
     ("bootstrap.drafter.block_sizes=[5]", "bootstrap.drafter", "divisors of seq_len"),
     ("eval.compare_drafters={a b: x}", "eval.compare_drafters", "must be letters, digits"),
+    ("trajectories.temperature=0", "trajectories", "needs temperature > 0"),
 ])
 def test_impossible_values(override, key, allowed):
     message = refused([override])

@@ -1,6 +1,7 @@
 """`align eval` end to end on the toy family: every method is lossless at temperature 0, and bad input is refused."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -128,3 +129,23 @@ def test_compared_drafters_run_in_the_same_interleaved_run(toy_family, tmp_path)
         assert methods[f"{name}@same"]["per_position_acceptance"] == methods[name]["per_position_acceptance"]
     assert result["meta"]["compare_drafters"] == {"same": str(base), "random": str(tmp_path / "random")}
     assert "| specdiff@random |" in (out / "report.md").read_text()
+
+
+def test_cps_proxy_fitted_on_the_verifier_trajectories(toy_trajectories, tmp_path, capsys):
+    root, trajectories = toy_trajectories
+    data_dir = tmp_path / "data"
+    shutil.copytree(root / "data", data_dir)  # its own trigram cache, so that the check below sees this run's only
+    shutil.rmtree(data_dir / "trigram", ignore_errors=True)
+    args = eval_args(root, tmp_path / "out", "eval.methods=[specdiff_cps]", "eval.sampling_temperature=0",
+                     f"decode.cps_proxy_corpus={trajectories}", f"data.dir={data_dir}")
+    assert main(args) == 0
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert result["methods"]["specdiff_cps"]["exact_match"] == 1.0
+    [cache] = (data_dir / "trigram").iterdir()
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["source"] == str(trajectories) and manifest["tokens"] > 0
+    # A proxy source that is neither a JSONL file nor a trajectories folder is refused before any work.
+    err = run_refused(eval_args(root, tmp_path / "bad", "eval.methods=[specdiff_cps]",
+                                f"decode.cps_proxy_corpus={tmp_path}"), capsys)
+    assert "decode.cps_proxy_corpus:" in err and "neither a JSONL file nor a trajectories folder" in err
+    assert not (tmp_path / "bad").exists()

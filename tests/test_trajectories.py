@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def args(root, out, *extra):
     return ["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
             f"data.dir={root / 'data'}", f"trajectories.out={out}", "trajectories.num_prompts=6",
-            "trajectories.batch_size=2", "trajectories.completions_per_prompt=2", "trajectories.max_new_tokens=8",
+            "trajectories.batch_size=2", "trajectories.completions_per_prompt=2", "trajectories.temperature=0.5",
+            "trajectories.max_new_tokens=8",
             *extra]
 
 
