@@ -52,13 +52,40 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
     if evaluation:
         body += measured_table(evaluation, recipe.drafter.path)
     if meta:
-        losses = meta.get("recipe", {}).get("train", {}).get("losses")
-        body += ["## Training", "", f"Step {meta.get('step')} of `{meta.get('drafter_base', base_model)}` aligned "
-                 f"with losses {losses} on trajectories of the verifier.", ""]
-    body += ["## Reproduce", "", "```bash", command, "```", "",
-             "## Use", "", "```python", "from transformers import AutoModelForCausalLM",
-             f"drafter = AutoModelForCausalLM.from_pretrained(\"{recipe.export.push_to_hub or 'THIS_FOLDER'}\")",
-             "spec = drafter.config.drafter_spec  # mask_token_id, logits_shift, attention", "```", ""]
+        train = meta.get("recipe", {}).get("train", {})
+        losses = ", ".join(f"`{name}` × {weight}" for name, weight in (train.get("losses") or {}).items())
+        tuning = f"LoRA r={train['lora_r']}" if train.get("lora_r") else "full fine-tuning"
+        metrics = meta.get("metrics", {})
+        body += ["## Training", "",
+                 f"Step {meta.get('step')} of `{meta.get('drafter_base', base_model)}`, aligned to the verifier on "
+                 f"its own continuations with {losses} (γ = {train.get('gamma')}, {meta.get('world_size')} "
+                 f"DeepSpeed processes, ZeRO {train.get('zero_stage')}, {tuning}).",
+                 ""]
+        if "greedy_streak" in metrics:
+            body += [f"Held-out simulated accepted length at the end: greedy streak {metrics['greedy_streak']:.2f}, "
+                     f"expected streak {metrics['expected_streak']:.2f} draft tokens per window"
+                     + (f"; real τ of SpecDiff greedy decoding on {meta['final_tau_prompts']} held-out prompts "
+                        f"{meta['final_tau']:.2f}." if "final_tau" in meta else "."), ""]
+    name = recipe.export.push_to_hub or "THIS_FOLDER"
+    body += ["## Reproduce", "",
+             "`recipe.yaml` in this folder is the resolved recipe that trained the drafter (every default filled in):",
+             "", "```bash", "align trajectories recipe.yaml --num_gpus N",
+             "align train recipe.yaml --num_gpus N        # or: deepspeed --num_gpus N align/train.py recipe.yaml",
+             *([evaluation["meta"]["command"]] if evaluation and evaluation.get("meta", {}).get("command") else []),
+             command, "```", "",
+             "## Use", "",
+             "With `transformers` alone the drafter is a plain causal LM whose `config.drafter_spec` says how to draft: "
+             "fill γ positions after the context with `mask_token_id` and read their logits (shifted by "
+             "`logits_shift`). With align's lossless runtime:", "",
+             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+             "from align.decoding.specdiff import specdiff_generate", "from align.models import DrafterSpec", "",
+             f"drafter = AutoModelForCausalLM.from_pretrained(\"{name}\")",
+             "spec = DrafterSpec(**drafter.config.drafter_spec)",
+             f"verifier = AutoModelForCausalLM.from_pretrained(\"{recipe.verifier.path}\")",
+             f"ids = AutoTokenizer.from_pretrained(\"{name}\")(\"def add(a, b):\", return_tensors=\"pt\").input_ids",
+             "tokens, stats = specdiff_generate(verifier, drafter, spec, ids, gamma=8, max_new_tokens=64)",
+             "print(stats.tau)  # tokens per verifier forward; tokens are exactly the verifier's greedy output", "```",
+             ""]
     return "\n".join(front + body)
 
 
@@ -117,6 +144,10 @@ def build_folder(recipe: Recipe, command: str, out: Path) -> None:
         evaluation = json.loads(Path(recipe.export.eval).read_text())
         shutil.copy2(recipe.export.eval, tmp / "eval.json")
     meta = json.loads((source / "meta.json").read_text()) if (source / "meta.json").is_file() else {}
+    if meta.get("recipe"):
+        import yaml
+
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(meta["recipe"], sort_keys=False))
     base_model = meta.get("drafter_base") or str(source)
     (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
     shutil.rmtree(out, ignore_errors=True)

@@ -131,3 +131,16 @@ def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
     # Exported as the eval's own drafter.path: its plain rows, no comparison column.
     table = "\n".join(measured_table(evaluation, "ck/base"))
     assert "| specdiff | 1.40 | 0.70× | 1.0 |" in table and "τ with" not in table
+
+
+def test_card_describes_the_training_run():
+    from align.config import load_recipe
+    from align.export import model_card
+
+    recipe = load_recipe("recipes/tiny/align.yaml")
+    meta = {"step": 150, "recipe": recipe.to_dict(), "drafter_base": "ck/base", "world_size": 2,
+            "metrics": {"greedy_streak": 1.54, "expected_streak": 1.51}, "final_tau": 2.26, "final_tau_prompts": 8}
+    card = model_card({"drafter_spec": {"mask_token_id": 2}}, meta, None, recipe, "align export x", "ck/base")
+    assert "with `streak` × 1.0 (γ = 8, 2 DeepSpeed processes, ZeRO 0, full fine-tuning)" in card
+    assert "greedy streak 1.54" in card and "on 8 held-out prompts 2.26" in card
+    assert "align train recipe.yaml --num_gpus N" in card and "align export x" in card
