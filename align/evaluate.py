@@ -137,6 +137,7 @@ def base_method(name: str) -> str:
     """`specdiff@aligned` (a method run with one of eval.compare_drafters) -> `specdiff`."""
     return name.split("@", 1)[0]
 
+
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
