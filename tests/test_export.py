@@ -137,7 +137,7 @@ def test_card_describes_the_training_run():
     from align.config import load_recipe
     from align.export import model_card
 
-    recipe = load_recipe("recipes/tiny/align.yaml")
+    recipe = load_recipe("recipes/tiny/align.yaml", ["train.losses={streak: 1.0}"])
     meta = {"step": 150, "recipe": recipe.to_dict(), "drafter_base": "ck/base", "world_size": 2,
             "metrics": {"greedy_streak": 1.54, "expected_streak": 1.51}, "final_tau": 2.26, "final_tau_prompts": 8}
     card = model_card({"drafter_spec": {"mask_token_id": 2}}, meta, None, recipe, "align export x", "ck/base")
