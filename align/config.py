@@ -98,7 +98,8 @@ class ArDrafterSection(ModelSection):
 # data, trajectories
 # --------------------------------------------------------------------------------------------------------------------
 class DataSection(Section):
-    #: where the tiny corpus and prompt sets live: built from the stdlib by `align bootstrap` or the first stage needing them
+    #: where the tiny corpus and prompt sets live; built from the stdlib by `align bootstrap` or the first stage that
+    #: needs them
     dir: str = "data/tiny"
     #: prompts (JSONL with a `prompt` field) for trajectories; None: the tiny train split
     train_prompts: Optional[str] = None

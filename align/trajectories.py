@@ -129,7 +129,8 @@ def main(recipe: Recipe, command: str) -> None:
     t = recipe.trajectories
     check_inputs(recipe, model_keys=("verifier.path",))
     source = recipe.data.train_prompts or str(
-        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.verifier.path) / "prompts" / "train.jsonl")
+        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.verifier.path)
+        / "prompts" / "train.jsonl")
     prompts = load_prompt_file(source, "prompt", "data.train_prompts")[: t.num_prompts]
     settings = settings_of(recipe, prompts)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
