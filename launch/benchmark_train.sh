@@ -19,12 +19,12 @@ run p1-t1 1 1 "$@"
 run p1-t2 1 2 "$@"
 run p2-t1 2 1 "$@"
 .venv/bin/python - "$root" "$steps" <<'PY'
-import json, platform, statistics, sys
+import json, os, platform, statistics, sys
 from pathlib import Path
 
 root, steps = Path(sys.argv[1]), int(sys.argv[2])
 lines = [f"# Training throughput ({steps} steps of recipes/tiny/align.yaml, median after 5 warm-up steps)", "",
-         f"Machine: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores", "",
+         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores", "",
          "| run | processes | threads each | tokens/s per rank | tokens/s in all |", "|---|---|---|---|---|"]
 for run in ("p1-t1", "p1-t2", "p2-t1"):
     records = [json.loads(l) for l in (root / run / "metrics.jsonl").open() if "tokens_per_s_per_rank" in l]
