@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from align import __version__
 from align.config import BootstrapSection, PretrainSection, Recipe, RecipeError
-from align.corpus import SPLITS, build_data, prompt_sets
+from align.corpus import SPLITS, build_data, prompt_sets, read_manifest
 from align.losses import mdlm, next_token
 from align.models import DrafterSpec, additive_mask, block_diffusion_allowed
 
@@ -44,13 +44,6 @@ MIN_MASK_RATIO = 1e-3
 # --------------------------------------------------------------------------------------------------------------------
 def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _read_manifest(folder: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((folder / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -289,7 +282,7 @@ def main(recipe: Recipe, command: str) -> None:
 
     tok_dir = out / "tokenizer"
     tok_hash = _hash({"part": "tokenizer", **common})
-    if "tokenizer" in cfg.parts and (cfg.force or (_read_manifest(tok_dir) or {}).get("config_hash") != tok_hash):
+    if "tokenizer" in cfg.parts and (cfg.force or (read_manifest(tok_dir) or {}).get("config_hash") != tok_hash):
         t0 = time.time()
         tmp = out / ".tokenizer.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -303,7 +296,7 @@ def main(recipe: Recipe, command: str) -> None:
     if not (tok_dir / "tokenizer_config.json").is_file():
         raise SystemExit(f"bootstrap: no tokenizer at {tok_dir}; include 'tokenizer' in bootstrap.parts")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    tok_manifest = _read_manifest(tok_dir) or {}
+    tok_manifest = read_manifest(tok_dir) or {}
 
     streams: dict[str, np.ndarray] | None = None
     test_prompts = prompt_sets({"train": [], "test": corpus["test"]})["test"]
@@ -316,7 +309,7 @@ def main(recipe: Recipe, command: str) -> None:
         pcfg, spec = model_parts[part]
         config_hash = _hash({"part": part, "model": pcfg.model_dump(mode="json"), "tokenizer": tok_manifest.get("config_hash"), **common})
         final = out / part
-        if not cfg.force and (_read_manifest(final) or {}).get("config_hash") == config_hash:
+        if not cfg.force and (read_manifest(final) or {}).get("config_hash") == config_hash:
             print(f"[{part}] up to date ({final}/manifest.json matches the recipe); bootstrap.force=true rebuilds it")
             continue
         if streams is None:

@@ -109,15 +109,20 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
+def read_manifest(folder: Path) -> dict | None:
+    """folder/manifest.json, or None when it is missing or unreadable."""
+    try:
+        return json.loads((Path(folder) / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def build_data(data_dir: Path, fraction: float = 1.0) -> tuple[dict[str, list[dict[str, str]]], str]:
     """Read the corpus, write it (as `datasets` JSONL splits) and the prompt sets under data_dir unless the folder
     already holds this very corpus; return it and its hash."""
     corpus = read_corpus(fraction)
     digest = corpus_hash(corpus)
-    try:
-        manifest = json.loads((data_dir / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        manifest = None
+    manifest = read_manifest(data_dir)
     if manifest is None or manifest.get("corpus_hash") != digest:
         for split in SPLITS:
             write_jsonl(corpus[split], data_dir / "corpus" / f"{split}.jsonl")
@@ -149,11 +154,8 @@ def ensure_data(data_dir: str | Path, fraction: float = 1.0, model_dir: str | Pa
               file=sys.stderr)
         build_data(data_dir, fraction)
     if model_dir is not None:
-        try:
-            trained_on = json.loads((Path(model_dir) / "manifest.json").read_text()).get("corpus_hash")
-            built = json.loads((data_dir / "manifest.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return data_dir
+        trained_on = (read_manifest(model_dir) or {}).get("corpus_hash")
+        built = read_manifest(data_dir) or {}
         if trained_on and trained_on != built.get("corpus_hash"):
             print(f"align: warning: {data_dir} was built from {built.get('source')}, not the corpus {model_dir} was "
                   "trained on; its test prompts may overlap that model's training data", file=sys.stderr)
