@@ -197,8 +197,9 @@ def proxy_source(recipe: Recipe) -> Path:
     return source
 
 
-def trigram_proxy(recipe: Recipe, tokenizer: Any) -> TrigramModel:
-    """The CPS causal proxy, fitted once with the verifier's tokenizer and cached under data.dir/trigram/.
+def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
+    """The CPS causal proxy, fitted once on `source` (from proxy_source) with the verifier's tokenizer and cached under
+    data_dir/trigram/.
 
     Fitted on a trajectories folder, it models the verifier's own continuations rather than the corpus: the right
     proxy for a drafter aligned to that verifier, whose drafts a corpus n-gram would pull back toward the corpus.
@@ -207,11 +208,10 @@ def trigram_proxy(recipe: Recipe, tokenizer: Any) -> TrigramModel:
 
     import numpy as np
 
-    source = proxy_source(recipe)
     stamp = (json.loads((source / "manifest.json").read_text())["settings_hash"] if source.is_dir()
              else os.path.getsize(source))
     key = f"{source.resolve()}:{stamp}:{len(tokenizer)}:{tokenizer.name_or_path}"
-    folder = Path(recipe.data.dir) / "trigram" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    folder = Path(data_dir) / "trigram" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (folder / "manifest.json").is_file():
         return TrigramModel.load(folder)
     eos = tokenizer.eos_token_id
@@ -443,8 +443,7 @@ def main(recipe: Recipe, command: str) -> None:
     configs = {key: AutoConfig.from_pretrained(sec.path, trust_remote_code=sec.trust_remote_code)
                for key, sec in sections.items() if sec is not None}
     prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, configs["verifier"].max_position_embeddings)
-    if any("cps" in n for n in names):
-        proxy_source(recipe)
+    source = proxy_source(recipe) if any("cps" in n for n in names) else None
     for key in configs.keys() - {"verifier"}:
         check_vocab_compatible(configs["verifier"], configs[key], f"{key}.path")
     compared = {label: recipe.drafter.model_copy(update={"path": path})
@@ -457,7 +456,7 @@ def main(recipe: Recipe, command: str) -> None:
     drafter, spec = load_drafter(recipe.drafter, tokenizer) if uses_drafter else (None, None)
     ar_drafter = load_ar_drafter(recipe.ar_drafter) if uses_ar_drafter else None
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
-    proxy = trigram_proxy(recipe, tokenizer) if any("cps" in n for n in names) else None
+    proxy = trigram_proxy(source, recipe.data.dir, tokenizer) if source is not None else None
     setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
     setups = {name: setup for name in names}
     for label, section in compared.items():
