@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from align.config import Recipe, RecipeError
 from align.corpus import ensure_data
 from align.decoding.dllm import BlockTrace, dllm_generate
-from align.draft_graph import calibrate
+from align.draft_graph import POSITION_ORDERS, calibrate
 from align.evaluate import load_prompt_file
 from align.models import load_drafter, load_tokenizer
 
@@ -39,15 +39,16 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"calibrate.prompts: no usable prompt in {path}")
     graph = calibrate(
         traces, spec.mask_token_id, c.block_length, c.budget, c.tokens_per_step, c.max_position_rank,
-        c.max_token_rank,
+        c.max_token_rank, POSITION_ORDERS if c.position_order == "auto" else (c.position_order,), c.objective,
         meta={"model": recipe.drafter.path, "drafter_spec": spec.to_dict(), "num_prompts": len(prompts),
               "prompts": path, "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
-              "max_new_tokens": recipe.decode.max_new_tokens, "vanilla_nfe": nfe,
-              "seconds": round(time.perf_counter() - t0, 1), "command": command},
+              "max_new_tokens": recipe.decode.max_new_tokens, "vanilla_nfe": nfe, "command": command},
     )
+    graph.meta["seconds"] = round(time.perf_counter() - t0, 1)  # tracing and the node search
     out = Path(c.out) / "draft_graph.json"
     graph.save(out)
-    print(f"calibrated {graph.budget} nodes from {len(traces)} blocks of {len(prompts)} prompts in "
-          f"{graph.meta['seconds']} s -> {out}")
+    replayed = ", ".join(f"{order} {x:.2f}x" for order, x in graph.meta["replayed_nfe_reduction"].items())
+    print(f"calibrated {graph.budget} nodes ({graph.position_order} order; NFE reduction replayed on the traces: "
+          f"{replayed}) from {len(traces)} blocks of {len(prompts)} prompts in {graph.meta['seconds']} s -> {out}")
     for k, node in enumerate(graph.nodes):
         print(f"  node {k}: {sorted(node)}  count {graph.counts[k]}  parents {graph.parents(k)}")

@@ -255,6 +255,11 @@ class CalibrateSection(Section):
     max_position_rank: int = Field(default=8, ge=1)
     #: ... and its j-th most likely token up to this rank
     max_token_rank: int = Field(default=3, ge=1)
+    #: how formulas rank masked positions: confidence (Spiffy's), nearest (to the last unmasked position), or auto
+    #: (calibrate both, keep the graph that saves more forwards on the calibration traces)
+    position_order: Literal["auto", "confidence", "nearest"] = "auto"
+    #: node search: degree1 (Spiffy's degree-1 accumulation) or simulated (forwards saved, replayed on the traces)
+    objective: Literal["degree1", "simulated"] = "degree1"
     #: JSONL (`prompt` field) of calibration prompts; None: the tiny train split
     prompts: Optional[str] = None
 

@@ -10,8 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from align.config import RecipeError
 from align.decoding.dllm import dllm_generate, unmask
 from align.decoding.spiffy import spiffy_generate
-from align.draft_graph import (DraftGraph, apply_formula, calibrate, exhaustive_select, formula_between,
-                               objective, select_nodes)
+from align.decoding.dllm import BlockTrace
+from align.draft_graph import (DraftGraph, apply_formula, calibrate, count_formulas, exhaustive_select,
+                               formula_between, objective, ranked_positions, replayed_forwards, select_nodes,
+                               trace_chains)
 from align.models import DrafterSpec
 
 VOCAB, MASK = 40, 39
@@ -48,6 +50,54 @@ def test_formulas_round_trip_states():
     assert apply_formula(block, probs, F((5, 1)), MASK) is None  # only 4 masked positions
 
 
+def test_position_orders_on_a_hand_made_case():
+    probs = torch.full((6, VOCAB), 0.01)
+    probs[:, 0] = torch.tensor([0.2, 0.0, 0.9, 0.3, 0.0, 0.5])  # confidence of positions 0..5
+    previous = torch.tensor([MASK, MASK, MASK, MASK, MASK, MASK])
+    block = torch.tensor([MASK, 5, MASK, MASK, 7, MASK])  # the last step unmasked positions 1 and 4
+    assert ranked_positions(block, probs, MASK) == [2, 5, 3, 0]
+    # Distance to the nearest newly unmasked position: 2 -> 1 (right of 1), 5 -> 1 (right of 4), 3 -> 1 (left of 4),
+    # 0 -> 1 (left of 1); right before left, then leftmost.
+    assert ranked_positions(block, probs, MASK, "nearest", previous) == [2, 5, 0, 3]
+    with pytest.raises(ValueError, match="previous state"):
+        ranked_positions(block, probs, MASK, "nearest")
+
+
+def left_to_right_trace() -> BlockTrace:
+    """A block of 4 decoded left to right, as a local dLLM does: at state k position k is the most confident (0.5 on
+    token 10 + k); the other masked positions are less confident the further left they are."""
+    states, probs = [torch.tensor([MASK] * 4)], []
+    for k in range(4):
+        step = torch.full((4, VOCAB), 0.01)
+        for pos in range(4):
+            step[pos, 10 + pos] = 0.5 if pos == k else 0.1 + 0.05 * pos
+        probs.append(step)
+        states.append(unmask(states[-1], step, MASK, 1))
+    assert states[-1].tolist() == [10, 11, 12, 13]
+    return BlockTrace(states, probs)
+
+
+def test_replayed_forwards_on_a_hand_made_trace():
+    trace = left_to_right_trace()
+    # Nearest order: every later state is "the next positions to the right, their top-1 tokens".
+    chains = trace_chains([trace], MASK, 3, 8, 3, "nearest")
+    assert chains[0] == [[], [F((1, 1)), F((1, 1), (2, 1)), F((1, 1), (2, 1), (3, 1))],
+                         [F((1, 1)), F((1, 1), (2, 1))], [F((1, 1))]]
+    assert count_formulas(chains)[F((1, 1))] == 3
+    assert replayed_forwards(chains, []) == 4  # vanilla: one forward per state
+    assert replayed_forwards(chains, [F((1, 1))]) == 3  # forwards at states 0, 1 (2 is free) and 3
+    assert replayed_forwards(chains, [F((1, 1)), F((1, 1), (2, 1))]) == 2  # states 2 and 3 free
+    # Confidence order: the previous step ranks the rightmost position first, so the same moves get other formulas.
+    assert trace_chains([trace], MASK, 3, 8, 3, "confidence")[0][1] == [F((3, 1)), F((3, 1), (2, 1)),
+                                                                       F((3, 1), (2, 1), (1, 1))]
+    # Calibration keeps the order that saves more forwards on the traces.
+    for objective_name in ("degree1", "simulated"):
+        graph = calibrate([trace], MASK, block_length=4, budget=2, objective_name=objective_name)
+        assert graph.position_order == "nearest" and graph.nodes == (F((1, 1)), F((1, 1), (2, 1)))
+        assert graph.meta["replayed_nfe_reduction"]["nearest"] == 2.0
+        assert graph.meta["replayed_nfe_reduction"]["confidence"] < 2.0
+
+
 def test_unmask_rules():
     probs = torch.full((4, VOCAB), 0.01)
     probs[0, 3], probs[1, 4], probs[2, 5], probs[3, 6] = 0.5, 0.9, 0.95, 0.2
@@ -66,7 +116,8 @@ def test_graph_file_round_trip_and_refusals(tmp_path):
     with pytest.raises(RecipeError, match="block length 16, decoding uses 32"):
         DraftGraph.load(path, block_length=32)
     raw = json.loads(path.read_text())
-    for change, message in [({"version": 7}, "version 7"), ({"budget": 5}, "budget 5 does not match"),
+    for change, message in [({"version": 1}, "version 1, expected 2"), ({"budget": 5}, "budget 5 does not match"),
+                            ({"position_order": "random"}, "position_order 'random' is not one of"),
                             ({"nodes": [[[1, 1]], [[2, 1], [3, 1]]]}, "node 1 has no parent"),
                             ({"nodes": "nope"}, "malformed nodes")]:
         path.write_text(json.dumps({**raw, **change}))

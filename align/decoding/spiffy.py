@@ -18,9 +18,11 @@ from align.draft_graph import DraftGraph, apply_formula, ranked_positions
 from align.models import DrafterContext, DrafterSpec
 
 
-def draft_states(block: torch.Tensor, prev_probs: torch.Tensor, graph: DraftGraph, mask_id: int) -> list[torch.Tensor]:
-    """The graph's guesses of future states of `block` (b,), ranks from the distribution that produced it."""
-    positions = ranked_positions(block, prev_probs, mask_id)
+def draft_states(block: torch.Tensor, previous: torch.Tensor, prev_probs: torch.Tensor, graph: DraftGraph,
+                 mask_id: int) -> list[torch.Tensor]:
+    """The graph's guesses of future states of `block` (b,); `previous` (b,) is the state before it and prev_probs
+    (b, V) the distribution that produced it (the newest one known before the forward at `block`)."""
+    positions = ranked_positions(block, prev_probs, mask_id, graph.position_order, previous)
     drafts = (apply_formula(block, prev_probs, node, mask_id, positions) for node in graph.nodes)
     return [d for d in drafts if d is not None]
 
@@ -40,12 +42,13 @@ def spiffy_generate(
 
     def spiffy_block(block: torch.Tensor, context: torch.Tensor, state: Optional[DrafterContext],
                      stats: DllmStats) -> torch.Tensor:
-        prev_probs: Optional[torch.Tensor] = None  # the distribution that produced `block`
+        previous: Optional[torch.Tensor] = None  # the state before `block`
+        prev_probs: Optional[torch.Tensor] = None  # the distribution (at `previous`) that produced `block`
         probs: Optional[torch.Tensor] = None  # `block`'s own distribution, when a matched draft gave it for free
         while bool((block == mask_id).any()):
             if probs is None:
                 # The first state of a block has no previous distribution to rank from: a plain forward.
-                drafts = draft_states(block, prev_probs, graph, mask_id) if prev_probs is not None else []
+                drafts = [] if prev_probs is None else draft_states(block, previous, prev_probs, graph, mask_id)
                 all_probs = block_probs(model, spec, context, torch.stack([block, *drafts]), state)
                 stats.nfe += 1
                 probs = all_probs[0]
@@ -55,7 +58,7 @@ def spiffy_generate(
             stats.steps += 1
             # Exact state match: that draft's distribution is the new state's distribution.
             match = next((k for k, d in enumerate(drafts) if torch.equal(d, next_block)), None)
-            prev_probs, block = probs, next_block
+            previous, prev_probs, block = block, probs, next_block
             probs = None if match is None else all_probs[match + 1]
         return block
 
