@@ -33,7 +33,7 @@ def main(recipe: Recipe, command: str) -> None:
         if ids.shape[1] + recipe.decode.max_new_tokens > model.config.max_position_embeddings:
             continue  # calibration only needs typical prompts; an over-long one is skipped, not fatal
         _, stats = dllm_generate(model, spec, ids, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,
-                                 eos_ids=eos_ids, trace=traces)
+                                 eos_ids=eos_ids, trace=traces, trace_token_rank=c.max_token_rank)
         nfe += stats.nfe
     if not traces:
         raise RecipeError(f"calibrate.prompts: no usable prompt in {path}")

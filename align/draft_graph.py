@@ -15,9 +15,9 @@ Masked positions are ranked in one of two orders, chosen at calibration by the f
 Either order only shapes the guesses; the real state is always computed by the vanilla rule, so outputs are the same.
 
 Calibration counts, on vanilla traces, which formulas describe the states 1, 2, ... steps later, and picks a
-connected set of `budget` nodes, by Spiffy's degree-1 accumulation objective
-Σ_{q∈Q} [count(q) + Σ_{p∈parents(q)∩Q} count(p)], or (`simulated`) by the forwards the graph saves when replayed on
-the traces.
+connected set of `budget` nodes by the forwards the graph saves when replayed on the traces (`simulated`: the quantity
+Spiffy's objective stands in for, and cheap to compute exactly here), or by Spiffy's degree-1 accumulation objective
+Σ_{q∈Q} [count(q) + Σ_{p∈parents(q)∩Q} count(p)] (`degree1`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Iterable, Literal, Optional
 import torch
 
 from align.config import RecipeError
-from align.decoding.dllm import BlockTrace
+from align.decoding.dllm import BlockTrace, StepRanks
 
 Pair = tuple[int, int]
 Formula = frozenset  # of Pair
@@ -44,16 +44,16 @@ GRAPH_VERSION = 2  # 2: position_order
 # --------------------------------------------------------------------------------------------------------------------
 # formulas <-> states
 # --------------------------------------------------------------------------------------------------------------------
-def ranked_positions(block: torch.Tensor, probs: torch.Tensor, mask_id: int, order: PositionOrder = "confidence",
+def ranked_positions(block: torch.Tensor, ranks: StepRanks, mask_id: int, order: PositionOrder = "confidence",
                      previous: Optional[torch.Tensor] = None) -> list[int]:
     """Masked positions of `block` (b,) in the formulas' order; ties to the leftmost.
 
-    confidence: most confident first under probs (b, V). nearest: closest first to a position that `previous` (b,),
+    confidence: most confident first under `ranks`. nearest: closest first to a position that `previous` (b,),
     the state before `block`, had masked and `block` has not; at equal distance the right side first.
     """
     masked = (block == mask_id).nonzero().flatten().tolist()
     if order == "confidence":
-        confidence = probs.max(-1).values.masked_fill(block != mask_id, -1.0)
+        confidence = ranks.confidence.masked_fill(block != mask_id, -1.0)
         return torch.sort(confidence, descending=True, stable=True).indices[: len(masked)].tolist()
     if previous is None:
         raise ValueError("the nearest position order needs the previous state")
@@ -61,36 +61,36 @@ def ranked_positions(block: torch.Tensor, probs: torch.Tensor, mask_id: int, ord
     return sorted(masked, key=lambda p: min(2 * (p - q) if p > q else 2 * (q - p) + 1 for q in unmasked_last))
 
 
-def apply_formula(block: torch.Tensor, probs: torch.Tensor, formula: Iterable[Pair], mask_id: int,
+def apply_formula(block: torch.Tensor, ranks: StepRanks, formula: Iterable[Pair], mask_id: int,
                   positions: Optional[list[int]] = None) -> Optional[torch.Tensor]:
     """The state `formula` describes on top of `block`, positions in `positions`' order (default: confidence),
-    token ranks read from probs; None if a rank does not exist."""
-    positions = positions if positions is not None else ranked_positions(block, probs, mask_id)
+    tokens from `ranks`; None if a rank does not exist."""
+    positions = positions if positions is not None else ranked_positions(block, ranks, mask_id)
     draft = block.clone()
     for i, j in formula:
-        if i > len(positions) or j > probs.shape[-1]:
+        if i > len(positions) or j > ranks.top_tokens.shape[-1]:
             return None
         pos = positions[i - 1]
-        draft[pos] = probs[pos].topk(j).indices[j - 1]
+        draft[pos] = ranks.top_tokens[pos, j - 1]
     return draft
 
 
-def formula_between(block: torch.Tensor, later: torch.Tensor, probs: torch.Tensor, mask_id: int,
+def formula_between(block: torch.Tensor, later: torch.Tensor, ranks: StepRanks, mask_id: int,
                     max_position_rank: int, max_token_rank: int, positions: Optional[list[int]] = None
                     ) -> Optional[Formula]:
-    """The formula taking `block` to `later` under `positions`' order (default: confidence) and probs' token ranks;
-    None when a rank exceeds the limits."""
-    positions = positions if positions is not None else ranked_positions(block, probs, mask_id)
+    """The formula taking `block` to `later` under `positions`' order (default: confidence) and the token ranks of
+    `ranks`; None when a rank exceeds the limits."""
+    positions = positions if positions is not None else ranked_positions(block, ranks, mask_id)
     rank_of = {pos: r + 1 for r, pos in enumerate(positions)}
     pairs = []
     for pos in (block != later).nonzero().flatten().tolist():
         i = rank_of.get(pos)
         if i is None or i > max_position_rank:
             return None
-        j = int((probs[pos] > probs[pos, later[pos]]).sum()) + 1  # tokens strictly more likely, plus one
-        if j > max_token_rank:
+        found = (ranks.top_tokens[pos, :max_token_rank] == later[pos]).nonzero()
+        if len(found) == 0:
             return None
-        pairs.append((i, j))
+        pairs.append((i, int(found[0]) + 1))
     return frozenset(pairs)
 
 
@@ -116,6 +116,10 @@ class DraftGraph:
             raise RecipeError(f"eval.spiffy_budgets: {budget} is not in 1..{self.budget} (the calibrated budget)")
         return DraftGraph(self.nodes[:budget], self.block_length, self.tokens_per_step, self.position_order,
                           self.counts[:budget], self.meta)
+
+    @property
+    def max_token_rank(self) -> int:
+        return max(j for node in self.nodes for _, j in node)
 
     def parents(self, index: int) -> list[int]:
         """Indices of the node's parents; -1 stands for the root (the current state)."""
@@ -197,11 +201,11 @@ def trace_chains(traces: list[BlockTrace], mask_id: int, max_depth: int, max_pos
     for trace in traces:
         block_chains = [[]]  # the first state has no previous distribution, hence no drafts
         for k in range(1, len(trace.states) - 1):
-            state, prev_probs = trace.states[k], trace.probs[k - 1]
-            positions = ranked_positions(state, prev_probs, mask_id, order, trace.states[k - 1])
+            state, prev_ranks = trace.states[k], trace.ranks[k - 1]
+            positions = ranked_positions(state, prev_ranks, mask_id, order, trace.states[k - 1])
             chain = []
             for later in trace.states[k + 1 : k + 1 + max_depth]:
-                formula = formula_between(state, later, prev_probs, mask_id, max_position_rank, max_token_rank,
+                formula = formula_between(state, later, prev_ranks, mask_id, max_position_rank, max_token_rank,
                                           positions)
                 if formula is None:
                     break
@@ -274,7 +278,7 @@ def exhaustive_select(counts: Counter, budget: int, tokens_per_step: int = 1) ->
 
 def calibrate(traces: list[BlockTrace], mask_id: int, block_length: int, budget: int, tokens_per_step: int = 1,
               max_position_rank: int = 8, max_token_rank: int = 3,
-              orders: tuple[PositionOrder, ...] = POSITION_ORDERS, objective_name: str = "degree1",
+              orders: tuple[PositionOrder, ...] = POSITION_ORDERS, objective_name: str = "simulated",
               meta: Optional[dict[str, Any]] = None) -> DraftGraph:
     """Count formulas on vanilla traces and select `budget` nodes under each position order; keep the order whose
     graph needs the fewest forwards replayed on the traces (the first listed on a tie). The nodes stay in the

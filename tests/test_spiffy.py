@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from align.config import RecipeError
 from align.decoding.dllm import dllm_generate, unmask
 from align.decoding.spiffy import spiffy_generate
-from align.decoding.dllm import BlockTrace
+from align.decoding.dllm import BlockTrace, StepRanks
 from align.draft_graph import (DraftGraph, apply_formula, calibrate, count_formulas, exhaustive_select,
                                formula_between, objective, ranked_positions, replayed_forwards, select_nodes,
                                trace_chains)
@@ -41,40 +41,46 @@ def test_objective_and_greedy_against_exhaustive():
 def test_formulas_round_trip_states():
     torch.manual_seed(0)
     probs = torch.softmax(torch.randn(6, VOCAB) * 3, -1)
+    ranks = StepRanks.of(probs, 3)
     block = torch.tensor([MASK, 5, MASK, MASK, 7, MASK])
     formula = F((1, 1), (3, 2))
-    later = apply_formula(block, probs, formula, MASK)
+    later = apply_formula(block, ranks, formula, MASK)
     assert int((later == MASK).sum()) == 2
-    assert formula_between(block, later, probs, MASK, 8, 3) == formula
-    assert formula_between(block, later, probs, MASK, 2, 3) is None  # position rank 3 is beyond the limit
-    assert apply_formula(block, probs, F((5, 1)), MASK) is None  # only 4 masked positions
+    confident = int(probs.max(-1).values.masked_fill(block != MASK, -1).argmax())
+    assert later[confident] == probs[confident].argmax()  # (1, 1): the most confident position, its top token
+    assert formula_between(block, later, ranks, MASK, 8, 3) == formula
+    assert formula_between(block, later, ranks, MASK, 2, 3) is None  # position rank 3 is beyond the limit
+    assert formula_between(block, later, ranks, MASK, 8, 1) is None  # token rank 2 is beyond the limit
+    assert apply_formula(block, ranks, F((5, 1)), MASK) is None  # only 4 masked positions
+    assert apply_formula(block, ranks, F((1, 4)), MASK) is None  # only 3 tokens ranked
 
 
 def test_position_orders_on_a_hand_made_case():
     probs = torch.full((6, VOCAB), 0.01)
     probs[:, 0] = torch.tensor([0.2, 0.0, 0.9, 0.3, 0.0, 0.5])  # confidence of positions 0..5
+    ranks = StepRanks.of(probs, 2)
     previous = torch.tensor([MASK, MASK, MASK, MASK, MASK, MASK])
     block = torch.tensor([MASK, 5, MASK, MASK, 7, MASK])  # the last step unmasked positions 1 and 4
-    assert ranked_positions(block, probs, MASK) == [2, 5, 3, 0]
+    assert ranked_positions(block, ranks, MASK) == [2, 5, 3, 0]
     # Distance to the nearest newly unmasked position: 2 -> 1 (right of 1), 5 -> 1 (right of 4), 3 -> 1 (left of 4),
     # 0 -> 1 (left of 1); right before left, then leftmost.
-    assert ranked_positions(block, probs, MASK, "nearest", previous) == [2, 5, 0, 3]
+    assert ranked_positions(block, ranks, MASK, "nearest", previous) == [2, 5, 0, 3]
     with pytest.raises(ValueError, match="previous state"):
-        ranked_positions(block, probs, MASK, "nearest")
+        ranked_positions(block, ranks, MASK, "nearest")
 
 
 def left_to_right_trace() -> BlockTrace:
     """A block of 4 decoded left to right, as a local dLLM does: at state k position k is the most confident (0.5 on
     token 10 + k); the other masked positions are less confident the further left they are."""
-    states, probs = [torch.tensor([MASK] * 4)], []
+    states, ranks = [torch.tensor([MASK] * 4)], []
     for k in range(4):
         step = torch.full((4, VOCAB), 0.01)
         for pos in range(4):
             step[pos, 10 + pos] = 0.5 if pos == k else 0.1 + 0.05 * pos
-        probs.append(step)
+        ranks.append(StepRanks.of(step, 8))
         states.append(unmask(states[-1], step, MASK, 1))
     assert states[-1].tolist() == [10, 11, 12, 13]
-    return BlockTrace(states, probs)
+    return BlockTrace(states, ranks)
 
 
 def test_replayed_forwards_on_a_hand_made_trace():

@@ -23,13 +23,29 @@ class DllmStats:
     wall_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepRanks:
+    """What Spiffy's formulas read from one step's distribution (b, V): each position's top-1 probability and its
+    most likely tokens, best first. Traces keep these rather than distributions, which for a real dLLM would not fit
+    in memory (LLaDA-8B, 30 prompts of 256 tokens: ~120 GB of float32 distributions)."""
+
+    confidence: torch.Tensor  # (b,)
+    top_tokens: torch.Tensor  # (b, k)
+
+    @classmethod
+    def of(cls, probs: torch.Tensor, top_k: int) -> "StepRanks":
+        """probs: (b, V)."""
+        values, tokens = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
+        return cls(values[:, 0], tokens)
+
+
 @dataclass
 class BlockTrace:
-    """One block's vanilla trajectory: states[k] (b,) and probs[k] (b, V), the distribution computed at states[k]
+    """One block's vanilla trajectory: states[k] (b,) and ranks[k], from the distribution computed at states[k]
     that produced states[k + 1]. Calibration reads these."""
 
     states: list[torch.Tensor] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
+    ranks: list[StepRanks] = field(default_factory=list)
 
 
 def unmask(block: torch.Tensor, probs: torch.Tensor, mask_id: int, tokens_per_step: int,
@@ -96,8 +112,10 @@ def dllm_generate(
     threshold: Optional[float] = None,
     eos_ids: frozenset[int] = frozenset(),
     trace: Optional[list[BlockTrace]] = None,
+    trace_token_rank: int = 8,
 ) -> tuple[list[int], DllmStats]:
-    """Decode block after block, one forward per transition. prompt_ids: (1, n). Greedy tokens."""
+    """Decode block after block, one forward per transition. prompt_ids: (1, n). Greedy tokens. With `trace`, each
+    block's states and step ranks (the `trace_token_rank` most likely tokens per position) are appended to it."""
 
     def vanilla_block(block: torch.Tensor, context: torch.Tensor, state: Optional[DrafterContext],
                       stats: DllmStats) -> torch.Tensor:
@@ -107,7 +125,7 @@ def dllm_generate(
             stats.nfe += 1
             if record is not None:
                 record.states.append(block)
-                record.probs.append(probs)
+                record.ranks.append(StepRanks.of(probs, trace_token_rank))
             block = unmask(block, probs, spec.mask_token_id, tokens_per_step, threshold)
             stats.steps += 1
         if record is not None:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from transformers import PreTrainedModel
 
-from align.decoding.dllm import DllmStats, block_probs, decode_blocks, unmask
+from align.decoding.dllm import DllmStats, StepRanks, block_probs, decode_blocks, unmask
 from align.draft_graph import DraftGraph, apply_formula, ranked_positions
 from align.models import DrafterContext, DrafterSpec
 
@@ -22,8 +22,9 @@ def draft_states(block: torch.Tensor, previous: torch.Tensor, prev_probs: torch.
                  mask_id: int) -> list[torch.Tensor]:
     """The graph's guesses of future states of `block` (b,); `previous` (b,) is the state before it and prev_probs
     (b, V) the distribution that produced it (the newest one known before the forward at `block`)."""
-    positions = ranked_positions(block, prev_probs, mask_id, graph.position_order, previous)
-    drafts = (apply_formula(block, prev_probs, node, mask_id, positions) for node in graph.nodes)
+    ranks = StepRanks.of(prev_probs, graph.max_token_rank)
+    positions = ranked_positions(block, ranks, mask_id, graph.position_order, previous)
+    drafts = (apply_formula(block, ranks, node, mask_id, positions) for node in graph.nodes)
     return [d for d in drafts if d is not None]
 
 
