@@ -15,7 +15,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -271,6 +271,9 @@ class EvalSection(Section):
     mode: Literal["speculative", "dllm"] = "speculative"
     #: Spiffy budgets evaluated in dllm mode: the first D nodes of the calibrated graph
     spiffy_budgets: list[int] = Field(default_factory=lambda: [3, 5, 8, 10])
+    #: dynamic pruning (Spiffy v4): for each k, `pruned_spiffy_d<D>_a<k>` evaluates the k most likely of the largest
+    #: budget's D drafts per forward
+    spiffy_active: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
     #: JSONL of prompts; None: the tiny test split
     prompts: Optional[str] = None
     #: the JSONL field holding the prompt (a list, as Spec-Bench's `turns`, gives its first element)

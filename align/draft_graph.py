@@ -186,6 +186,27 @@ def parent_indices(node: Formula, nodes: Iterable[Formula], tokens_per_step: int
     return ([-1] if len(node) == tokens_per_step else []) + found
 
 
+def prune(graph: DraftGraph, ranks: StepRanks, positions: list[int], active: int) -> list[Formula]:
+    """Spiffy v4's dynamic pruning: of the graph's nodes, keep `active`, greedily the most likely by the geometric
+    mean of their tokens' probabilities under `ranks`, each reachable from the root through kept nodes (a draft whose
+    parent is not evaluated can never be matched). v4 also mixes in the children's scores; this keeps the local one.
+    """
+    def score(node: Formula) -> float:
+        if any(i > len(positions) or j > ranks.top_probs.shape[-1] for i, j in node):
+            return float("-inf")
+        return sum(float(ranks.top_probs[positions[i - 1], j - 1].clamp_min(1e-30).log()) for i, j in node) / len(node)
+
+    scores = {node: score(node) for node in graph.nodes}
+    kept: list[Formula] = []
+    while len(kept) < active:
+        reachable = [n for n in graph.nodes if n not in kept and scores[n] > float("-inf")
+                     and _reachable(n, kept, graph.tokens_per_step)]
+        if not reachable:
+            break
+        kept.append(max(reachable, key=scores.__getitem__))
+    return kept
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # calibration
 # --------------------------------------------------------------------------------------------------------------------

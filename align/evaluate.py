@@ -257,29 +257,29 @@ def verifier_latency(verifier: Any, context_len: int, new_tokens: int, batch: in
 @dataclass
 class Run:
     tokens: list[list[int]]
-    stats: list[GenerationStats]
+    stats: list[Any]  # a method's stats per prompt (GenerationStats, DllmStats)
     wall_s: list[float]
 
 
-def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
-            repeats: int, seed: int, desc: str) -> dict[str, Run]:
-    """Every method (name -> its setup) on every prompt; the method order rotates per prompt so that no method
-    always runs first."""
-    names = list(setups)
+def interleaved(methods: dict[str, Callable[[int, torch.Tensor], tuple[list[int], Any]]], prompts: list[torch.Tensor],
+                warmup: int, repeats: int, desc: str) -> dict[str, Run]:
+    """Every method, fn(prompt index, prompt_ids (1, n)) -> (tokens, stats), on every prompt after `warmup` prompts of
+    warm-up. The method order rotates per prompt so that no method always runs first; a prompt's wall time is the
+    median of `repeats` runs."""
+    names = list(methods)
     for name in names:
-        for ids in prompts[:warmup]:
-            METHODS[base_method(name)](setups[name], ids, sampling, torch.Generator().manual_seed(seed))
+        for i, ids in enumerate(prompts[:warmup]):
+            methods[name](i, ids)
     runs = {name: Run([], [], []) for name in names}
     bar = tqdm(total=len(prompts) * len(names) * repeats, desc=desc, unit="gen", dynamic_ncols=True)
     for i, ids in enumerate(prompts):
         order = names[i % len(names):] + names[: i % len(names)]
         walls: dict[str, list[float]] = {n: [] for n in names}
-        last: dict[str, tuple[list[int], GenerationStats]] = {}
+        last: dict[str, tuple[list[int], Any]] = {}
         for _ in range(repeats):
             for name in order:
-                gen = torch.Generator().manual_seed(seed * 100_003 + i)
                 t0 = time.perf_counter()
-                last[name] = METHODS[base_method(name)](setups[name], ids, sampling, gen)
+                last[name] = methods[name](i, ids)
                 walls[name].append(time.perf_counter() - t0)
                 bar.update()
         for name in names:
@@ -288,6 +288,16 @@ def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sam
             runs[name].wall_s.append(statistics.median(walls[name]))
     bar.close()
     return runs
+
+
+def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
+            repeats: int, seed: int, desc: str) -> dict[str, Run]:
+    """Every method (name -> its setup) on every prompt, interleaved; prompt i samples from its own seed."""
+    def method(name: str) -> Callable[[int, torch.Tensor], tuple[list[int], GenerationStats]]:
+        return lambda i, ids: METHODS[base_method(name)](setups[name], ids, sampling,
+                                                         torch.Generator().manual_seed(seed * 100_003 + i))
+
+    return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
 
 
 def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
@@ -438,20 +448,19 @@ def main(recipe: Recipe, command: str) -> None:
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     texts = load_prompts(recipe)
     # Configs first: a too-long prompt or a vocabulary mismatch is refused before any weights are loaded.
-    sections = {"verifier": recipe.verifier, "drafter": recipe.drafter if uses_drafter else None,
-                "ar_drafter": recipe.ar_drafter if uses_ar_drafter else None}
-    configs = {key: AutoConfig.from_pretrained(sec.path, trust_remote_code=sec.trust_remote_code)
-               for key, sec in sections.items() if sec is not None}
-    prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, configs["verifier"].max_position_embeddings)
-    source = proxy_source(recipe) if any("cps" in n for n in names) else None
-    for key in configs.keys() - {"verifier"}:
-        check_vocab_compatible(configs["verifier"], configs[key], f"{key}.path")
     compared = {label: recipe.drafter.model_copy(update={"path": path})
                 for label, path in (e.compare_drafters.items() if uses_drafter else ())}
     for label, section in compared.items():
         check_model_path(f"eval.compare_drafters.{label}", section.path)
-        check_vocab_compatible(configs["verifier"], AutoConfig.from_pretrained(
-            section.path, trust_remote_code=section.trust_remote_code), f"eval.compare_drafters.{label}")
+    sections = {"verifier.path": recipe.verifier, "drafter.path": recipe.drafter if uses_drafter else None,
+                "ar_drafter.path": recipe.ar_drafter if uses_ar_drafter else None,
+                **{f"eval.compare_drafters.{label}": section for label, section in compared.items()}}
+    configs = {key: AutoConfig.from_pretrained(sec.path, trust_remote_code=sec.trust_remote_code)
+               for key, sec in sections.items() if sec is not None}
+    prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, configs["verifier.path"].max_position_embeddings)
+    source = proxy_source(recipe) if any("cps" in n for n in names) else None
+    for key in [k for k in configs if k != "verifier.path"]:
+        check_vocab_compatible(configs["verifier.path"], configs[key], key)
     verifier = load_verifier(recipe.verifier)
     drafter, spec = load_drafter(recipe.drafter, tokenizer) if uses_drafter else (None, None)
     ar_drafter = load_ar_drafter(recipe.ar_drafter) if uses_ar_drafter else None

@@ -4,19 +4,17 @@ for each budget D, threshold (parallel) decoding, and threshold + Spiffy; all in
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from align.config import Recipe, RecipeError
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
-from align.evaluate import encode_prompts, load_prompts, write_atomic
+from align.evaluate import encode_prompts, interleaved, load_prompts, write_atomic
 from align.models import load_drafter, load_tokenizer
 
 
@@ -36,6 +34,10 @@ def methods_for(model: Any, spec: Any, graph: DraftGraph, recipe: Recipe, eos_id
                                                                                         eos_ids=eos_ids))
         methods[f"threshold_spiffy_d{budget}"] = ("threshold", lambda ids, g=sub: spiffy_generate(
             model, spec, ids, g, n, threshold=c.threshold, eos_ids=eos_ids))
+    largest = graph.prefix(max(recipe.eval.spiffy_budgets)) if recipe.eval.spiffy_budgets else graph
+    for active in recipe.eval.spiffy_active:
+        methods[f"pruned_spiffy_d{largest.budget}_a{active}"] = ("vanilla", lambda ids, k=active: spiffy_generate(
+            model, spec, ids, largest, n, eos_ids=eos_ids, active=k))
     return methods
 
 
@@ -54,28 +56,11 @@ def main(recipe: Recipe, command: str) -> None:
     methods = methods_for(model, spec, graph, recipe, eos_ids)
     names = list(methods)
 
-    for name in names:  # warm-up
-        for ids in prompts[: e.warmup]:
-            methods[name][1](ids)
-    tokens: dict[str, list[list[int]]] = {n: [] for n in names}
-    stats: dict[str, list[DllmStats]] = {n: [] for n in names}
-    walls: dict[str, list[float]] = {n: [] for n in names}
-    bar = tqdm(total=len(prompts) * len(names) * e.repeats, desc="dllm", unit="gen", dynamic_ncols=True)
-    for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[: i % len(names)]
-        times: dict[str, list[float]] = {n: [] for n in names}
-        last: dict[str, tuple[list[int], DllmStats]] = {}
-        for _ in range(e.repeats):
-            for name in order:
-                t0 = time.perf_counter()
-                last[name] = methods[name][1](ids)
-                times[name].append(time.perf_counter() - t0)
-                bar.update()
-        for name in names:
-            tokens[name].append(last[name][0])
-            stats[name].append(last[name][1])
-            walls[name].append(statistics.median(times[name]))
-    bar.close()
+    runs = interleaved({name: (lambda i, ids, fn=fn: fn(ids)) for name, (_, fn) in methods.items()}, prompts,
+                       e.warmup, e.repeats, "dllm")
+    tokens = {name: run.tokens for name, run in runs.items()}
+    stats: dict[str, list[DllmStats]] = {name: run.stats for name, run in runs.items()}
+    walls = {name: run.wall_s for name, run in runs.items()}
 
     vanilla_nfe, vanilla_wall = sum(s.nfe for s in stats["vanilla"]), sum(walls["vanilla"])
     summary: dict[str, dict[str, Any]] = {}
@@ -100,13 +85,15 @@ def main(recipe: Recipe, command: str) -> None:
                  "batched and single forwards could in principle flip a near-tie (the exact_match column measures it)")
     result = {"methods": summary, "meta": {
         "command": command, "mode": "dllm", "prompts": e.prompts or "tiny test split", "num_prompts": len(prompts),
-        "graph": c.graph, "graph_calibrated_on": graph.meta.get("prompts"), "block_length": c.block_length,
+        "graph": c.graph, "graph_calibrated_on": graph.meta.get("prompts"), "position_order": graph.position_order,
+        "block_length": c.block_length,
         "tokens_per_step": c.tokens_per_step, "threshold": c.threshold, "exactness": exactness,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_threads": torch.get_num_threads(),
     }}
     out = Path(e.out)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "eval.json", json.dumps(result, indent=2))
+    example = tokenizer.decode(tokens["vanilla"][0])
     lines = ["| method | NFE reduction | speedup | tokens/s | NFE/token | exact match (vs) | accepted drafts |",
              "|---|---|---|---|---|---|---|"]
     for name, m in summary.items():
@@ -114,8 +101,11 @@ def main(recipe: Recipe, command: str) -> None:
                      f"{m['nfe_per_token']:.3f} | {m['exact_match']:.2f} ({m['exact_against']}) | {m['accepted_drafts']} |")
     report = [f"# align eval (dLLM): {recipe.name}", "", f"`{command}`", "",
               f"{len(prompts)} prompts ({result['meta']['prompts']}); graph calibrated on "
-              f"{graph.meta.get('prompts', '?')}; block {c.block_length}, {c.tokens_per_step} token(s) per step, "
+              f"{graph.meta.get('prompts', '?')} ({graph.position_order} order); block {c.block_length}, {c.tokens_per_step} token(s) per step, "
               f"threshold {c.threshold}. NFE reduction and speedup are against vanilla.", "", *lines, "",
-              f"Exactness: {exactness}.", ""]
+              f"Exactness: {exactness}.", "",
+              # A weak dLLM can decode into repetition, which makes its future states easy to guess: show what the
+              # numbers were measured on.
+              f"Vanilla output for the first prompt (repr, first 300 characters): `{example!r:.300}`", ""]
     write_atomic(out / "report.md", "\n".join(report))
     print("\n".join(report))

@@ -12,8 +12,8 @@ from align.decoding.dllm import dllm_generate, unmask
 from align.decoding.spiffy import spiffy_generate
 from align.decoding.dllm import BlockTrace, StepRanks
 from align.draft_graph import (DraftGraph, apply_formula, calibrate, count_formulas, exhaustive_select,
-                               formula_between, objective, ranked_positions, replayed_forwards, select_nodes,
-                               trace_chains)
+                               formula_between, objective, prune, ranked_positions, replayed_forwards,
+                               select_nodes, trace_chains)
 from align.models import DrafterSpec
 
 VOCAB, MASK = 40, 39
@@ -104,6 +104,25 @@ def test_replayed_forwards_on_a_hand_made_trace():
         assert graph.meta["replayed_nfe_reduction"]["confidence"] < 2.0
 
 
+def test_dynamic_pruning_keeps_likely_reachable_nodes():
+    graph = DraftGraph((F((1, 1)), F((2, 1)), F((1, 1), (2, 1)), F((3, 1))), block_length=4)
+    probs = torch.full((4, VOCAB), 0.01)
+    probs[0, 5], probs[1, 6], probs[2, 7] = 0.3, 0.2, 0.9  # by confidence: position 2, then 0, then 1
+    block = torch.tensor([MASK, MASK, MASK, 9])
+    ranks = StepRanks.of(probs, 2)
+    positions = ranked_positions(block, ranks, MASK)
+    assert positions == [2, 0, 1]
+    # (1, 1) has probability 0.9, (2, 1) 0.3, (3, 1) 0.2; the pair's geometric mean sqrt(0.27) beats (2, 1) alone.
+    assert prune(graph, ranks, positions, 1) == [F((1, 1))]
+    assert prune(graph, ranks, positions, 2) == [F((1, 1)), F((1, 1), (2, 1))]
+    assert prune(graph, ranks, positions, 3) == [F((1, 1)), F((1, 1), (2, 1)), F((2, 1))]
+    assert prune(graph, ranks, positions[:2], 9) == [F((1, 1)), F((1, 1), (2, 1)), F((2, 1))]  # no 3rd position
+    # A node is never kept without one of its parents, however likely.
+    chain = DraftGraph((F((2, 1)), F((1, 1), (2, 1))), block_length=4)
+    assert prune(chain, ranks, positions, 1) == [F((2, 1))]
+    assert prune(chain, ranks, positions, 2) == [F((2, 1)), F((1, 1), (2, 1))]
+
+
 def test_unmask_rules():
     probs = torch.full((4, VOCAB), 0.01)
     probs[0, 3], probs[1, 4], probs[2, 5], probs[3, 6] = 0.5, 0.9, 0.95, 0.2
@@ -179,6 +198,8 @@ def test_spiffy_outputs_equal_vanilla(arch, shift, attention, one_thread):
             expected, vanilla = dllm_generate(model, spec, prompt, 16, 8, threshold=threshold)
             tokens, stats = spiffy_generate(model, spec, prompt, graph, 16, threshold=threshold)
             assert tokens == expected, (prompt.tolist(), threshold)
+            pruned, pruned_stats = spiffy_generate(model, spec, prompt, graph, 16, threshold=threshold, active=2)
+            assert pruned == expected and pruned_stats.nfe <= vanilla.nfe, (prompt.tolist(), threshold)
             assert stats.nfe + stats.accepted_drafts == stats.steps == vanilla.steps
             total_vanilla, total_spiffy = total_vanilla + vanilla.nfe, total_spiffy + stats.nfe
     assert total_spiffy < total_vanilla  # the graph does save forwards on these models
@@ -196,10 +217,13 @@ def test_calibrate_and_dllm_eval_stages(toy_family, tmp_path, capsys):
     assert graph.budget == 4 and graph.meta["num_prompts"] == 3 and graph.meta["prompts"].endswith("train.jsonl")
     out = tmp_path / "eval"
     assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={tmp_path / 'draft_graph.json'}",
-                 f"eval.out={out}", "eval.num_prompts=2", "eval.warmup=0", "eval.spiffy_budgets=[2,4]"]) == 0
+                 f"eval.out={out}", "eval.num_prompts=2", "eval.warmup=0", "eval.spiffy_budgets=[2,4]",
+                 "eval.spiffy_active=[1]"]) == 0
     result = json.loads((out / "eval.json").read_text())
     assert set(result["methods"]) == {"vanilla", "threshold", "spiffy_d2", "threshold_spiffy_d2", "spiffy_d4",
-                                      "threshold_spiffy_d4"}
+                                      "threshold_spiffy_d4", "pruned_spiffy_d4_a1"}
+    assert result["meta"]["position_order"] == graph.position_order
+    assert "Vanilla output for the first prompt" in (out / "report.md").read_text()
     for name, m in result["methods"].items():
         assert m["exact_match"] == 1.0, name
         assert m["nfe_reduction"] >= 1.0 and m["nfe"] > 0

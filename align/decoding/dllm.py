@@ -29,14 +29,18 @@ class StepRanks:
     most likely tokens, best first. Traces keep these rather than distributions, which for a real dLLM would not fit
     in memory (LLaDA-8B, 30 prompts of 256 tokens: ~120 GB of float32 distributions)."""
 
-    confidence: torch.Tensor  # (b,)
+    top_probs: torch.Tensor  # (b, k)
     top_tokens: torch.Tensor  # (b, k)
 
     @classmethod
     def of(cls, probs: torch.Tensor, top_k: int) -> "StepRanks":
         """probs: (b, V)."""
-        values, tokens = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
-        return cls(values[:, 0], tokens)
+        return cls(*probs.topk(min(top_k, probs.shape[-1]), dim=-1))
+
+    @property
+    def confidence(self) -> torch.Tensor:
+        """(b,) each position's top-1 probability."""
+        return self.top_probs[:, 0]
 
 
 @dataclass

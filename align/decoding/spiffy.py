@@ -14,17 +14,19 @@ import torch
 from transformers import PreTrainedModel
 
 from align.decoding.dllm import DllmStats, StepRanks, block_probs, decode_blocks, unmask
-from align.draft_graph import DraftGraph, apply_formula, ranked_positions
+from align.draft_graph import DraftGraph, apply_formula, prune, ranked_positions
 from align.models import DrafterContext, DrafterSpec
 
 
 def draft_states(block: torch.Tensor, previous: torch.Tensor, prev_probs: torch.Tensor, graph: DraftGraph,
-                 mask_id: int) -> list[torch.Tensor]:
+                 mask_id: int, active: Optional[int] = None) -> list[torch.Tensor]:
     """The graph's guesses of future states of `block` (b,); `previous` (b,) is the state before it and prev_probs
-    (b, V) the distribution that produced it (the newest one known before the forward at `block`)."""
+    (b, V) the distribution that produced it (the newest one known before the forward at `block`). With `active`,
+    only that many of them (dynamic pruning)."""
     ranks = StepRanks.of(prev_probs, graph.max_token_rank)
     positions = ranked_positions(block, ranks, mask_id, graph.position_order, previous)
-    drafts = (apply_formula(block, ranks, node, mask_id, positions) for node in graph.nodes)
+    nodes = graph.nodes if active is None else prune(graph, ranks, positions, active)
+    drafts = (apply_formula(block, ranks, node, mask_id, positions) for node in nodes)
     return [d for d in drafts if d is not None]
 
 
@@ -37,8 +39,11 @@ def spiffy_generate(
     max_new_tokens: int,
     threshold: Optional[float] = None,
     eos_ids: frozenset[int] = frozenset(),
+    active: Optional[int] = None,
 ) -> tuple[list[int], DllmStats]:
-    """prompt_ids: (1, n). Same arguments and outputs as `dllm_generate`, with fewer forwards."""
+    """prompt_ids: (1, n). Same arguments and outputs as `dllm_generate`, with fewer forwards. `active`: evaluate
+    only that many of the graph's drafts per forward, the most likely ones (Spiffy v4's dynamic pruning: fewer
+    draft rows per forward, which is what costs on a CPU)."""
     mask_id = spec.mask_token_id
 
     def spiffy_block(block: torch.Tensor, context: torch.Tensor, state: Optional[DrafterContext],
@@ -49,7 +54,8 @@ def spiffy_generate(
         while bool((block == mask_id).any()):
             if probs is None:
                 # The first state of a block has no previous distribution to rank from: a plain forward.
-                drafts = [] if prev_probs is None else draft_states(block, previous, prev_probs, graph, mask_id)
+                drafts = [] if prev_probs is None else draft_states(block, previous, prev_probs, graph, mask_id,
+                                                                    active)
                 all_probs = block_probs(model, spec, context, torch.stack([block, *drafts]), state)
                 stats.nfe += 1
                 probs = all_probs[0]
