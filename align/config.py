@@ -251,7 +251,7 @@ class CalibrateSection(Section):
     tokens_per_step: int = Field(default=1, ge=1)
     #: confidence threshold of the parallel-unmasking methods (Fast-dLLM's 0.9)
     threshold: float = Field(default=0.9, gt=0.0, le=1.0)
-    #: formulas may name the i-th most confident masked position up to this rank...
+    #: formulas may name the i-th masked position (in the graph's order) up to this rank...
     max_position_rank: int = Field(default=8, ge=1)
     #: ... and its j-th most likely token up to this rank
     max_token_rank: int = Field(default=3, ge=1)
