@@ -7,13 +7,17 @@ bash launch/setup.sh
 # Multi-process stages give each rank one thread themselves; single-process eval keeps every core.
 export HF_HUB_OFFLINE=1
 recipe=recipes/tiny/align.yaml
-out=$(.venv/bin/align validate "$recipe" "$@" | .venv/bin/python -c "import sys, yaml; print(yaml.safe_load(sys.stdin)['train']['out'])")
+mapfile -t folders < <(.venv/bin/align validate "$recipe" "$@" | .venv/bin/python -c \
+  "import sys, yaml; r = yaml.safe_load(sys.stdin); print(r['train']['out']); print(r['trajectories']['out'])")
+out=${folders[0]} trajectories=${folders[1]}
 .venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"
 .venv/bin/align train "$recipe" --num_gpus 2 "$@"
 step=$(ls -d "$out"/step_* | sort -V | tail -n 1)
-# One interleaved run: the drafter-base and the aligned drafter against the same AR baselines.
+# One interleaved run: the drafter-base and the aligned drafter against the same AR baselines. CPS's trigram proxy is
+# fitted on the verifier's own continuations (the trajectories), which suits both drafters better than the corpus.
 .venv/bin/align eval recipes/tiny/eval.yaml eval.methods=[specdiff,specdiff_cps_adl] \
-  eval.num_prompts=16 eval.sampling_temperature=0 "eval.compare_drafters={aligned: $step}" eval.out="$out/eval"
+  eval.num_prompts=16 eval.sampling_temperature=0 "eval.compare_drafters={aligned: $step}" eval.out="$out/eval" \
+  decode.cps_proxy_corpus="$trajectories"
 .venv/bin/python - "$out/eval/eval.json" <<'PY'
 import json, sys
 methods = json.load(open(sys.argv[1]))["methods"]
