@@ -7,9 +7,10 @@ bash launch/setup.sh
 # Multi-process stages give each rank one thread themselves; single-process eval keeps every core.
 export HF_HUB_OFFLINE=1
 recipe=recipes/tiny/align.yaml
-mapfile -t folders < <(.venv/bin/align validate "$recipe" "$@" | .venv/bin/python -c \
-  "import sys, yaml; r = yaml.safe_load(sys.stdin); print(r['train']['out']); print(r['trajectories']['out'])")
-out=${folders[0]} trajectories=${folders[1]}
+resolved=$(.venv/bin/align validate "$recipe" "$@")  # a bad override stops the job here (exit 2), before any work
+{ read -r out; read -r trajectories; } < <(.venv/bin/python -c \
+  "import sys, yaml; r = yaml.safe_load(sys.stdin); print(r['train']['out']); print(r['trajectories']['out'])" \
+  <<< "$resolved")
 .venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"
 .venv/bin/align train "$recipe" --num_gpus 2 "$@"
 step=$(ls -d "$out"/step_* | sort -V | tail -n 1)
