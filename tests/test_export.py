@@ -125,7 +125,8 @@ def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
                               "specdiff@other": entry(1.1)},
                   "meta": {"drafter": "ck/base", "compare_drafters": {"aligned": "ck/run/step_9", "other": "ck/x"}}}
     table = "\n".join(measured_table(evaluation, "ck/run/step_9"))
-    assert "| exact match with AR greedy | τ with `ck/base` |" in table
+    assert ("| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy | τ with `ck/base` |"
+            in table)
     assert "| specdiff | 1.90 | 0.95× | 1.0 | 1.40 |" in table and "| ar | 1.00 | 0.50× | 1.0 | — |" in table
     assert "1.10" not in table and "@" not in table
     # Exported as the eval's own drafter.path: its plain rows, no comparison column.
