@@ -75,8 +75,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              command, "```", "",
              "## Use", "",
              "With `transformers` alone the drafter is a plain causal LM whose `config.drafter_spec` says how to "
-             "draft: "
-             "fill γ positions after the context with `mask_token_id` and read their logits (shifted by "
+             "draft: fill γ positions after the context with `mask_token_id` and read their logits (shifted by "
              "`logits_shift`). With align's lossless runtime:", "",
              "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
              "from align.decoding.specdiff import specdiff_generate", "from align.models import DrafterSpec", "",
