@@ -181,8 +181,13 @@ class DraftGraph:
         return graph
 
 
+def is_parent(parent: Formula, child: Formula, tokens_per_step: int) -> bool:
+    """One step leads from `parent` to `child`: the child adds `tokens_per_step` pairs to it."""
+    return parent < child and len(child) - len(parent) == tokens_per_step
+
+
 def parent_indices(node: Formula, nodes: Iterable[Formula], tokens_per_step: int) -> list[int]:
-    found = [k for k, other in enumerate(nodes) if other < node and len(node) - len(other) == tokens_per_step]
+    found = [k for k, other in enumerate(nodes) if is_parent(other, node, tokens_per_step)]
     return ([-1] if len(node) == tokens_per_step else []) + found
 
 
@@ -262,12 +267,12 @@ def replayed_forwards(chains: Chains, nodes: Iterable[Formula]) -> int:
 def objective(selected: list[Formula], counts: Counter, tokens_per_step: int) -> int:
     """Degree-1 accumulation: Σ_q [count(q) + Σ_{p ∈ parents(q) ∩ selected} count(p)]."""
     chosen = set(selected)
-    return sum(counts[q] + sum(counts[p] for p in chosen if p < q and len(q) - len(p) == tokens_per_step)
+    return sum(counts[q] + sum(counts[p] for p in chosen if is_parent(p, q, tokens_per_step))
                for q in selected)
 
 
 def _reachable(node: Formula, selected: list[Formula], tokens_per_step: int) -> bool:
-    return len(node) == tokens_per_step or any(p < node and len(node) - len(p) == tokens_per_step for p in selected)
+    return len(node) == tokens_per_step or any(is_parent(p, node, tokens_per_step) for p in selected)
 
 
 def select_nodes(counts: Counter, budget: int, tokens_per_step: int = 1, chains: Optional[Chains] = None
