@@ -28,7 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from align import __version__
-from align.config import BootstrapSection, PretrainSection, Recipe, RecipeError
+from align.checkpoint import atomic_file, atomic_folder, save_merged
+from align.config import PretrainSection, Recipe, RecipeError
 from align.corpus import SPLITS, build_data, prompt_sets, read_manifest
 from align.losses import mdlm, next_token
 from align.models import DrafterSpec, additive_mask, block_diffusion_allowed
@@ -44,18 +45,6 @@ MIN_MASK_RATIO = 1e-3
 # --------------------------------------------------------------------------------------------------------------------
 def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Replace `final` by the finished `tmp` folder; the old folder survives until the new one is in place."""
-    old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def use_bf16(precision: str) -> bool:
@@ -232,10 +221,9 @@ def pretrain(
         bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{window[:, :-1].numel() / dt:.0f}", step=step)
         if elapsed - last_save >= cfg.save_every_minutes * 60:
             work.mkdir(parents=True, exist_ok=True)
-            tmp = work / "state.pt.tmp"
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "elapsed": elapsed, "tokens_seen": tokens_seen, "config_hash": config_hash}, tmp)
-            tmp.replace(state_path)
+            with atomic_file(state_path) as tmp:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                            "elapsed": elapsed, "tokens_seen": tokens_seen, "config_hash": config_hash}, tmp)
             last_save = elapsed
     bar.close()
     val = validation_loss(model, step_fn, streams["validation"], cfg, bf16)
@@ -284,14 +272,12 @@ def main(recipe: Recipe, command: str) -> None:
     tok_hash = _hash({"part": "tokenizer", **common})
     if "tokenizer" in cfg.parts and (cfg.force or (read_manifest(tok_dir) or {}).get("config_hash") != tok_hash):
         t0 = time.time()
-        tmp = out / ".tokenizer.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        train_tokenizer([r["text"] for r in corpus["train"]], cfg.vocab_size, tmp)
-        (tmp / "manifest.json").write_text(json.dumps(
-            {"part": "tokenizer", "config_hash": tok_hash, "vocab_size": cfg.vocab_size,
-             "special_tokens": {"eos": EOT, "pad": PAD, "mask": MASK}, "wall_time_s": round(time.time() - t0, 1),
-             **provenance}, indent=2))
-        publish(tmp, tok_dir)
+        with atomic_folder(tok_dir) as tmp:
+            train_tokenizer([r["text"] for r in corpus["train"]], cfg.vocab_size, tmp)
+            (tmp / "manifest.json").write_text(json.dumps(
+                {"part": "tokenizer", "config_hash": tok_hash, "vocab_size": cfg.vocab_size,
+                 "special_tokens": {"eos": EOT, "pad": PAD, "mask": MASK}, "wall_time_s": round(time.time() - t0, 1),
+                 **provenance}, indent=2))
         print(f"[tokenizer] {cfg.vocab_size} tokens -> {tok_dir}")
     if not (tok_dir / "tokenizer_config.json").is_file():
         raise SystemExit(f"bootstrap: no tokenizer at {tok_dir}; include 'tokenizer' in bootstrap.parts")
@@ -334,12 +320,7 @@ def main(recipe: Recipe, command: str) -> None:
             manifest["drafter_spec"] = spec.to_dict()
         if part == "verifier":
             manifest["samples"] = greedy_samples(model, tokenizer, test_prompts)
-        tmp = out / f".{part}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         # Weights ship in bf16 (half the size); the runtime upcasts on CPU.
-        model.to(torch.bfloat16).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        publish(tmp, final)
+        save_merged(model.to(torch.bfloat16), tokenizer, final, {"manifest.json": json.dumps(manifest, indent=2)})
         shutil.rmtree(out / ".work" / part, ignore_errors=True)
         print(f"[{part}] -> {final}")

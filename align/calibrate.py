@@ -6,21 +6,18 @@ import hashlib
 import time
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from align.config import Recipe, RecipeError
-from align.corpus import ensure_data
+from align.data import load_prompt_file, tiny_prompts_path
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import POSITION_ORDERS, calibrate
-from align.evaluate import load_prompt_file
 from align.models import load_drafter, load_tokenizer
 
 
 def main(recipe: Recipe, command: str) -> None:
     c = recipe.calibrate
-    path = c.prompts or str(
-        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.drafter.path) / "prompts" / "train.jsonl")
+    path = c.prompts or tiny_prompts_path(recipe, "train", recipe.drafter.path)
     prompts = load_prompt_file(path, "prompt", "calibrate.prompts")[: c.num_prompts]
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
     model, spec = load_drafter(recipe.drafter, tokenizer)

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional, Union
 
 import yaml
 
-from align.config import Recipe, RecipeError, check_inputs, load_recipe
+from align.config import Recipe, RecipeError, check_inputs, get_key, load_recipe
 
 EXIT_BAD_INPUT = 2
 
@@ -23,8 +25,9 @@ EXIT_BAD_INPUT = 2
 @dataclass(frozen=True)
 class Stage:
     help: str
-    #: module with main(recipe, command); None for stages handled here
-    module: Optional[str]
+    #: module with main(recipe, command) -> exit status or None (or a function of the recipe naming it); None for
+    #: stages handled here
+    module: Union[str, Callable[[Recipe], str], None]
     #: recipe sections the stage reads (shown in its --help)
     sections: tuple[str, ...]
     #: recipe keys naming models that must exist before the stage starts
@@ -49,7 +52,7 @@ STAGES: dict[str, Stage] = {
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.train", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
+        "align.training", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
         launcher=True,
     ),
     "gkd": Stage(
@@ -63,7 +66,8 @@ STAGES: dict[str, Stage] = {
     ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
-        "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
+        lambda recipe: "align.evaluate_dllm" if recipe.eval.mode == "dllm" else "align.evaluate",
+        ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
         file_keys=("eval.prompts", "calibrate.graph"),  # which models it needs depends on the methods: it checks
     ),
     "export": Stage(
@@ -76,6 +80,46 @@ STAGES: dict[str, Stage] = {
         "check a recipe and its overrides, and print it with every default filled in",
         None, tuple(name for name in Recipe.model_fields if name != "name"),
     ),
+}
+
+
+def show_latest(args: argparse.Namespace) -> int:
+    from align.checkpoint import latest_step
+
+    found = latest_step(args.run)
+    if found is None:
+        print(f"align latest: error: no step_<N> checkpoint under {args.run}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(found)
+    return 0
+
+
+def show_throughput(args: argparse.Namespace) -> int:
+    from align.bench import throughput_table
+    from align.checkpoint import latest_step
+
+    runs = [Path(run) for run in args.runs]
+    for run in runs:
+        if not (run / "metrics.jsonl").is_file() or latest_step(run) is None:
+            print(f"align throughput: error: {run} is not a finished align train run folder", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    print(throughput_table(runs, args.warmup_steps))
+    return 0
+
+
+def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    if name == "latest":
+        parser.add_argument("run", help="an align train run folder (train.out)")
+    else:
+        parser.add_argument("runs", nargs="+", help="align train run folders")
+        parser.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the median")
+
+
+# Commands that read what stages wrote, for scripts (no recipe): name -> (help, function of the parsed arguments).
+TOOLS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
+    "latest": ("print the newest step_<N> checkpoint folder of a training run", show_latest),
+    "throughput": ("print a table of training tokens/s (median after warm-up) for training run folders",
+                   show_throughput),
 }
 
 
@@ -97,6 +141,9 @@ def _stage_arguments(parser: argparse.ArgumentParser, stage: Stage) -> None:
         from align.launch import add_launcher_arguments
 
         add_launcher_arguments(parser)
+    if stage.module is None:  # validate
+        parser.add_argument("--get", metavar="KEY", default=None,
+                            help="print only the resolved value of KEY (e.g. train.out), for scripts")
     for flag, key in stage.flags:
         parser.add_argument(flag, dest=key, default=None, metavar="VALUE", help=f"same as {key}=VALUE")
 
@@ -118,25 +165,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         _stage_arguments(p, stage)
         stage_parsers[name] = p
+    for name, (text, _) in TOOLS.items():
+        _tool_arguments(name, sub.add_parser(name, help=text, description=text))
     return parser, stage_parsers
 
 
-def strip_launcher_args(argv: list[str]) -> list[str]:
-    """The DeepSpeed launcher appends --local_rank=N to the script's arguments; ranks are read from the environment."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--local_rank":
-            skip = True
-        elif not arg.startswith("--local_rank="):
-            out.append(arg)
-    return out
-
-
 def main(argv: Optional[list[str]] = None) -> int:
+    from align.launch import strip_launcher_args
+
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     parser, stage_parsers = build_parser()
+    if argv and argv[0] in TOOLS:
+        args = parser.parse_args(argv)
+        return TOOLS[argv[0]][1](args)
     if not argv or argv[0] not in STAGES:
         parser.parse_args(argv)  # help, or argparse's own error for an unknown stage (exit 2)
     # Per stage, options may come between overrides (`align train r.yaml a=1 --num_gpus 2 b=2`).
@@ -152,6 +193,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"align {args.stage}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if stage.module is None:
+        if args.get is not None:
+            try:
+                value = get_key(recipe, args.get)
+            except RecipeError as e:
+                print(f"align {args.stage}: error: {e}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            print(value if isinstance(value, (str, int, float, bool)) or value is None else
+                  yaml.safe_dump(value, default_flow_style=True).strip())
+            return 0
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
     if stage.launcher:
@@ -159,16 +209,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         if not single_local_process(args):
             return run(args)
-        if args.stage == "train":  # the DeepSpeed script's own entry point: it reads the recipe and returns a status
-            from align.train import main as train_main
-
-            return train_main([args.recipe, *args.overrides])
+    module = stage.module(recipe) if callable(stage.module) else stage.module
     try:
-        importlib.import_module(stage.module).main(recipe, shlex.join(["align", *argv]))
+        status = importlib.import_module(module).main(recipe, shlex.join(["align", *argv]))
     except RecipeError as e:  # a problem only the stage can see (e.g. a model's spec); still before any writing
-        print(f"align {args.stage}: error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # launched on several ranks, each would say the same
+            print(f"align {args.stage}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -258,8 +258,8 @@ class CalibrateSection(Section):
     #: how formulas rank masked positions: confidence (Spiffy's), nearest (to the last unmasked position), or auto
     #: (calibrate both, keep the graph that saves more forwards on the calibration traces)
     position_order: Literal["auto", "confidence", "nearest"] = "auto"
-    #: node search: simulated (the forwards the graph saves, replayed on the calibration traces; 2.12x vs 1.76x NFE
-    #: reduction for degree1 on the tiny aligned drafter) or degree1 (Spiffy's degree-1 accumulation proxy)
+    #: node search: simulated (the forwards the graph saves, replayed on the calibration traces) or degree1 (Spiffy's
+    #: degree-1 accumulation proxy for them)
     objective: Literal["simulated", "degree1"] = "simulated"
     #: JSONL (`prompt` field) of calibration prompts; None: the tiny train split
     prompts: Optional[str] = None
@@ -380,11 +380,11 @@ class BootstrapSection(Section):
     seed: int = 0
     #: CPU threads for pretraining; 0: torch's default
     threads: int = Field(default=0, ge=0)
-    #: auto: bf16 autocast where the hardware has native bf16 (CUDA, AMX, AVX512-BF16), else fp32. Emulated bf16 on
-    #: an AVX2-only CPU was measured 25x slower than fp32 here.
+    #: auto: bf16 autocast where the hardware has native bf16 (CUDA, AMX, AVX512-BF16), else fp32 (emulated bf16 is
+    #: many times slower)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # Sizes from DESIGN §4: a verifier much costlier than the drafter, so that drafting pays on a CPU.
-    # The budgets fit a 2-core CPU; on such a machine a 27M model sees only ~1.2M tokens an hour in fp32.
+    # The budgets fit a 2-core CPU (README: what they buy there).
     verifier: PretrainSection = PretrainSection(
         hidden_size=512, num_layers=7, num_heads=8, num_kv_heads=8, intermediate_size=1408, budget_minutes=70,
         batch_size=6, seq_len=384, lr=1.5e-3,
@@ -518,10 +518,13 @@ def hub_offline() -> bool:
 
 
 def get_key(recipe: Recipe, key: str) -> Any:
+    """The resolved value of a dotted key (a section as a plain dict); an unknown key is a RecipeError."""
     node: Any = recipe
     for part in key.split("."):
+        if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+            raise RecipeError(f"unknown key '{key}'")
         node = getattr(node, part)
-    return node
+    return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
 
 
 def check_model_path(key: str, value: str) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import platform
 import sys
 import sysconfig
 import textwrap
 from pathlib import Path
 from typing import Iterator
+
+from align.checkpoint import atomic_file, write_text_atomic
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 # Folders of the stdlib that are not "the library": its own tests (near-duplicates of library code, and the test
@@ -101,12 +102,9 @@ def prompt_sets(corpus: dict[str, list[dict[str, str]]]) -> dict[str, list[dict[
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
     """Write atomically: a reader never sees a half-written prompt file, and ranks writing at once do not collide."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w") as f:
+    with atomic_file(path) as tmp, tmp.open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -130,8 +128,7 @@ def build_data(data_dir: Path, fraction: float = 1.0) -> tuple[dict[str, list[di
         for split, rows in prompts.items():
             write_jsonl(rows, data_dir / "prompts" / f"{split}.jsonl")
         # The manifest goes last: its presence means the folder is complete.
-        manifest_tmp = data_dir / f"manifest.json.{os.getpid()}.tmp"
-        manifest_tmp.write_text(json.dumps({
+        write_text_atomic(data_dir / "manifest.json", json.dumps({
             "corpus_hash": digest,
             "source": f"Python {platform.python_version()} standard library",
             "files": {s: len(corpus[s]) for s in SPLITS},
@@ -139,7 +136,6 @@ def build_data(data_dir: Path, fraction: float = 1.0) -> tuple[dict[str, list[di
             "prompts": {s: len(r) for s, r in prompts.items()},
             "corpus_fraction": fraction,
         }, indent=2))
-        manifest_tmp.replace(data_dir / "manifest.json")
     return corpus, digest
 
 

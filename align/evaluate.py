@@ -13,19 +13,20 @@ import os
 import platform
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path
+from align.bench import Run, count_forwards, interleaved, verifier_latency
+from align.checkpoint import atomic_folder, write_text_atomic
 from align.corpus import ensure_data
+from align.data import encode_prompts, eval_prompts, load_trajectories
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import GenerationStats, Sampling, ar_generate, prefill, verifier_forward
+from align.decoding.ar import GenerationStats, Sampling, ar_generate
 from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
@@ -51,17 +52,6 @@ class Setup:
 # --------------------------------------------------------------------------------------------------------------------
 # methods: name -> fn(setup, prompt_ids (1, n), sampling, generator) -> (new tokens, stats)
 # --------------------------------------------------------------------------------------------------------------------
-@contextmanager
-def count_forwards(model: torch.nn.Module) -> Iterator[list[int]]:
-    """Count a model's forward calls (HF's generate() reports none of its own)."""
-    calls = [0]
-    handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
 def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: Optional[torch.Generator],
         **extra: Any) -> tuple[list[int], GenerationStats]:
     if sampling.temperature > 0:
@@ -146,47 +136,6 @@ OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
 # --------------------------------------------------------------------------------------------------------------------
 # inputs
 # --------------------------------------------------------------------------------------------------------------------
-def load_prompt_file(path: str, field: str, key: str) -> list[str]:
-    """Prompts from a JSONL file (via `datasets`): the `field` of each row; a list (Spec-Bench's turns) gives its
-    first element. Problems are RecipeErrors naming `key`."""
-    if not Path(path).is_file():
-        raise RecipeError(f"{key}: no such file: {path}")
-    import datasets
-
-    datasets.disable_progress_bars()  # a bar per small file is noise, and would split a refusal over lines
-    try:
-        rows = datasets.load_dataset("json", data_files=path, split="train") if os.path.getsize(path) else []
-    except Exception as e:  # datasets raises several types for a malformed file; all mean the same to the user
-        raise RecipeError(f"{key}: cannot read {path} as JSONL ({type(e).__name__})") from None
-    if len(rows) and field not in rows.column_names:
-        raise RecipeError(f"{key}: {path} has no '{field}' field (fields: {', '.join(rows.column_names)})")
-    prompts = [r[field][0] if isinstance(r[field], list) else r[field] for r in rows]
-    prompts = [p for p in prompts if isinstance(p, str) and p]
-    if not prompts:
-        raise RecipeError(f"{key}: {path} holds no prompts")
-    return prompts
-
-
-def load_prompts(recipe: Recipe) -> list[str]:
-    """eval.prompts, or the tiny test split (built on first use)."""
-    path = recipe.eval.prompts or str(
-        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.verifier.path) / "prompts" / "test.jsonl")
-    return load_prompt_file(path, recipe.eval.prompt_field, "eval.prompts")[: recipe.eval.num_prompts]
-
-
-def encode_prompts(tokenizer: Any, prompts: list[str], max_new_tokens: int, context: int) -> list[torch.Tensor]:
-    encoded = []
-    for i, text in enumerate(prompts):
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        if ids.shape[1] + max_new_tokens > context:
-            raise RecipeError(
-                f"eval.prompts: prompt {i} has {ids.shape[1]} tokens; with decode.max_new_tokens={max_new_tokens} it "
-                f"exceeds the verifier's context of {context} (use shorter prompts or fewer new tokens)"
-            )
-        encoded.append(ids)
-    return encoded
-
-
 def proxy_source(recipe: Recipe) -> Path:
     """What the CPS proxy is fitted on: decode.cps_proxy_corpus, a JSONL text corpus (`text` field) or a trajectories
     folder, or by default the tiny corpus's train split. Checked before any model is loaded."""
@@ -216,8 +165,6 @@ def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
         return TrigramModel.load(folder)
     eos = tokenizer.eos_token_id
     if source.is_dir():
-        from align.trajectories import load_trajectories
-
         rows = load_trajectories(source)
         docs = [p + c for p, c in zip(rows["prompt_ids"], rows["completion_ids"])]
     else:
@@ -227,69 +174,14 @@ def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
                          add_special_tokens=False)["input_ids"]
     stream = np.fromiter((t for doc in docs for t in (doc if doc and doc[-1] == eos else [*doc, eos])), dtype=np.int64)
     model = TrigramModel.fit(stream, len(tokenizer))
-    model.save(folder)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    (folder / "manifest.json").write_text(json.dumps({**manifest, "source": str(source)}))
+    with atomic_folder(folder) as tmp:
+        model.save(tmp, source=str(source))
     return model
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # measuring
 # --------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def verifier_latency(verifier: Any, context_len: int, new_tokens: int, batch: int = 1, repeats: int = 7) -> float:
-    """Median seconds of one cached verifier forward over `new_tokens` tokens (× batch) after `context_len` tokens."""
-    context = torch.zeros(1, context_len, dtype=torch.long)
-    _, cache = prefill(verifier, context)
-    if batch > 1:
-        cache.batch_repeat_interleave(batch)
-    block = torch.zeros(batch, new_tokens, dtype=torch.long)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        positions = torch.arange(context_len, context_len + new_tokens).expand(batch, -1)
-        verifier(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
-        cache.crop(-new_tokens)
-    return statistics.median(times)
-
-
-@dataclass
-class Run:
-    tokens: list[list[int]]
-    stats: list[Any]  # a method's stats per prompt (GenerationStats, DllmStats)
-    wall_s: list[float]
-
-
-def interleaved(methods: dict[str, Callable[[int, torch.Tensor], tuple[list[int], Any]]], prompts: list[torch.Tensor],
-                warmup: int, repeats: int, desc: str) -> dict[str, Run]:
-    """Every method, fn(prompt index, prompt_ids (1, n)) -> (tokens, stats), on every prompt after `warmup` prompts of
-    warm-up. The method order rotates per prompt so that no method always runs first; a prompt's wall time is the
-    median of `repeats` runs."""
-    names = list(methods)
-    for name in names:
-        for i, ids in enumerate(prompts[:warmup]):
-            methods[name](i, ids)
-    runs = {name: Run([], [], []) for name in names}
-    bar = tqdm(total=len(prompts) * len(names) * repeats, desc=desc, unit="gen", dynamic_ncols=True)
-    for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[: i % len(names)]
-        walls: dict[str, list[float]] = {n: [] for n in names}
-        last: dict[str, tuple[list[int], Any]] = {}
-        for _ in range(repeats):
-            for name in order:
-                t0 = time.perf_counter()
-                last[name] = methods[name](i, ids)
-                walls[name].append(time.perf_counter() - t0)
-                bar.update()
-        for name in names:
-            runs[name].tokens.append(last[name][0])
-            runs[name].stats.append(last[name][1])
-            runs[name].wall_s.append(statistics.median(walls[name]))
-    bar.close()
-    return runs
-
-
 def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
             repeats: int, seed: int, desc: str) -> dict[str, Run]:
     """Every method (name -> its setup) on every prompt, interleaved; prompt i samples from its own seed."""
@@ -378,6 +270,21 @@ def report_table(methods: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def before_after_table(methods: dict[str, dict[str, Any]]) -> Optional[str]:
+    """Each method next to its runs with eval.compare_drafters (`<method>@<label>`): τ and speedup before and after;
+    None without compared drafters."""
+    lines = ["| method | drafter | τ | τ ratio | speedup |", "|---|---|---|---|---|"]
+    for name, before in methods.items():
+        compared = {other.split("@", 1)[1]: m for other, m in methods.items() if other.startswith(name + "@")}
+        if compared:
+            lines.append(f"| {name} | drafter.path | {_fmt(before['tau'])} | 1.00× | "
+                         f"{_fmt(before['speedup'])}× |")
+            for label, after in compared.items():
+                lines.append(f"| {name} | {label} | {_fmt(after['tau'])} | {after['tau'] / before['tau']:.2f}× | "
+                             f"{_fmt(after['speedup'])}× |")
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
 def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     import matplotlib
 
@@ -424,21 +331,31 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def write_report(result: dict[str, Any], recipe: Recipe, command: str, out: Path) -> str:
+    """out/report.md (tables and plots) from eval.json's content; returns its text."""
+    d, meta = recipe.decode, result["meta"]
+    plots = write_plots(result, out)
+    report = [f"# align eval: {recipe.name}", "", f"`{command}`", "",
+              f"{meta['num_prompts']} prompts ({meta['prompts']}), {d.max_new_tokens} new tokens, γ={d.gamma}; "
+              f"{meta['machine']['processor']}, {meta['machine']['cpus']} CPUs, {meta['machine']['dtype']}; "
+              f"speedup vs the {meta['baseline']}.", "",
+              "## Temperature 0", "", report_table(result["methods"]), ""]
+    comparison = before_after_table(result["methods"])
+    if comparison:
+        report += ["## Compared drafters (eval.compare_drafters), temperature 0", "", comparison, ""]
+    if "sampling" in result:
+        report += [f"## Temperature {result['sampling']['temperature']}", "",
+                   report_table(result["sampling"]["methods"]), ""]
+    report += [f"![{p}]({p})" for p in plots]
+    text = "\n".join(report) + "\n"
+    write_text_atomic(out / "report.md", text)
+    return text
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # the stage
 # --------------------------------------------------------------------------------------------------------------------
 def main(recipe: Recipe, command: str) -> None:
-    if recipe.eval.mode == "dllm":
-        from align.evaluate_dllm import main as dllm_main
-
-        check_inputs(recipe, model_keys=("drafter.path",))
-        return dllm_main(recipe, command)
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
     uses_drafter = any(n.startswith("specdiff") for n in names)
@@ -446,7 +363,7 @@ def main(recipe: Recipe, command: str) -> None:
     check_inputs(recipe, model_keys=("verifier.path", *(("drafter.path",) if uses_drafter else ()),
                                      *(("ar_drafter.path",) if uses_ar_drafter else ())))
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
-    texts = load_prompts(recipe)
+    texts = eval_prompts(recipe)
     # Configs first: a too-long prompt or a vocabulary mismatch is refused before any weights are loaded.
     compared = {label: recipe.drafter.model_copy(update={"path": path})
                 for label, path in (e.compare_drafters.items() if uses_drafter else ())}
@@ -495,16 +412,7 @@ def main(recipe: Recipe, command: str) -> None:
         "drafter": recipe.drafter.path if uses_drafter else None,
         "compare_drafters": {label: section.path for label, section in compared.items()},
     }
-    write_atomic(out / "eval.json", json.dumps(result, indent=2))
-    plots = write_plots(result, out)
-    report = [f"# align eval: {recipe.name}", "", f"`{command}`", "",
-              f"{len(prompts)} prompts ({result['meta']['prompts']}), {d.max_new_tokens} new tokens, γ={d.gamma}; "
-              f"{result['meta']['machine']['processor']}, {result['meta']['machine']['cpus']} CPUs, "
-              f"{result['meta']['machine']['dtype']}; speedup vs the {result['meta']['baseline']}.", "",
-              "## Temperature 0", "", report_table(result["methods"]), ""]
-    if "sampling" in result:
-        report += [f"## Temperature {result['sampling']['temperature']}", "", report_table(result["sampling"]["methods"]), ""]
-    report += [f"![{p}]({p})" for p in plots]
-    write_atomic(out / "report.md", "\n".join(report) + "\n")
-    print("\n".join(report[:-len(plots)] if plots else report))
-    print(f"wrote {out / 'eval.json'}, {out / 'report.md'} and {len(plots)} plots")
+    write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
+    report = write_report(result, recipe, command, out)
+    print(report.split("\n![")[0])
+    print(f"wrote {out / 'eval.json'}, {out / 'report.md'} and its plots")

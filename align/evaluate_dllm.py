@@ -10,11 +10,13 @@ from typing import Any, Callable
 
 import torch
 
-from align.config import Recipe, RecipeError
+from align.bench import interleaved
+from align.checkpoint import write_text_atomic
+from align.config import Recipe, RecipeError, check_inputs
+from align.data import encode_prompts, eval_prompts
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
-from align.evaluate import encode_prompts, interleaved, load_prompts, write_atomic
 from align.models import load_drafter, load_tokenizer
 
 
@@ -43,13 +45,14 @@ def methods_for(model: Any, spec: Any, graph: DraftGraph, recipe: Recipe, eos_id
 
 def main(recipe: Recipe, command: str) -> None:
     c, e = recipe.calibrate, recipe.eval
+    check_inputs(recipe, model_keys=("drafter.path",))
     if c.graph is None:
         raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align calibrate)")
     graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)
     for budget in e.spiffy_budgets:
         graph.prefix(budget)  # refuse a budget the graph cannot serve before any work
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
-    texts = load_prompts(recipe)
+    texts = eval_prompts(recipe)
     model, spec = load_drafter(recipe.drafter, tokenizer)
     prompts = encode_prompts(tokenizer, texts, recipe.decode.max_new_tokens, model.config.max_position_embeddings)
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
@@ -92,7 +95,7 @@ def main(recipe: Recipe, command: str) -> None:
     }}
     out = Path(e.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "eval.json", json.dumps(result, indent=2))
+    write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
     example = tokenizer.decode(tokens["vanilla"][0])
     lines = ["| method | NFE reduction | speedup | tokens/s | NFE/token | exact match (vs) | accepted drafts |",
              "|---|---|---|---|---|---|---|"]
@@ -107,5 +110,5 @@ def main(recipe: Recipe, command: str) -> None:
               # A weak dLLM can decode into repetition, which makes its future states easy to guess: show what the
               # numbers were measured on.
               f"Vanilla output for the first prompt (repr, first 300 characters): `{example!r:.300}`", ""]
-    write_atomic(out / "report.md", "\n".join(report))
+    write_text_atomic(out / "report.md", "\n".join(report))
     print("\n".join(report))

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from align.checkpoint import atomic_folder
 from align.config import Recipe, RecipeError, check_file, check_inputs, hub_offline
 
 EXIT_UPLOAD_FAILED = 1
@@ -119,15 +120,18 @@ def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:
 
 
 def build_folder(recipe: Recipe, command: str, out: Path) -> None:
-    """Write the export folder atomically (a tmp folder renamed into place)."""
-    from align.models import drafter_spec_from_config, load_tokenizer
-
+    """Write the export folder atomically: a previous export stays until the new one is complete."""
     source = Path(recipe.drafter.path)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     if (source / "adapter_config.json").is_file():
         raise RecipeError(f"drafter.path: {source} is a LoRA adapter; export a merged step_<N> folder from align train")
-    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", "*.tmp"))
+    with atomic_folder(out) as tmp:
+        fill_folder(recipe, command, source, tmp)
+
+
+def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
+    from align.models import drafter_spec_from_config, load_tokenizer
+
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", "*.tmp"), dirs_exist_ok=True)
     config = json.loads((tmp / "config.json").read_text())
     if "drafter_spec" not in config:
         from transformers import AutoConfig
@@ -150,8 +154,6 @@ def build_folder(recipe: Recipe, command: str, out: Path) -> None:
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(meta["recipe"], sort_keys=False))
     base_model = meta.get("drafter_base") or str(source)
     (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
 
 
 def push(folder: Path, recipe: Recipe) -> None:

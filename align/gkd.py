@@ -8,12 +8,12 @@ this module only adapts the trajectories to it and saves the result as a plain H
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from align.checkpoint import save_merged
 from align.config import Recipe, check_inputs
 from align.models import load_tokenizer
 
@@ -46,7 +46,7 @@ def main(recipe: Recipe, command: str) -> None:
     from transformers import AutoModelForCausalLM
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from align.trajectories import load_trajectories
+    from align.data import load_trajectories
 
     check_inputs(recipe, model_keys=("verifier.path", "ar_drafter.path"))
     g = recipe.gkd
@@ -63,12 +63,7 @@ def main(recipe: Recipe, command: str) -> None:
     trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,
                          data_collator=TrajectoryCollator(tokenizer.pad_token_id), processing_class=tokenizer)
     trainer.train()
-    final, tmp = out / "final", out / ".final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "meta.json").write_text(json.dumps({"command": command, "recipe": recipe.to_dict(),
-                                               "log": trainer.state.log_history}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    final = out / "final"
+    save_merged(trainer.model, tokenizer, final, {"meta.json": json.dumps(
+        {"command": command, "recipe": recipe.to_dict(), "log": trainer.state.log_history}, indent=2)})
     print(f"gkd: distilled AR drafter -> {final}")

@@ -41,6 +41,19 @@ def deepspeed_command(recipe: str, overrides: list[str], num_gpus: Optional[int]
     return cmd + program + [recipe, *overrides]
 
 
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """The DeepSpeed launcher appends --local_rank=N to the script's arguments; ranks are read from the environment."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--local_rank":
+            skip = True
+        elif not arg.startswith("--local_rank="):
+            out.append(arg)
+    return out
+
+
 def single_local_process(args: argparse.Namespace) -> bool:
     return (args.num_gpus in (None, 1)) and args.num_nodes in (None, 1) and args.hostfile is None
 

@@ -132,3 +132,8 @@ WINDOW_LOSSES: dict[str, tuple] = {
     "tvd": (tvd, "verifier_logits"),
     "jsd": (jsd, "verifier_logits"),
 }
+
+
+def needs_verifier_distributions(name: str) -> bool:
+    """Whether loss `name` reads the verifier's distributions (online, or stored top-k) rather than its tokens."""
+    return WINDOW_LOSSES[name][1] == "verifier_logits"

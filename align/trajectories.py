@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,25 +17,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from align.checkpoint import atomic_folder, write_text_atomic
 from align.config import Recipe, RecipeError, check_inputs
-from align.corpus import ensure_data
-from align.evaluate import load_prompt_file
+from align.data import TRAJECTORY_MANIFEST, file_sha256, load_prompt_file, tiny_prompts_path
 from align.models import load_tokenizer, load_verifier
-
-MANIFEST = "manifest.json"
 
 
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the number of processes, from the launcher's environment (1 process without one)."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def settings_of(recipe: Recipe, prompts: list[str]) -> dict[str, Any]:
@@ -84,18 +73,15 @@ def sample_chunk(verifier: Any, tokenizer: Any, prompts: list[str], recipe: Reci
 
 
 def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) -> None:
-    """Write a chunk atomically: a tmp folder renamed into place once its files and checksums are written."""
+    """Write a chunk atomically, with its files' checksums."""
     from datasets import Dataset
 
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    Dataset.from_list(rows).save_to_disk(str(tmp))
-    checksums = {p.name: _sha256(p) for p in sorted(tmp.glob("*.arrow"))}
-    tokens = sum(len(r["completion_ids"]) for r in rows)
-    (tmp / "chunk.json").write_text(json.dumps({"settings": settings_hash, "rows": len(rows), "tokens": tokens,
-                                                "sha256": checksums}))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    with atomic_folder(folder) as tmp:
+        Dataset.from_list(rows).save_to_disk(str(tmp))
+        checksums = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.arrow"))}
+        tokens = sum(len(r["completion_ids"]) for r in rows)
+        (tmp / "chunk.json").write_text(json.dumps({"settings": settings_hash, "rows": len(rows), "tokens": tokens,
+                                                    "sha256": checksums}))
 
 
 def chunk_done(folder: Path, settings_hash: str) -> bool:
@@ -105,37 +91,15 @@ def chunk_done(folder: Path, settings_hash: str) -> bool:
         return False
 
 
-def load_trajectories(path: str | Path) -> Any:
-    """All chunks as one `datasets.Dataset`, each Arrow file checked against the manifest's checksum first."""
-    from datasets import concatenate_datasets, load_from_disk
-
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
-        raise RecipeError(f"trajectories.out: {path} has no readable {MANIFEST} (run align trajectories)") from None
-    parts = []
-    for name, files in manifest["chunks"].items():
-        for file, digest in files.items():
-            target = path / "chunks" / name / file
-            if not target.is_file() or _sha256(target) != digest:
-                raise RecipeError(f"trajectories: {target} is missing or corrupted (checksum mismatch); delete "
-                                  f"{target.parent} and rerun align trajectories to regenerate it")
-        parts.append(load_from_disk(str(path / "chunks" / name)))
-    return concatenate_datasets(parts)
-
-
 def main(recipe: Recipe, command: str) -> None:
     t = recipe.trajectories
     check_inputs(recipe, model_keys=("verifier.path",))
-    source = recipe.data.train_prompts or str(
-        ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction, recipe.verifier.path)
-        / "prompts" / "train.jsonl")
+    source = recipe.data.train_prompts or tiny_prompts_path(recipe, "train", recipe.verifier.path)
     prompts = load_prompt_file(source, "prompt", "data.train_prompts")[: t.num_prompts]
     settings = settings_of(recipe, prompts)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(t.out)
-    old = out / MANIFEST
+    old = out / TRAJECTORY_MANIFEST
     if old.is_file() and json.loads(old.read_text()).get("settings_hash") != settings_hash:
         raise RecipeError(f"trajectories.out: {out} holds trajectories made with other settings; "
                           "choose another folder or delete it")
@@ -167,9 +131,7 @@ def main(recipe: Recipe, command: str) -> None:
                     "completion_tokens": sum(c["tokens"] for c in chunks.values()),
                     "chunks": {name: c["sha256"] for name, c in chunks.items()},
                     "seconds_this_run": round(time.perf_counter() - t0, 1)}
-        tmp = out / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
-        tmp.replace(out / MANIFEST)
+        write_text_atomic(out / TRAJECTORY_MANIFEST, json.dumps(manifest, indent=2))
         print(f"trajectories: {manifest['rows']} completions, {manifest['completion_tokens']} tokens -> {out}")
     if world > 1:
         import torch.distributed as dist

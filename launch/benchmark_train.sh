@@ -18,20 +18,12 @@ run() {  # name processes threads
 run p1-t1 1 1 "$@"
 run p1-t2 1 2 "$@"
 run p2-t1 2 1 "$@"
-.venv/bin/python - "$root" "$steps" <<'PY'
-import json, os, platform, statistics, sys
-from pathlib import Path
-
-root, steps = Path(sys.argv[1]), int(sys.argv[2])
-lines = [f"# Training throughput ({steps} steps of recipes/tiny/align.yaml, median after 5 warm-up steps)", "",
-         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores", "",
-         "| run | processes | threads each | tokens/s per rank | tokens/s in all |", "|---|---|---|---|---|"]
-for run in ("p1-t1", "p1-t2", "p2-t1"):
-    records = [json.loads(l) for l in (root / run / "metrics.jsonl").open() if "tokens_per_s_per_rank" in l]
-    per_rank = statistics.median(r["tokens_per_s_per_rank"] for r in records[5:])
-    procs, threads = int(run[1]), int(run[-1])
-    lines.append(f"| {run} | {procs} | {threads} | {per_rank:.0f} | {per_rank * procs:.0f} |")
-report = "\n".join(lines) + "\n"
-(root / "report.md").write_text(report)
-print("\n" + report)
-PY
+{
+  echo "# Training throughput ($steps steps of recipes/tiny/align.yaml, median after 5 warm-up steps)"
+  echo
+  echo "Machine: $(uname -m), $(nproc) cores"
+  echo
+  .venv/bin/align throughput "$root/p1-t1" "$root/p1-t2" "$root/p2-t1"
+} > "$root/report.md"
+echo
+cat "$root/report.md"

@@ -17,12 +17,11 @@ losses=${LOSSES:-streak ce_streak streak_tv fkl}
 .venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"
 compare=()
 for loss in $losses; do
-  mode=offline
-  case $loss in streak|ce_streak) ;; *) mode=online ;; esac  # KD losses need the verifier's distributions
-  # A finished run is left as it is (train.py resumes from its last checkpoint, here the final one).
-  .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$loss: 1.0}" train.data_mode=$mode \
+  # online: losses that read the verifier's distributions get them from a verifier forward in the step; the others
+  # train on the trajectories' tokens as offline. A finished run is left as it is (it resumes at its final step).
+  .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$loss: 1.0}" train.data_mode=online \
     train.out="$root/$loss" train.final_eval_prompts=0 "$@"
-  compare+=("$loss: $(ls -d "$root/$loss"/step_* | sort -V | tail -n 1)")
+  compare+=("$loss: $(.venv/bin/align latest "$root/$loss")")
 done
 [ -d "$root/gkd/final" ] || .venv/bin/align gkd "$recipe" gkd.out="$root/gkd" "$@"
 joined=$(IFS=,; echo "${compare[*]}")

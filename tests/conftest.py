@@ -17,6 +17,12 @@ TOY = [
 ]
 
 
+# How the toy trajectories are made. Stages that read them must say the same (training refuses trajectories made
+# with other settings than its recipe's).
+TOY_TRAJECTORIES = ["trajectories.completions_per_prompt=2", "trajectories.temperature=0.5",
+                    "trajectories.max_new_tokens=12", "trajectories.store_topk=8"]
+
+
 @pytest.fixture(scope="session")
 def toy_family(tmp_path_factory):
     """(root, bootstrap args): root/ck/{tokenizer,verifier,drafter-base,ar-drafter} and root/data."""
@@ -37,6 +43,5 @@ def toy_trajectories(toy_family, tmp_path_factory):
     out = tmp_path_factory.mktemp("traj")
     assert main(["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
                  f"data.dir={root / 'data'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
-                 "trajectories.batch_size=8", "trajectories.completions_per_prompt=2", "trajectories.temperature=0.5",
-                 "trajectories.max_new_tokens=12", "trajectories.store_topk=8"]) == 0
+                 "trajectories.batch_size=8", *TOY_TRAJECTORIES]) == 0
     return root, out

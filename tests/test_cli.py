@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from align.cli import STAGES, strip_launcher_args
+from align.cli import STAGES
+from align.launch import strip_launcher_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -71,7 +71,7 @@ def run_refused(args, capsys):
 def test_prompt_longer_than_the_context_is_refused(toy_family, tmp_path, capsys):
     root, _ = toy_family
     err = run_refused(eval_args(root, tmp_path / "out", "decode.max_new_tokens=1020"), capsys)
-    assert "exceeds the verifier's context of 1024" in err
+    assert "exceeds the model's context of 1024" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import TOY_TRAJECTORIES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,7 @@ def test_slurm_script_on_two_simulated_nodes(toy_trajectories, tmp_path):
            "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         ["bash", "launch/slurm.sbatch", "recipes/tiny/align.yaml", f"drafter.path={root / 'ck' / 'drafter-base'}",
-         f"trajectories.out={traj}", f"train.out={out}", "train.max_steps=2", "train.micro_batch_size=2",
+         f"verifier.path={root / 'ck' / 'verifier'}", f"trajectories.out={traj}", *TOY_TRAJECTORIES, f"train.out={out}", "train.max_steps=2", "train.micro_batch_size=2",
          "train.gamma=4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     logs = "".join(p.read_text() for p in tmp_path.glob("srun.log*"))
     assert result.returncode == 0, result.stdout + result.stderr + logs[-3000:]

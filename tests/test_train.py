@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import TOY_TRAJECTORIES
+
 from align.cli import main as align
+from align.training import rank_share
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -26,7 +30,7 @@ def trajectories(toy_trajectories):
 def overrides(trajectories, out, *extra):
     root, traj = trajectories
     return [f"drafter.path={root / 'ck' / 'drafter-base'}", f"verifier.path={root / 'ck' / 'verifier'}",
-            f"trajectories.out={traj}", f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=2",
+            f"trajectories.out={traj}", *TOY_TRAJECTORIES, f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=2",
             "train.lr=3e-3", "train.warmup_steps=0", "train.eval_every=100", "train.final_eval_prompts=0", *extra]
 
 
@@ -95,15 +99,80 @@ def test_sigkill_after_a_checkpoint_resumes_with_the_same_losses(trajectories, t
     assert losses(killed) == pytest.approx(losses(full), rel=1e-5, abs=1e-7)
 
 
-def test_non_finite_loss_stops_with_the_last_checkpoint_intact(trajectories, tmp_path):
+# A run whose recipe sets an update far beyond any sane learning rate. The schema refuses such a learning rate, so
+# the driver sets it after validation, on purpose: the first step's loss is finite and its update makes every weight
+# non-finite, which is what the guard must catch before anything is published.
+POISON = """
+import sys
+from align.config import load_recipe
+from align.training import main
+recipe = load_recipe(sys.argv[1], sys.argv[2:])
+recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": float("inf")})})
+sys.exit(main(recipe, "poison"))
+"""
+
+
+def finite_weights(folder):
+    from safetensors.torch import load_file
+
+    return all(torch.isfinite(t).all() for t in load_file(folder / "model.safetensors").values())
+
+
+def test_an_update_that_poisons_the_weights_is_never_checkpointed(trajectories, tmp_path):
     out = tmp_path / "nan"
-    # An absurd learning rate without clipping blows the weights up after the first step.
-    rc, log = launch(1, overrides(trajectories, out, "train.max_steps=5", "train.save_every=1", "train.lr=1e30",
-                                  "train.grad_clip=0", "train.micro_batch_size=2"))
-    assert rc == 3 and "not finite" in log, log[-3000:]
-    saved = sorted(p.name for p in out.glob("step_*"))
-    assert saved and "step_5" not in saved
-    AutoModelForCausalLM.from_pretrained(out / saved[-1])  # loadable, not half-written
+    args = overrides(trajectories, out, "train.max_steps=5", "train.save_every=1", "train.grad_clip=0",
+                     "train.micro_batch_size=2")
+    proc = subprocess.run([sys.executable, "-c", POISON, "recipes/tiny/align.yaml", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 3 and "step 1 gave a non-finite loss or non-finite weights" in log, log[-3000:]
+    assert not list(out.glob("step_*")) and not (out / "ds_state" / "latest").exists()  # nothing poisoned published
+
+
+def test_a_resume_keeps_one_metrics_row_per_step(trajectories, tmp_path):
+    out = tmp_path / "replayed"
+    args = overrides(trajectories, out, "train.max_steps=4", "train.save_every=2", "train.micro_batch_size=2",
+                     "train.eval_every=2")
+    rc, log = launch(1, args)
+    assert rc == 0, log[-3000:]
+    # As if the run had died after logging steps 3-4 but before their checkpoint: the rerun replays them.
+    (out / "ds_state" / "latest").write_text("step_2")
+    rc, log = launch(1, args)
+    assert rc == 0 and "resuming from step 2" in log, log[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("override, key", [("trajectories.temperature=0.9", "trajectories.temperature"),
+                                           ("trajectories.max_new_tokens=64", "trajectories.max_new_tokens")])
+def test_trajectories_made_otherwise_are_refused(trajectories, tmp_path, capsys, override, key):
+    assert align(["train", "recipes/tiny/align.yaml", *overrides(trajectories, tmp_path / "x"), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"align train: error: {key}: the trajectories in") and "\n" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_trajectories_of_another_verifier_are_refused(trajectories, tmp_path, capsys):
+    root, _ = trajectories
+    other = tmp_path / "other-verifier"
+    shutil.copytree(root / "ck" / "verifier", other)
+    assert align(["train", "recipes/tiny/align.yaml", *overrides(trajectories, tmp_path / "x"),
+                  f"verifier.path={other}"]) == 2
+    assert capsys.readouterr().err.startswith("align train: error: verifier.path: the trajectories in")
+
+
+def test_gamma_longer_than_every_completion_is_refused(trajectories, tmp_path, capsys):
+    assert align(["train", "recipes/tiny/align.yaml", *overrides(trajectories, tmp_path / "x"),
+                  "train.gamma=40"]) == 2
+    assert "train.gamma: 40 is longer than every completion" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count, world", [(5, 2), (4, 2), (7, 3), (1, 4)])
+def test_every_rank_gets_the_same_number_of_held_out_rows(count, world):
+    indices = list(range(100, 100 + count))
+    shares = [rank_share(indices, rank, world) for rank in range(world)]
+    assert len({len(rows) for rows, _ in shares}) == 1  # the same number of collective forwards on every rank
+    assert sorted(i for rows, weights in shares for i, w in zip(rows, weights) if w) == indices  # each row once
 
 
 @pytest.mark.parametrize("lora", [0, 4])
@@ -129,7 +198,7 @@ def test_gkd_baseline_distils_the_ar_drafter(trajectories, tmp_path):
     root, traj = trajectories
     out = tmp_path / "gkd"
     assert align(["gkd", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
-                  f"ar_drafter.path={root / 'ck' / 'ar-drafter'}", f"trajectories.out={traj}", f"gkd.out={out}",
+                  f"ar_drafter.path={root / 'ck' / 'ar-drafter'}", f"trajectories.out={traj}", *TOY_TRAJECTORIES, f"gkd.out={out}",
                   "gkd.max_steps=3", "gkd.batch_size=4", "gkd.max_new_tokens=6", "gkd.lr=1e-2"]) == 0
     distilled = AutoModelForCausalLM.from_pretrained(out / "final")
     base = AutoModelForCausalLM.from_pretrained(root / "ck" / "ar-drafter")

@@ -11,7 +11,7 @@ import pytest
 
 from align.cli import main
 from align.config import RecipeError
-from align.trajectories import load_trajectories
+from align.data import load_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,15 +41,13 @@ class TrigramModel:
         trigram = np.unique((t[:-2] * vocab_size + t[1:-1]) * vocab_size + t[2:], return_counts=True)
         return cls(vocab_size, unigram, bigram, trigram)
 
-    def save(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "trigram.npz.tmp"
-        with open(tmp, "wb") as f:
+    def save(self, folder: Path, **provenance: Any) -> None:
+        """Write trigram.npz and manifest.json into `folder` (the caller makes it appear atomically)."""
+        with open(folder / "trigram.npz", "wb") as f:
             np.savez(f, unigram=self.unigram, bigram_keys=self.bigram_keys, bigram_counts=self.bigram_counts,
                      trigram_keys=self.trigram_keys, trigram_counts=self.trigram_counts)
-        tmp.replace(folder / "trigram.npz")
         (folder / "manifest.json").write_text(json.dumps({"vocab_size": self.vocab_size,
-                                                          "tokens": int(self.unigram.sum())}))
+                                                          "tokens": int(self.unigram.sum()), **provenance}))
 
     @classmethod
     def load(cls, folder: Path) -> "TrigramModel":

@@ -1,0 +1,48 @@
+"""The small commands launch scripts use instead of parsing YAML or embedding Python: `align validate --get`,
+`align latest`, `align throughput`, and the before/after table of `align eval`."""
+
+import json
+
+from align.cli import main as align
+from align.evaluate import before_after_table
+
+
+def test_validate_get_prints_the_resolved_value(capsys):
+    assert align(["validate", "recipes/tiny/align.yaml", "train.out=elsewhere", "--get", "train.out"]) == 0
+    assert capsys.readouterr().out == "elsewhere\n"
+    assert align(["validate", "recipes/tiny/align.yaml", "--get", "train.losses"]) == 0
+    assert capsys.readouterr().out == "{ce_streak: 1.0}\n"
+    assert align(["validate", "recipes/tiny/align.yaml", "--get", "train.nope"]) == 2
+    assert capsys.readouterr().err == "align validate: error: unknown key 'train.nope'\n"
+
+
+def test_latest_sorts_steps_as_numbers(tmp_path, capsys):
+    for step in (2, 10, 9):
+        (tmp_path / f"step_{step}").mkdir()
+    (tmp_path / ".step_11.tmp").mkdir()  # unfinished: never the latest
+    assert align(["latest", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'step_10'}\n"
+    assert align(["latest", str(tmp_path / "step_2")]) == 2
+    assert capsys.readouterr().err.startswith("align latest: error: no step_<N> checkpoint under")
+
+
+def test_throughput_table_reads_runs(tmp_path, capsys):
+    run = tmp_path / "p2-t1"
+    (run / "step_4").mkdir(parents=True)
+    (run / "step_4" / "meta.json").write_text(json.dumps({"world_size": 2, "threads_per_rank": 1}))
+    speeds = [1.0, 1.0, 100.0, 300.0, 200.0]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "tokens_per_s_per_rank": s}) + "\n"
+                                               for i, s in enumerate(speeds)))
+    assert align(["throughput", str(run), "--warmup-steps", "2"]) == 0
+    assert "| p2-t1 | 2 | 1 | 200 | 400 |" in capsys.readouterr().out
+    assert align(["throughput", str(tmp_path / "missing")]) == 2
+
+
+def test_before_after_table_pairs_each_method_with_its_compared_drafters():
+    methods = {"ar": {"tau": 1.0, "speedup": 1.0}, "specdiff": {"tau": 1.5, "speedup": 0.6},
+               "specdiff@aligned": {"tau": 3.0, "speedup": 1.2}}
+    table = before_after_table(methods)
+    assert "| specdiff | drafter.path | 1.50 | 1.00× | 0.60× |" in table
+    assert "| specdiff | aligned | 3.00 | 2.00× | 1.20× |" in table
+    assert "| ar |" not in table
+    assert before_after_table({"ar": {"tau": 1.0, "speedup": 1.0}}) is None
