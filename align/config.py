@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class RecipeError(ValueError):
@@ -27,8 +27,9 @@ class RecipeError(ValueError):
 
 class Section(BaseModel):
     # extra="forbid": a typo is an error, never a silently ignored key. Numbers given for string fields (e.g. an
-    # output folder named 2024) are kept as strings rather than refused.
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    # output folder named 2024) are kept as strings rather than refused. allow_inf_nan=False: YAML reads `.inf` and
+    # `.nan` as floats, and no setting here means anything with them (an infinite temperature passed `ge=0`).
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -56,6 +57,18 @@ MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 LOSS_NAMES: tuple[str, ...] = ("streak", "ce_streak", "streak_tv", "fkl", "rkl", "tvd", "jsd")
 LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
+
+
+def _learning_rate(value: float) -> float:
+    # (0, 1] is generous on purpose: useful AdamW rates are 1e-6..1e-2, and Adam's step is about lr per weight
+    # whatever the gradient's scale, so a rate above 1 moves every weight by more than its own size at the first step
+    # and the run diverges. Such a value is a slip (1e6 for 1e-6), refused before a run burns hours on it.
+    if not 0.0 < value <= 1.0:
+        raise ValueError("a learning rate must be in (0, 1] (AdamW diverges above 1; typical rates are 1e-6 to 1e-2)")
+    return value
+
+
+LearningRate = Annotated[float, AfterValidator(_learning_rate)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -150,7 +163,7 @@ class TrainSection(Section):
     #: optimiser steps
     max_steps: int = Field(default=200, ge=1)
     #: peak learning rate (AdamW)
-    lr: float = Field(default=1e-4, gt=0.0)
+    lr: LearningRate = 1e-4
     weight_decay: float = Field(default=0.0, ge=0.0)
     warmup_steps: int = Field(default=10, ge=0)
     #: sequences per rank per micro-step
@@ -183,7 +196,7 @@ class GkdSection(Section):
     #: generalised JSD interpolation: 0 forward KL, 1 reverse KL
     beta: float = Field(default=0.5, ge=0.0, le=1.0)
     max_steps: int = Field(default=100, ge=1)
-    lr: float = Field(default=1e-4, gt=0.0)
+    lr: LearningRate = 1e-4
     batch_size: int = Field(default=8, ge=1)
     #: length of the drafter's on-policy samples
     max_new_tokens: int = Field(default=64, ge=1)
@@ -341,7 +354,7 @@ class PretrainSection(Section):
     seq_len: int = Field(default=512, ge=8)
     #: sequences per optimiser step
     batch_size: int = Field(default=16, ge=1)
-    lr: float = Field(default=1e-3, gt=0.0)
+    lr: LearningRate = 1e-3
     #: the cosine schedule decays to lr * min_lr_ratio at the end of the budget
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     warmup_steps: int = Field(default=50, ge=0)
