@@ -114,10 +114,9 @@ class DataSection(Section):
     #: where the tiny corpus and prompt sets live; built from the stdlib by `align bootstrap` or the first stage that
     #: needs them
     dir: str = "data/tiny"
-    #: prompts (JSONL with a `prompt` field) for trajectories; None: the tiny train split
+    #: prompts (JSONL with a `prompt` field) for trajectories; None: the tiny train split (evaluation prompts are
+    #: eval.prompts, calibration prompts calibrate.prompts)
     train_prompts: Optional[str] = None
-    #: prompts for evaluation; None: the tiny test split
-    test_prompts: Optional[str] = None
 
 
 class TrajectoriesSection(Section):

@@ -169,3 +169,24 @@ def test_learning_rate_at_the_edge_of_the_range():
 def test_numbers_are_finite(value):
     message = refused([f"decode.temperature={value}"])
     assert message.startswith("decode.temperature: ") and "finite" in message, message
+
+
+def schema_keys(model=Recipe, prefix=""):
+    """Every field of every section, recursively: ('bootstrap.verifier.lr', 'lr'), ..."""
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from schema_keys(field.annotation, f"{prefix}{name}.")
+        else:
+            yield prefix + name, name
+
+
+def test_every_schema_key_is_read():
+    """A key nobody reads silently ignores what the user set (data.test_prompts once hid an eval set this way)."""
+    import re
+
+    source = "\n".join(p.read_text() for p in (ROOT / "align").rglob("*.py") if p.name != "config.py")
+    # Read as an attribute (`recipe.eval.prompts`) or by name (getattr, a dict of the dumped recipe).
+    dead = [key for key, name in schema_keys() if not re.search(rf"\.{name}\b|[\"']{name}[\"']", source)]
+    assert not dead, f"schema keys read nowhere in align/: {', '.join(dead)}"
