@@ -499,17 +499,27 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise RecipeError(f"{path}: is a folder, not a recipe file (e.g. recipes/tiny/eval.yaml)")
         if not path.is_file():
             raise RecipeError(f"recipe not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
+        except OSError as e:
+            raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
             raise RecipeError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', None) or e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
+        # An empty file is most likely the wrong file (or one cut short), not a request for every default; `{}` says
+        # that explicitly.
+        if loaded is None:
+            raise RecipeError(f"{path}: empty recipe (write `{{}}` in it to run on every default)")
+        if not isinstance(loaded, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(loaded).__name__}")
-        tree = loaded or {}
+        tree = loaded
     for text in overrides:
         keys, value = parse_override(text)
         apply_override(tree, keys, value)

@@ -190,3 +190,11 @@ def test_every_schema_key_is_read():
     # Read as an attribute (`recipe.eval.prompts`) or by name (getattr, a dict of the dumped recipe).
     dead = [key for key, name in schema_keys() if not re.search(rf"\.{name}\b|[\"']{name}[\"']", source)]
     assert not dead, f"schema keys read nowhere in align/: {', '.join(dead)}"
+
+
+def test_empty_recipe_file_is_refused(tmp_path):
+    for text in ("", "\n", "# a comment only\n"):
+        (tmp_path / "r.yaml").write_text(text)
+        assert "empty recipe" in refused(recipe=tmp_path / "r.yaml")
+    (tmp_path / "r.yaml").write_text("{}\n")  # an explicit empty mapping: all defaults
+    assert load_recipe(tmp_path / "r.yaml") == Recipe()
