@@ -11,13 +11,25 @@ import importlib
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
-from align.config import Recipe, RecipeError, check_inputs, load_recipe
+from align.config import Recipe, RecipeError, check_inputs, check_models, eval_models, load_recipe
 
 EXIT_BAD_INPUT = 2
+
+
+def _none(recipe: Recipe) -> tuple[str, ...]:
+    return ()
+
+
+def _train_models(recipe: Recipe) -> tuple[str, ...]:
+    # As align/train.py decides: the verifier is loaded for online labels (KD losses, on-policy) and the final eval.
+    t = recipe.train
+    online = t.data_mode == "on_policy" or (t.data_mode == "online" and any(
+        name not in ("streak", "ce_streak") for name in t.losses))
+    return ("drafter.path", *(("verifier.path",) if online or t.final_eval_prompts else ()))
 
 
 @dataclass(frozen=True)
@@ -27,8 +39,9 @@ class Stage:
     module: Optional[str]
     #: recipe sections the stage reads (shown in its --help)
     sections: tuple[str, ...]
-    #: recipe keys naming models that must exist before the stage starts
-    model_keys: tuple[str, ...] = ()
+    #: the model keys the stage loads, given the recipe (verifier.path, drafter.path, ar_drafter.path,
+    #: eval.compare_drafters.<label>): all go through config.check_models before the stage starts
+    models: Callable[[Recipe], tuple[str, ...]] = _none
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
     #: takes the DeepSpeed launcher's options (train, trajectories)
@@ -44,31 +57,32 @@ STAGES: dict[str, Stage] = {
     ),
     "trajectories": Stage(
         "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
-        "align.trajectories", ("verifier", "trajectories", "data"), file_keys=("data.train_prompts",),
-        launcher=True,
+        "align.trajectories", ("verifier", "trajectories", "data"), models=lambda r: ("verifier.path",),
+        file_keys=("data.train_prompts",), launcher=True,
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.train", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
-        launcher=True,
+        "align.train", ("drafter", "verifier", "trajectories", "train"), models=_train_models, launcher=True,
     ),
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
-        "align.gkd", ("verifier", "ar_drafter", "trajectories", "gkd"), model_keys=("verifier.path", "ar_drafter.path"),
+        "align.gkd", ("verifier", "ar_drafter", "trajectories", "gkd"),
+        models=lambda r: ("verifier.path", "ar_drafter.path"),
     ),
     "calibrate": Stage(
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
         "align.calibrate", ("drafter", "calibrate", "decode", "data"),
-        model_keys=("drafter.path",), file_keys=("calibrate.prompts",),
+        models=lambda r: ("drafter.path",), file_keys=("calibrate.prompts",),
     ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
         "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
-        file_keys=("eval.prompts", "calibrate.graph"),  # which models it needs depends on the methods: it checks
+        models=eval_models, file_keys=("eval.prompts", "calibrate.graph"),
     ),
     "export": Stage(
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
         "align.export", ("drafter", "verifier", "calibrate", "export"),
+        models=lambda r: ("drafter.path",), file_keys=("calibrate.graph", "export.eval"),
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),
@@ -134,6 +148,12 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+def check_stage(stage: Stage, recipe: Recipe) -> None:
+    """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
+    check_inputs(recipe, file_keys=stage.file_keys)
+    check_models(recipe, stage.models(recipe))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
     parser, stage_parsers = build_parser()
@@ -147,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         if getattr(args, key) is not None]
     try:
         recipe = load_recipe(args.recipe, overrides)
-        check_inputs(recipe, stage.model_keys, stage.file_keys)
+        check_stage(stage, recipe)
     except RecipeError as e:
         print(f"align {args.stage}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

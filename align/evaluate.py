@@ -22,7 +22,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path
+from align.config import (METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path,
+                          eval_models)
 from align.corpus import ensure_data
 from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import GenerationStats, Sampling, ar_generate, prefill, verifier_forward
@@ -441,10 +442,9 @@ def main(recipe: Recipe, command: str) -> None:
         return dllm_main(recipe, command)
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
-    uses_drafter = any(n.startswith("specdiff") for n in names)
-    uses_ar_drafter = any(n in ("sd_ar", "hf_assisted") for n in names)
-    check_inputs(recipe, model_keys=("verifier.path", *(("drafter.path",) if uses_drafter else ()),
-                                     *(("ar_drafter.path",) if uses_ar_drafter else ())))
+    needed = eval_models(recipe)  # the models cli checked (config.check_models) are those loaded here
+    uses_drafter, uses_ar_drafter = "drafter.path" in needed, "ar_drafter.path" in needed
+    check_inputs(recipe, model_keys=needed)
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     texts = load_prompts(recipe)
     # Configs first: a too-long prompt or a vocabulary mismatch is refused before any weights are loaded.

@@ -1,0 +1,182 @@
+"""Bad input to any stage is refused before the stage starts: one line on stderr naming the key, exit code 2, no
+traceback, nothing written (DESIGN §9).
+
+The stages' own `main` functions are replaced by a recorder here, so a refusal that comes too late (from inside a
+stage, after it started loading or writing) fails the test, and no test does real work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from align.cli import STAGES, main
+from align.config import RecipeError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "checkpoints" / "tiny"
+VERIFIER, DRAFTER, AR_DRAFTER = TINY / "verifier", TINY / "drafter-base", TINY / "ar-drafter"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the shipped recipes name checkpoints/tiny relative to the repository
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[str]:
+    """Stages whose main was called; none may be for refused input."""
+    calls: list[str] = []
+    for name, stage in STAGES.items():
+        if stage.module is not None:
+            module = importlib.import_module(stage.module)
+            monkeypatch.setattr(module, "main", lambda *_, name=name: calls.append(name) or 0)
+    return calls
+
+
+def run(*argv: str) -> int:
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own exits (help, version, its errors)
+        return int(e.code or 0)
+
+
+def refused(capsys, started: list[str], *argv: str) -> str:
+    """Run `align <argv>`; assert a one-line refusal with exit 2 before the stage started; return the line."""
+    code = run(*argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not started, f"the stage started before refusing: {err}"
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"align {argv[0]}: error: "), err
+    return err.strip()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# broken model folders, built from the shipped tiny models
+# --------------------------------------------------------------------------------------------------------------------
+def copy_model(source: Path, dest: Path, weights: bytes | None = None, **config_changes) -> Path:
+    """A copy of a model folder (weights linked, not copied, unless `weights` replaces them)."""
+    import json
+
+    dest.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.name == "model.safetensors":
+            if weights is None:
+                (dest / f.name).symlink_to(f)
+            else:
+                (dest / f.name).write_bytes(weights)
+        else:
+            shutil.copy2(f, dest / f.name)
+    if config_changes:
+        config = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("broken")
+    weights = (DRAFTER / "model.safetensors").read_bytes()
+    ar_weights = (AR_DRAFTER / "model.safetensors").read_bytes()
+    made = {
+        "truncated": copy_model(DRAFTER, root / "truncated", weights[: len(weights) // 2]),
+        "bad_header": copy_model(DRAFTER, root / "bad_header", (10**12).to_bytes(8, "little") + weights[8:]),
+        "small_vocab": copy_model(DRAFTER, root / "small_vocab", vocab_size=4096),
+        "small_vocab_ar": copy_model(AR_DRAFTER, root / "small_vocab_ar", vocab_size=4096),
+        "truncated_ar": copy_model(AR_DRAFTER, root / "truncated_ar", ar_weights[:1000]),
+        "bad_spec": copy_model(DRAFTER, root / "bad_spec", drafter_spec={"mask_token_id": 2, "logits_shift": 2,
+                                                                          "attention": "block_causal"}),
+        "mask_outside": copy_model(DRAFTER, root / "mask_outside", drafter_spec={
+            "mask_token_id": 9000, "logits_shift": 0, "attention": "block_causal"}),
+        "no_weights": copy_model(DRAFTER, root / "no_weights", b""),
+    }
+    (made["no_weights"] / "model.safetensors").unlink()
+    return made
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. every stage's models go through the same checks, before the stage starts
+# --------------------------------------------------------------------------------------------------------------------
+MODEL_CASES = [
+    # stage, recipe, override, expected in the line
+    ("train", "align.yaml", f"drafter.path={VERIFIER}", "is the verifier (verifier.path)"),
+    ("train", "align.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),
+    ("train", "align.yaml", "drafter.path={small_vocab}", "drafter.path: vocabulary size 4096 differs from the verifier's 8192"),
+    ("train", "align.yaml", "drafter.path={truncated}", "model.safetensors is truncated or corrupt"),
+    ("calibrate", "spiffy.yaml", f"drafter.path={VERIFIER}", "is the verifier"),
+    ("calibrate", "spiffy.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),
+    ("calibrate", "spiffy.yaml", "drafter.path={truncated}", "model.safetensors is truncated or corrupt"),
+    ("eval", "eval.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),
+    ("eval", "eval.yaml", "drafter.path={bad_header}", "model.safetensors is truncated or corrupt"),
+    ("eval", "eval.yaml", "eval.compare_drafters={{other: {truncated}}}", "eval.compare_drafters.other: "),
+    ("eval", "eval.yaml", "ar_drafter.path={small_vocab_ar}", "ar_drafter.path: vocabulary size 4096 differs"),
+    ("eval", "spiffy.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),  # eval.mode=dllm
+    ("export", "eval.yaml", f"drafter.path={VERIFIER}", "is the verifier"),
+    ("export", "eval.yaml", "drafter.path={bad_spec}", "drafter.path: "),
+    ("gkd", "align.yaml", "ar_drafter.path={truncated_ar}", "ar_drafter.path: "),
+    ("gkd", "align.yaml", f"ar_drafter.path={DRAFTER}", "is a diffusion drafter"),
+    ("gkd", "align.yaml", "ar_drafter.path={small_vocab_ar}", "ar_drafter.path: vocabulary size 4096 differs"),
+    ("trajectories", "align.yaml", "verifier.path={truncated}", "verifier.path: "),
+    ("trajectories", "align.yaml", f"verifier.path={DRAFTER}", "is a diffusion drafter"),
+    ("eval", "eval.yaml", "drafter.path={mask_outside}", "mask_token_id 9000 is outside the vocabulary"),
+    ("eval", "eval.yaml", "drafter.path={no_weights}", "has no weights"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, override, expected", MODEL_CASES,
+                         ids=[f"{c[0]}-{c[2].split('=')[0]}-{i}" for i, c in enumerate(MODEL_CASES)])
+def test_bad_model_is_refused_before_the_stage(capsys, started, broken, stage, recipe, override, expected):
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", override.format(**broken))
+    assert expected in line
+
+
+def test_truncated_file_is_named(capsys, started, broken):
+    line = refused(capsys, started, "train", "recipes/tiny/align.yaml", f"drafter.path={broken['truncated']}")
+    assert str(broken["truncated"] / "model.safetensors") in line
+
+
+def test_the_verifier_is_not_a_drafter_even_with_a_spec(capsys, started):
+    # With the spec given in the recipe, an AR model can be read as a drafter; the verifier itself never is.
+    line = refused(capsys, started, "train", "recipes/tiny/align.yaml", f"drafter.path={VERIFIER}",
+                   "drafter.mask_token_id=2", "drafter.logits_shift=0", "drafter.attention=block_causal")
+    assert "drafter.path: " in line and "is the verifier" in line
+
+
+@pytest.mark.parametrize("stage, recipe", [("train", "align.yaml"), ("calibrate", "spiffy.yaml"), ("eval", "eval.yaml"),
+                                           ("eval", "spiffy.yaml"), ("export", "eval.yaml"), ("gkd", "align.yaml"),
+                                           ("trajectories", "align.yaml"), ("bootstrap", "bootstrap.yaml")])
+def test_shipped_models_pass_the_checks(capsys, started, stage, recipe):
+    assert run(stage, f"recipes/tiny/{recipe}") == 0, capsys.readouterr().err
+    assert started == [stage]
+
+
+def test_check_weights_reads_only_the_header(tmp_path):
+    from align.config import check_weights
+
+    check_weights("drafter.path", DRAFTER)
+    weights = (DRAFTER / "model.safetensors").read_bytes()
+    for name, data in {"short": weights[:4], "header": weights[:100], "data": weights[:-1],
+                       "longer": weights + b"\0", "json": (5).to_bytes(8, "little") + b"{nope"}.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(data)
+        with pytest.raises(RecipeError, match=rf"^drafter.path: {folder / 'model.safetensors'} is truncated or corrupt"):
+            check_weights("drafter.path", folder)
+
+
+def test_sharded_weights_name_a_missing_shard(tmp_path):
+    import json
+
+    from align.config import check_weights
+
+    folder = copy_model(DRAFTER, tmp_path / "sharded")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(RecipeError, match="model-00002-of-00002.safetensors is missing"):
+        check_weights("drafter.path", folder)
