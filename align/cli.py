@@ -15,7 +15,8 @@ from typing import Callable, Optional
 
 import yaml
 
-from align.config import Recipe, RecipeError, check_inputs, check_models, eval_models, load_recipe
+from align.config import (Recipe, RecipeError, check_inputs, check_models, check_output, eval_models, get_key,
+                          load_recipe)
 
 EXIT_BAD_INPUT = 2
 
@@ -44,6 +45,11 @@ class Stage:
     models: Callable[[Recipe], tuple[str, ...]] = _none
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
+    #: recipe keys naming folders the stage writes: each must be a folder, or creatable, and writable
+    outputs: tuple[str, ...] = ()
+    #: folders the stage writes only when something is missing (data.dir: the tiny data, built on first use): only a
+    #: file in their way is refused, since a complete one may well be read-only
+    folders: tuple[str, ...] = ()
     #: takes the DeepSpeed launcher's options (train, trajectories)
     launcher: bool = False
     #: command-line flags that are sugar for recipe overrides: flag -> recipe key
@@ -53,36 +59,39 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "bootstrap": Stage(
         "build the tiny embedded family (corpus, prompts, tokenizer, verifier, drafter-base, ar-drafter)",
-        "align.bootstrap", ("bootstrap", "data"),
+        "align.bootstrap", ("bootstrap", "data"), outputs=("bootstrap.out", "data.dir"),
     ),
     "trajectories": Stage(
         "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
         "align.trajectories", ("verifier", "trajectories", "data"), models=lambda r: ("verifier.path",),
-        file_keys=("data.train_prompts",), launcher=True,
+        file_keys=("data.train_prompts",), outputs=("trajectories.out",), folders=("data.dir",), launcher=True,
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.train", ("drafter", "verifier", "trajectories", "train"), models=_train_models, launcher=True,
+        "align.train", ("drafter", "verifier", "trajectories", "train"), models=_train_models,
+        outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
         "align.gkd", ("verifier", "ar_drafter", "trajectories", "gkd"),
-        models=lambda r: ("verifier.path", "ar_drafter.path"),
+        models=lambda r: ("verifier.path", "ar_drafter.path"), outputs=("gkd.out",),
     ),
     "calibrate": Stage(
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
         "align.calibrate", ("drafter", "calibrate", "decode", "data"),
-        models=lambda r: ("drafter.path",), file_keys=("calibrate.prompts",),
+        models=lambda r: ("drafter.path",), file_keys=("calibrate.prompts",), outputs=("calibrate.out",),
+        folders=("data.dir",),
     ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
         "align.evaluate", ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
-        models=eval_models, file_keys=("eval.prompts", "calibrate.graph"),
+        models=eval_models, file_keys=("eval.prompts", "calibrate.graph"), outputs=("eval.out",),
+        folders=("data.dir",),
     ),
     "export": Stage(
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
         "align.export", ("drafter", "verifier", "calibrate", "export"),
-        models=lambda r: ("drafter.path",), file_keys=("calibrate.graph", "export.eval"),
+        models=lambda r: ("drafter.path",), file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),
@@ -152,6 +161,10 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
     """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
     check_inputs(recipe, file_keys=stage.file_keys)
     check_models(recipe, stage.models(recipe))
+    for key in stage.outputs:
+        check_output(key, str(get_key(recipe, key)))
+    for key in stage.folders:
+        check_output(key, str(get_key(recipe, key)), writable=False)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

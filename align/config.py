@@ -834,3 +834,20 @@ def eval_models(recipe: Recipe) -> tuple[str, ...]:
         keys += [f"eval.compare_drafters.{label}" for label in recipe.eval.compare_drafters]
     return tuple(dict.fromkeys(keys))
 
+
+def check_output(key: str, value: str, writable: bool = True) -> None:
+    """An output folder is a folder, or can be created: refused when it is an existing file, when the nearest existing
+    path on its way is a file, or (`writable`) when that folder cannot be written (os.access: root passes it)."""
+    path = Path(value)
+    if path.is_symlink() and not path.exists():
+        raise RecipeError(f"{key}: {value} is a dangling symbolic link (to {os.readlink(path)})")
+    if path.exists() and not path.is_dir():
+        raise RecipeError(f"{key}: {value} is an existing file; {key} names a folder (created when missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RecipeError(f"{key}: {existing} is a file, so the folder {value} cannot be created")
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        needed = "" if existing == path else f" (needed to create {value})"
+        raise RecipeError(f"{key}: {existing} is not writable{needed}")

@@ -180,3 +180,65 @@ def test_sharded_weights_name_a_missing_shard(tmp_path):
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(RecipeError, match="model-00002-of-00002.safetensors is missing"):
         check_weights("drafter.path", folder)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. output paths
+# --------------------------------------------------------------------------------------------------------------------
+OUTPUT_CASES = [
+    ("bootstrap", "bootstrap.yaml", "bootstrap.out"), ("bootstrap", "bootstrap.yaml", "data.dir"),
+    ("trajectories", "align.yaml", "trajectories.out"), ("train", "align.yaml", "train.out"),
+    ("gkd", "align.yaml", "gkd.out"), ("calibrate", "spiffy.yaml", "calibrate.out"), ("eval", "eval.yaml", "eval.out"),
+    ("export", "eval.yaml", "export.out"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, key", OUTPUT_CASES)
+def test_output_that_is_a_file_is_refused(capsys, started, tmp_path, stage, recipe, key):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"{key}={precious}")
+    assert line.startswith(f"align {stage}: error: {key}: ") and "is an existing file" in line
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"{key}={precious / 'run'}")
+    assert line.startswith(f"align {stage}: error: {key}: ") and "is a file" in line
+    assert precious.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [precious]
+
+
+@pytest.mark.parametrize("stage, recipe", [("trajectories", "align.yaml"), ("calibrate", "spiffy.yaml"),
+                                           ("eval", "eval.yaml")])
+def test_data_dir_that_is_a_file(capsys, started, tmp_path, stage, recipe):
+    # These stages build the tiny data in data.dir when it is missing; a read-only data.dir is fine, a file is not.
+    (tmp_path / "data").write_text("not a folder")
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"data.dir={tmp_path / 'data'}")
+    assert line.startswith(f"align {stage}: error: data.dir: ") and "is an existing file" in line
+    if os.geteuid() == 0 and not os.access("/proc/self", os.W_OK):
+        assert run(stage, f"recipes/tiny/{recipe}", "data.dir=/proc/self") == 0 and started == [stage]
+
+
+def test_output_under_a_folder_that_cannot_be_written(capsys, started, tmp_path):
+    # Root ignores permission bits, so a chmod'ed folder only refuses others; /proc/self refuses even root.
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+    elif os.access("/proc/self", os.W_OK):
+        pytest.skip("no folder here that root cannot write to")
+    else:
+        locked = Path("/proc/self")
+    line = refused(capsys, started, "eval", "recipes/tiny/eval.yaml", f"eval.out={locked / 'eval'}")
+    assert line == f"align eval: error: eval.out: {locked} is not writable (needed to create {locked / 'eval'})"
+
+
+def test_check_output_uses_access(tmp_path, monkeypatch):
+    from align.config import check_output
+
+    check_output("train.out", str(tmp_path / "a" / "b"))  # a new folder under a writable one
+    check_output("train.out", str(tmp_path))  # an existing folder
+    monkeypatch.setattr(os, "access", lambda *_: False)
+    with pytest.raises(RecipeError, match=rf"^train.out: {tmp_path} is not writable$"):
+        check_output("train.out", str(tmp_path))
+
+
+def test_dangling_link_output(tmp_path, capsys, started):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    line = refused(capsys, started, "eval", "recipes/tiny/eval.yaml", f"eval.out={tmp_path / 'link'}")
+    assert "eval.out: " in line and "dangling" in line
