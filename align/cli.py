@@ -11,7 +11,7 @@ import importlib
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import yaml
 
@@ -19,6 +19,7 @@ from align.config import (Recipe, RecipeError, check_inputs, check_models, check
                           load_recipe)
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
 def _none(recipe: Recipe) -> tuple[str, ...]:
@@ -102,6 +103,25 @@ STAGES: dict[str, Stage] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line like every other refusal (its default prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("align")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        from align import __version__
+
+        return __version__
+
+
 def _section_help(sections: tuple[str, ...]) -> str:
     defaults = Recipe().to_dict()
     lines = ["recipe sections (key: default):"]
@@ -126,14 +146,15 @@ def _stage_arguments(parser: argparse.ArgumentParser, stage: Stage) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser (stages and help) and each stage's own parser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="align",
         description="Align discrete-diffusion drafters to autoregressive verifiers for speculative decoding.",
         epilog="Each stage takes a recipe (recipes/*.yaml) and key.sub=value overrides, e.g.\n"
                "  align bootstrap recipes/tiny/bootstrap.yaml bootstrap.verifier.budget_minutes=5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="stage", metavar="<stage>", title="stages")
+    parser.add_argument("--version", action="version", version=f"align {_version()}")
+    sub = parser.add_subparsers(dest="stage", metavar="<stage>", title="stages", parser_class=_Parser)
     sub.required = True
     stage_parsers = {}
     for name, stage in STAGES.items():
@@ -157,6 +178,17 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a failure: no traceback. Whatever was written is whole (atomic writes).
+        name = f"align {argv[0]}" if argv and argv[0] in STAGES else "align"
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
 def check_stage(stage: Stage, recipe: Recipe) -> None:
     """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
     check_inputs(recipe, file_keys=stage.file_keys)
@@ -167,11 +199,12 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
         check_output(key, str(get_key(recipe, key)), writable=False)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+def _run(argv: list[str]) -> int:
     parser, stage_parsers = build_parser()
     if not argv or argv[0] not in STAGES:
-        parser.parse_args(argv)  # help, or argparse's own error for an unknown stage (exit 2)
+        parser.parse_args(argv)  # help, version, or argparse's own error for an unknown stage (exit 2)
+    if len(argv) == 1:  # said here: intermixed parsing would also name the optional overrides as required
+        stage_parsers[argv[0]].error("the following arguments are required: recipe")
     # Per stage, options may come between overrides (`align train r.yaml a=1 --num_gpus 2 b=2`).
     args = stage_parsers[argv[0]].parse_intermixed_args(argv[1:])
     args.stage = argv[0]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -242,3 +245,101 @@ def test_dangling_link_output(tmp_path, capsys, started):
     (tmp_path / "link").symlink_to(tmp_path / "gone")
     line = refused(capsys, started, "eval", "recipes/tiny/eval.yaml", f"eval.out={tmp_path / 'link'}")
     assert "eval.out: " in line and "dangling" in line
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. Ctrl-C
+# --------------------------------------------------------------------------------------------------------------------
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    # A stand-in for a long stage: the real cli, with the eval stage's module replaced by one that waits.
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time, types, dataclasses\n"
+        "slow = types.ModuleType('slow_stage')\n"
+        "def wait(recipe, command):\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "slow.main = wait\n"
+        "sys.modules['slow_stage'] = slow\n"
+        "from align import cli\n"
+        "cli.STAGES['eval'] = dataclasses.replace(cli.STAGES['eval'], module='slow_stage', models=lambda r: ())\n"
+        "raise SystemExit(cli.main(sys.argv[1:]))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), "eval", "recipes/tiny/eval.yaml",
+                             f"eval.out={tmp_path / 'out'}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err == "align eval: interrupted\n"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 7. a new user's mistakes: each one line, exit 2
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("files")
+    made = {"empty": "", "comments": "# nothing here\n", "list": "- a\n- b\n", "binary": b"\xff\xfe\x00bad",
+            "section_value": "train: 5\n", "bad_type": "train:\n  lr: fast\n", "dir": None, "file": "x\n",
+            "bad_config": None, "list_config": None, "no_model_type": None}
+    paths = {}
+    for name, content in made.items():
+        path = root / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        paths[name] = path
+    paths["dir"].mkdir()
+    copy_model(DRAFTER, paths["bad_config"])
+    (paths["bad_config"] / "config.json").write_text('{"model_type": "llama", ')
+    copy_model(VERIFIER, paths["list_config"])
+    (paths["list_config"] / "config.json").write_text("[]")
+    copy_model(DRAFTER, paths["no_model_type"])
+    (paths["no_model_type"] / "config.json").write_text('{"vocab_size": 8192}')
+    return paths
+
+
+NEW_USER_CASES = [
+    # stage, recipe (or {name} of a file above), overrides, expected in the line
+    ("validate", "{empty}", [], "empty recipe"),
+    ("validate", "{comments}", [], "empty recipe"),
+    ("validate", "{list}", [], "a recipe is a mapping of sections, got list"),
+    ("validate", "{dir}", [], "is a folder, not a recipe file"),
+    ("validate", "{binary}", [], "not UTF-8 text"),
+    ("validate", "{section_value}", [], "train: "),
+    ("validate", "{bad_type}", [], "train.lr: "),
+    ("validate", "recipes/tiny/eval.yaml", ["decode.temperature=.inf"], "decode.temperature: Input should be a finite number"),
+    ("validate", "recipes/tiny/eval.yaml", ["train.lr=.nan"], "train.lr: "),
+    ("validate", "recipes/tiny/eval.yaml", ["data.test_prompts=x.jsonl"], "unknown key 'data.test_prompts'"),
+    ("eval", "recipes/tiny/eval.yaml", ["eval.methods=[nope]"], "eval.methods.0: "),
+    ("eval", "recipes/tiny/eval.yaml", ["eval.prompts={dir}"], "eval.prompts: "),
+    ("eval", "recipes/tiny/eval.yaml", ["drafter.path={bad_config}"], "drafter.path: cannot read "),
+    ("eval", "recipes/tiny/eval.yaml", ["verifier.path={list_config}"], "verifier.path: cannot read "),
+    ("eval", "recipes/tiny/eval.yaml", ["drafter.path={no_model_type}"], "drafter.path: cannot read "),
+    ("eval", "recipes/tiny/eval.yaml", ["drafter.path={file}"], "drafter.path: "),
+    ("eval", "recipes/tiny/eval.yaml", [f"drafter.path={TINY / 'tokenizer'}"], "has no config.json"),
+    ("eval", "recipes/tiny/eval.yaml", ["eval.out={file}"], "eval.out: "),
+    ("train", "recipes/tiny/align.yaml", ["train.lr=1e6"], "train.lr: "),
+    ("evl", "recipes/tiny/eval.yaml", [], "invalid choice"),
+    ("eval", None, [], "the following arguments are required: recipe"),
+    ("eval", "recipes/tiny/eval.yaml", ["--num_gpus", "2"], "unrecognized arguments: --num_gpus"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, overrides, expected", NEW_USER_CASES,
+                         ids=[f"{i}-{c[0]}-{(c[2] or [c[1]])[0]}" for i, c in enumerate(NEW_USER_CASES)])
+def test_new_user_mistakes(capsys, started, files, stage, recipe, overrides, expected):
+    argv = [stage] + ([recipe.format(**files)] if recipe else []) + [o.format(**files) for o in overrides]
+    code = run(*argv)
+    err = capsys.readouterr().err
+    assert code == 2 and not started, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    prefix = "align: error: " if stage not in STAGES else f"align {stage}: error: "
+    assert err.startswith(prefix) and expected in err, err
