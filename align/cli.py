@@ -13,13 +13,29 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, NoReturn, Optional, Union
 
 import yaml
 
-from align.config import Recipe, RecipeError, check_inputs, get_key, load_recipe
+from align.config import (Recipe, RecipeError, check_inputs, check_models, check_output, eval_models, get_key,
+                          load_recipe)
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+def _none(recipe: Recipe) -> tuple[str, ...]:
+    return ()
+
+
+def _train_models(recipe: Recipe) -> tuple[str, ...]:
+    # The verifier is loaded for labels in the step (KD losses online, on-policy) and for the final real τ.
+    t = recipe.train
+    return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
+
+
+# eval.mode -> the module that evaluates in that mode (speculative decoding methods, or the drafter as a dLLM).
+EVAL_MODULES = {"speculative": "align.evaluate", "dllm": "align.evaluate_dllm"}
 
 
 @dataclass(frozen=True)
@@ -30,10 +46,16 @@ class Stage:
     module: Union[str, Callable[[Recipe], str], None]
     #: recipe sections the stage reads (shown in its --help)
     sections: tuple[str, ...]
-    #: recipe keys naming models that must exist before the stage starts
-    model_keys: tuple[str, ...] = ()
+    #: the model keys the stage loads, given the recipe (verifier.path, drafter.path, ar_drafter.path,
+    #: eval.compare_drafters.<label>): all go through config.check_models before the stage starts
+    models: Callable[[Recipe], tuple[str, ...]] = _none
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
+    #: recipe keys naming folders the stage writes: each must be a folder, or creatable, and writable
+    outputs: tuple[str, ...] = ()
+    #: folders the stage writes only when something is missing (data.dir: the tiny data, built on first use): only a
+    #: file in their way is refused, since a complete one may well be read-only
+    folders: tuple[str, ...] = ()
     #: takes the DeepSpeed launcher's options (train, trajectories)
     launcher: bool = False
     #: command-line flags that are sugar for recipe overrides: flag -> recipe key
@@ -43,36 +65,40 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "bootstrap": Stage(
         "build the tiny embedded family (corpus, prompts, tokenizer, verifier, drafter-base, ar-drafter)",
-        "align.bootstrap", ("bootstrap", "data"),
+        "align.bootstrap", ("bootstrap", "data"), outputs=("bootstrap.out", "data.dir"),
     ),
     "trajectories": Stage(
         "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
-        "align.trajectories", ("verifier", "trajectories", "data"), file_keys=("data.train_prompts",),
-        launcher=True,
+        "align.trajectories", ("verifier", "trajectories", "data"), models=lambda r: ("verifier.path",),
+        file_keys=("data.train_prompts",), outputs=("trajectories.out",), folders=("data.dir",), launcher=True,
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.training", ("drafter", "verifier", "trajectories", "train"), model_keys=("drafter.path",),
-        launcher=True,
+        "align.training", ("drafter", "verifier", "trajectories", "train"), models=_train_models,
+        outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
-        "align.gkd", ("verifier", "ar_drafter", "trajectories", "gkd"), model_keys=("verifier.path", "ar_drafter.path"),
+        "align.gkd", ("verifier", "ar_drafter", "trajectories", "gkd"),
+        models=lambda r: ("verifier.path", "ar_drafter.path"), outputs=("gkd.out",),
     ),
     "calibrate": Stage(
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
         "align.calibrate", ("drafter", "calibrate", "decode", "data"),
-        model_keys=("drafter.path",), file_keys=("calibrate.prompts",),
+        models=lambda r: ("drafter.path",), file_keys=("calibrate.prompts",), outputs=("calibrate.out",),
+        folders=("data.dir",),
     ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
-        lambda recipe: "align.evaluate_dllm" if recipe.eval.mode == "dllm" else "align.evaluate",
+        lambda recipe: EVAL_MODULES[recipe.eval.mode],
         ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
-        file_keys=("eval.prompts", "calibrate.graph"),  # which models it needs depends on the methods: it checks
+        models=eval_models, file_keys=("eval.prompts", "calibrate.graph"), outputs=("eval.out",),
+        folders=("data.dir",),
     ),
     "export": Stage(
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
         "align.export", ("drafter", "verifier", "calibrate", "export"),
+        models=lambda r: ("drafter.path",), file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),
@@ -123,6 +149,25 @@ TOOLS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line like every other refusal (its default prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("align")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        from align import __version__
+
+        return __version__
+
+
 def _section_help(sections: tuple[str, ...]) -> str:
     defaults = Recipe().to_dict()
     lines = ["recipe sections (key: default):"]
@@ -150,14 +195,15 @@ def _stage_arguments(parser: argparse.ArgumentParser, stage: Stage) -> None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser (stages and help) and each stage's own parser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="align",
         description="Align discrete-diffusion drafters to autoregressive verifiers for speculative decoding.",
         epilog="Each stage takes a recipe (recipes/*.yaml) and key.sub=value overrides, e.g.\n"
                "  align bootstrap recipes/tiny/bootstrap.yaml bootstrap.verifier.budget_minutes=5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="stage", metavar="<stage>", title="stages")
+    parser.add_argument("--version", action="version", version=f"align {_version()}")
+    sub = parser.add_subparsers(dest="stage", metavar="<stage>", title="stages", parser_class=_Parser)
     sub.required = True
     stage_parsers = {}
     for name, stage in STAGES.items():
@@ -174,12 +220,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     from align.launch import strip_launcher_args
 
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a failure: no traceback. Whatever was written is whole (atomic writes).
+        name = f"align {argv[0]}" if argv and argv[0] in STAGES else "align"
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def check_stage(stage: Stage, recipe: Recipe) -> None:
+    """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
+    check_inputs(recipe, file_keys=stage.file_keys)
+    check_models(recipe, stage.models(recipe))
+    for key in stage.outputs:
+        check_output(key, str(get_key(recipe, key)))
+    for key in stage.folders:
+        check_output(key, str(get_key(recipe, key)), writable=False)
+
+
+def _run(argv: list[str]) -> int:
     parser, stage_parsers = build_parser()
     if argv and argv[0] in TOOLS:
         args = parser.parse_args(argv)
         return TOOLS[argv[0]][1](args)
     if not argv or argv[0] not in STAGES:
-        parser.parse_args(argv)  # help, or argparse's own error for an unknown stage (exit 2)
+        parser.parse_args(argv)  # help, version, or argparse's own error for an unknown stage (exit 2)
+    if len(argv) == 1:  # said here: intermixed parsing would also name the optional overrides as required
+        stage_parsers[argv[0]].error("the following arguments are required: recipe")
     # Per stage, options may come between overrides (`align train r.yaml a=1 --num_gpus 2 b=2`).
     args = stage_parsers[argv[0]].parse_intermixed_args(argv[1:])
     args.stage = argv[0]
@@ -188,7 +256,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         if getattr(args, key) is not None]
     try:
         recipe = load_recipe(args.recipe, overrides)
-        check_inputs(recipe, stage.model_keys, stage.file_keys)
+        check_stage(stage, recipe)
     except RecipeError as e:
         print(f"align {args.stage}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

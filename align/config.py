@@ -12,13 +12,15 @@ Each field is documented once, in the comment above it.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Iterable, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class RecipeError(ValueError):
@@ -27,8 +29,9 @@ class RecipeError(ValueError):
 
 class Section(BaseModel):
     # extra="forbid": a typo is an error, never a silently ignored key. Numbers given for string fields (e.g. an
-    # output folder named 2024) are kept as strings rather than refused.
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    # output folder named 2024) are kept as strings rather than refused. allow_inf_nan=False: YAML reads `.inf` and
+    # `.nan` as floats, and no setting here means anything with them (an infinite temperature passed `ge=0`).
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -56,6 +59,18 @@ MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 LOSS_NAMES: tuple[str, ...] = ("streak", "ce_streak", "streak_tv", "fkl", "rkl", "tvd", "jsd")
 LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
+
+
+def _learning_rate(value: float) -> float:
+    # (0, 1] is generous on purpose: useful AdamW rates are 1e-6..1e-2, and Adam's step is about lr per weight
+    # whatever the gradient's scale, so a rate above 1 moves every weight by more than its own size at the first step
+    # and the run diverges. Such a value is a slip (1e6 for 1e-6), refused before a run burns hours on it.
+    if not 0.0 < value <= 1.0:
+        raise ValueError("a learning rate must be in (0, 1] (AdamW diverges above 1; typical rates are 1e-6 to 1e-2)")
+    return value
+
+
+LearningRate = Annotated[float, AfterValidator(_learning_rate)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -101,10 +116,9 @@ class DataSection(Section):
     #: where the tiny corpus and prompt sets live; built from the stdlib by `align bootstrap` or the first stage that
     #: needs them
     dir: str = "data/tiny"
-    #: prompts (JSONL with a `prompt` field) for trajectories; None: the tiny train split
+    #: prompts (JSONL with a `prompt` field) for trajectories; None: the tiny train split (evaluation prompts are
+    #: eval.prompts, calibration prompts calibrate.prompts)
     train_prompts: Optional[str] = None
-    #: prompts for evaluation; None: the tiny test split
-    test_prompts: Optional[str] = None
 
 
 class TrajectoriesSection(Section):
@@ -150,7 +164,7 @@ class TrainSection(Section):
     #: optimiser steps
     max_steps: int = Field(default=200, ge=1)
     #: peak learning rate (AdamW)
-    lr: float = Field(default=1e-4, gt=0.0)
+    lr: LearningRate = 1e-4
     weight_decay: float = Field(default=0.0, ge=0.0)
     warmup_steps: int = Field(default=10, ge=0)
     #: sequences per rank per micro-step
@@ -172,6 +186,14 @@ class TrainSection(Section):
     #: at the end, real τ of SpecDiff greedy decoding on this many held-out prompts (64 new tokens); 0: skip
     final_eval_prompts: int = Field(default=8, ge=0)
 
+    def labels_online(self) -> bool:
+        """Whether the verifier runs inside the training step: on-policy, or online with a loss that reads its
+        distributions (align/losses.py's table says which do)."""
+        from align.losses import needs_verifier_distributions
+
+        return self.data_mode == "on_policy" or (
+            self.data_mode == "online" and any(needs_verifier_distributions(name) for name in self.losses))
+
 
 class GkdSection(Section):
     """The DistillSpec baseline: the AR drafter distilled from the verifier with TRL's GKD trainer."""
@@ -183,7 +205,7 @@ class GkdSection(Section):
     #: generalised JSD interpolation: 0 forward KL, 1 reverse KL
     beta: float = Field(default=0.5, ge=0.0, le=1.0)
     max_steps: int = Field(default=100, ge=1)
-    lr: float = Field(default=1e-4, gt=0.0)
+    lr: LearningRate = 1e-4
     batch_size: int = Field(default=8, ge=1)
     #: length of the drafter's on-policy samples
     max_new_tokens: int = Field(default=64, ge=1)
@@ -341,7 +363,7 @@ class PretrainSection(Section):
     seq_len: int = Field(default=512, ge=8)
     #: sequences per optimiser step
     batch_size: int = Field(default=16, ge=1)
-    lr: float = Field(default=1e-3, gt=0.0)
+    lr: LearningRate = 1e-3
     #: the cosine schedule decays to lr * min_lr_ratio at the end of the budget
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     warmup_steps: int = Field(default=50, ge=0)
@@ -487,17 +509,27 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise RecipeError(f"{path}: is a folder, not a recipe file (e.g. recipes/tiny/eval.yaml)")
         if not path.is_file():
             raise RecipeError(f"recipe not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
+        except OSError as e:
+            raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
             raise RecipeError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', None) or e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
+        # An empty file is most likely the wrong file (or one cut short), not a request for every default; `{}` says
+        # that explicitly.
+        if loaded is None:
+            raise RecipeError(f"{path}: empty recipe (write `{{}}` in it to run on every default)")
+        if not isinstance(loaded, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(loaded).__name__}")
-        tree = loaded or {}
+        tree = loaded
     for text in overrides:
         keys, value = parse_override(text)
         apply_override(tree, keys, value)
@@ -508,7 +540,100 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# inputs a stage needs, checked before any work
+# the DrafterSpec: how to read a diffusion drafter (align/models.py says why each field matters). It lives here,
+# without torch, so that a drafter is checked from its config before any weights load; align/models.py re-exports it.
+# --------------------------------------------------------------------------------------------------------------------
+Attention = Literal["bidirectional", "block_causal"]
+ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal")
+
+# Hub dLLM families whose configs do not carry a drafter_spec: model_type -> (logits_shift, attention).
+KNOWN_DLLMS: dict[str, tuple[int, str]] = {
+    "llada": (0, "bidirectional"),
+    "dream": (1, "bidirectional"),  # Dream and DiffuCoder are adapted from Qwen2.5, hence shifted
+}
+SPEC_FIELDS: tuple[str, ...] = ("mask_token_id", "logits_shift", "attention")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    mask_token_id: int
+    logits_shift: int
+    attention: str
+
+    def __post_init__(self) -> None:
+        if self.logits_shift not in (0, 1):
+            raise ValueError(f"logits_shift must be 0 or 1, got {self.logits_shift}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        if self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _stored_spec(config: Any, tokenizer: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+    """What is known of a spec: explicit overrides > `config.drafter_spec` > known dLLM families > the tokenizer."""
+    stored = dict(getattr(config, "drafter_spec", None) or {})
+    known = KNOWN_DLLMS.get(str(getattr(config, "model_type", "")).lower())
+    if known is not None:
+        stored.setdefault("logits_shift", known[0])
+        stored.setdefault("attention", known[1])
+    if getattr(config, "mask_token_id", None) is not None:
+        stored.setdefault("mask_token_id", config.mask_token_id)
+    if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        stored.setdefault("mask_token_id", tokenizer.mask_token_id)
+    stored.update({k: v for k, v in overrides.items() if v is not None})
+    return stored
+
+
+def drafter_spec_from_config(
+    config: Any,
+    tokenizer: Any = None,
+    mask_token_id: Optional[int] = None,
+    logits_shift: Optional[int] = None,
+    attention: Optional[str] = None,
+) -> DrafterSpec:
+    """Resolve a DrafterSpec: explicit arguments > `config.drafter_spec` > known dLLM families > the tokenizer."""
+    stored = _stored_spec(config, tokenizer, dict(mask_token_id=mask_token_id, logits_shift=logits_shift,
+                                                  attention=attention))
+    missing = [k for k in SPEC_FIELDS if k not in stored]
+    if missing:
+        raise RecipeError(
+            f"drafter: cannot tell its {', '.join(missing)} (no drafter_spec in config.json); "
+            f"set {', '.join('drafter.' + k for k in missing)} in the recipe"
+        )
+    try:
+        return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]))
+    except (TypeError, ValueError) as e:  # a hand-edited drafter_spec in config.json
+        raise RecipeError(f"drafter: invalid drafter_spec {stored} ({e})") from None
+
+
+def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter.path") -> None:
+    """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are.
+
+    Takes models or their configs, so that a stage can refuse a mismatch before loading any weights.
+    """
+    v_size, d_size = _vocab_size_of(verifier), _vocab_size_of(drafter)
+    if v_size is not None and d_size is not None and v_size != d_size:
+        raise RecipeError(
+            f"{drafter_key}: vocabulary size {d_size} differs from the verifier's {v_size}; "
+            "verifier and drafter must share a tokenizer"
+        )
+
+
+def _vocab_size_of(model_or_config: Any) -> Optional[int]:
+    """A model's output rows, or a config's vocab_size (a multimodal config's is on its text part); None: unknown."""
+    if hasattr(model_or_config, "get_output_embeddings"):
+        return int(model_or_config.get_output_embeddings().weight.shape[0])
+    size = getattr(model_or_config, "vocab_size", None)
+    if size is None and hasattr(model_or_config, "get_text_config"):
+        size = getattr(model_or_config.get_text_config(), "vocab_size", None)
+    return None if size is None else int(size)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# inputs and outputs a stage needs, checked before any work
 # --------------------------------------------------------------------------------------------------------------------
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -518,12 +643,16 @@ def hub_offline() -> bool:
 
 
 def get_key(recipe: Recipe, key: str) -> Any:
-    """The resolved value of a dotted key (a section as a plain dict); an unknown key is a RecipeError."""
+    """The resolved value of a dotted key (a section as a plain dict); a dict's entries are keys too
+    (`eval.compare_drafters.<label>`). An unknown key is a RecipeError."""
     node: Any = recipe
     for part in key.split("."):
-        if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, BaseModel) and part in type(node).model_fields:
+            node = getattr(node, part)
+        else:
             raise RecipeError(f"unknown key '{key}'")
-        node = getattr(node, part)
     return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
 
 
@@ -534,6 +663,8 @@ def check_model_path(key: str, value: str) -> None:
         if not (local / "config.json").is_file():
             raise RecipeError(f"{key}: {value} has no config.json (expected a Hugging Face model folder)")
         return
+    if local.exists():
+        raise RecipeError(f"{key}: {value} is a file; a model is a Hugging Face folder (with config.json) or a Hub id")
     if _HUB_ID.match(value) and not local.parent.is_dir():
         if hub_offline():
             raise RecipeError(f"{key}: {value} is not a local folder, and the Hub is offline (HF_HUB_OFFLINE=1)")
@@ -542,6 +673,8 @@ def check_model_path(key: str, value: str) -> None:
 
 
 def check_file(key: str, value: Optional[str]) -> None:
+    if value is not None and Path(value).is_dir():
+        raise RecipeError(f"{key}: {value} is a folder; a file is expected")
     if value is not None and not Path(value).is_file():
         raise RecipeError(f"{key}: no such file: {value}")
 
@@ -552,3 +685,183 @@ def check_inputs(recipe: Recipe, model_keys: tuple[str, ...] = (), file_keys: tu
         check_model_path(key, get_key(recipe, key))
     for key in file_keys:
         check_file(key, get_key(recipe, key))
+
+
+def check_weights(key: str, folder: Path) -> None:
+    """Every weights file of a local model folder is there and complete, checked without reading a tensor.
+
+    A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte range, then the data, so
+    the header alone says how long the file must be. A copy or download cut short is the usual failure; transformers
+    would report it deep in loading, after the stage started.
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise RecipeError(f"{key}: {index} is not a readable safetensors index") from None
+        for shard in shards:
+            if not (folder / shard).is_file():
+                raise RecipeError(f"{key}: {folder / shard} is missing (named in {index.name})")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files and not any(folder.glob("pytorch_model*.bin")):
+        raise RecipeError(f"{key}: {folder} has no weights (model.safetensors)")
+    for path in files:
+        problem = _safetensors_problem(path)
+        if problem:
+            raise RecipeError(f"{key}: {path} is truncated or corrupt ({problem}); copy or download it again")
+
+
+def _safetensors_problem(path: Path) -> Optional[str]:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if not 0 < length <= size - 8:
+            return f"its {size} bytes cannot hold its header"
+        try:
+            header = json.loads(f.read(length))
+            end = max((t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "its header is not valid JSON"
+    if 8 + length + end != size:
+        return f"its header describes {8 + length + end} bytes, the file has {size}"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
+def _section_of(key: str) -> str:
+    """The recipe section whose settings (dtype, trust_remote_code, spec fields) apply to the model at `key`."""
+    return "drafter" if key.startswith("eval.compare_drafters.") else key.split(".")[0]
+
+
+def model_section(recipe: Recipe, key: str) -> ModelSection:
+    """The model section for a model key: verifier.path, drafter.path, ar_drafter.path or eval.compare_drafters.<label>
+    (a compared drafter is read with drafter's settings)."""
+    section = getattr(recipe, _section_of(key))
+    if key.startswith("eval.compare_drafters."):
+        return section.model_copy(update={"path": get_key(recipe, key)})
+    return section
+
+
+def load_model_config(key: str, section: ModelSection) -> Any:
+    """The model's config, once its folder (or Hub id) and weights files are checked; no weights are loaded."""
+    check_model_path(key, section.path)
+    if Path(section.path).is_dir():
+        check_weights(key, Path(section.path))
+    from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
+
+    try:
+        return AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
+    except Exception as e:  # OSError, ValueError, JSONDecodeError, KeyError...: to the user all mean the same
+        if "trust_remote_code" in str(e) and not section.trust_remote_code:
+            raise RecipeError(f"{key}: {section.path} ships its own modelling code; set "
+                              f"{_section_of(key)}.trust_remote_code=true if you trust it") from None
+        raise RecipeError(f"{key}: cannot read {section.path}/config.json ({_first_line(e)})") from None
+
+
+def check_drafter(key: str, section: ModelSection, config: Any, verifier_path: str) -> DrafterSpec:
+    """A drafter is a diffusion LM whose DrafterSpec can be read (from its config or the recipe), and not the
+    verifier: an AR model read as a drafter decodes garbage without failing."""
+    path, verifier = Path(section.path), Path(verifier_path)
+    if path.is_dir() and verifier.is_dir() and path.resolve() == verifier.resolve():
+        raise RecipeError(f"{key}: {section.path} is the verifier (verifier.path); a drafter is a diffusion LM "
+                          "such as checkpoints/tiny/drafter-base")
+    overrides = {k: getattr(section, k, None) for k in SPEC_FIELDS}
+    tokenizer = None
+    if "mask_token_id" not in _stored_spec(config, None, overrides):  # only then is the tokenizer worth loading
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
+        except Exception:  # no usable tokenizer: the spec is then missing its mask token, said below
+            tokenizer = None
+    missing = [k for k in SPEC_FIELDS if k not in _stored_spec(config, tokenizer, overrides)]
+    if missing:
+        model_type = getattr(config, "model_type", None)
+        raise RecipeError(
+            f"{key}: {section.path} is not a diffusion drafter: its config.json has no drafter_spec and model_type "
+            f"'{model_type}' is not a known dLLM ({', '.join(KNOWN_DLLMS)}); if it is one, set "
+            f"{', '.join('drafter.' + k for k in missing)}")
+    try:
+        spec = drafter_spec_from_config(config, tokenizer, **overrides)
+    except RecipeError as e:
+        raise RecipeError(f"{key}: {str(e).removeprefix('drafter: ')}") from None
+    vocab = _vocab_size_of(config)
+    if vocab is not None and spec.mask_token_id >= vocab:
+        where = "drafter.mask_token_id" if section.mask_token_id is not None else key  # the value to fix
+        raise RecipeError(f"{where}: mask_token_id {spec.mask_token_id} is outside the vocabulary ({vocab}) of "
+                          f"{section.path}")
+    return spec
+
+
+def check_autoregressive(key: str, path: str, config: Any) -> None:
+    """The verifier and the AR drafter are causal LMs; a diffusion drafter there would be decoded as one."""
+    model_type = str(getattr(config, "model_type", "")).lower()
+    if getattr(config, "drafter_spec", None) or model_type in KNOWN_DLLMS:
+        why = "its config.json has a drafter_spec" if getattr(config, "drafter_spec", None) else f"a {model_type} model"
+        role = "the verifier" if key == "verifier.path" else "an AR drafter"
+        raise RecipeError(f"{key}: {path} is a diffusion drafter ({why}); {role} must be an autoregressive LM")
+
+
+def check_models(recipe: Recipe, keys: Iterable[str]) -> None:
+    """The one check every stage's models go through before the stage starts; only configs and file headers are read.
+
+    Each model is a local folder (or a Hub id, when online) whose config loads and whose weights files are complete;
+    a drafter (drafter.path, eval.compare_drafters.*) is a diffusion drafter with a readable DrafterSpec and not the
+    verifier; the verifier and AR drafter are not diffusion drafters; and every model shares the verifier's
+    vocabulary when the stage uses the verifier.
+    """
+    keys = sorted(dict.fromkeys(keys), key=lambda k: k != "verifier.path")  # the verifier first: the others match it
+    verifier_config = None
+    for key in keys:
+        section = model_section(recipe, key)
+        config = load_model_config(key, section)
+        if _section_of(key) == "drafter":
+            check_drafter(key, section, config, recipe.verifier.path)
+        else:
+            check_autoregressive(key, section.path, config)
+        if key == "verifier.path":
+            verifier_config = config
+        elif verifier_config is not None:
+            check_vocab_compatible(verifier_config, config, key)
+
+
+# The models each evaluation method decodes with besides the verifier (align/evaluate.py reads this too).
+METHOD_MODELS: dict[str, tuple[str, ...]] = {
+    "sd_ar": ("ar_drafter.path",), "hf_assisted": ("ar_drafter.path",),
+    **{name: ("drafter.path",) for name in METHOD_NAMES if name.startswith("specdiff")},
+}
+
+
+def eval_models(recipe: Recipe) -> tuple[str, ...]:
+    """The models `align eval` loads: the drafter alone in dllm mode; else the verifier and what the methods need,
+    with eval.compare_drafters when a drafter is used."""
+    if recipe.eval.mode == "dllm":
+        return ("drafter.path",)
+    keys = ["verifier.path", *(key for name in recipe.eval.methods for key in METHOD_MODELS.get(name, ()))]
+    if "drafter.path" in keys:
+        keys += [f"eval.compare_drafters.{label}" for label in recipe.eval.compare_drafters]
+    return tuple(dict.fromkeys(keys))
+
+
+def check_output(key: str, value: str, writable: bool = True) -> None:
+    """An output folder is a folder, or can be created: refused when it is an existing file, when the nearest existing
+    path on its way is a file, or (`writable`) when that folder cannot be written (os.access: root passes it)."""
+    path = Path(value)
+    if path.is_symlink() and not path.exists():
+        raise RecipeError(f"{key}: {value} is a dangling symbolic link (to {os.readlink(path)})")
+    if path.exists() and not path.is_dir():
+        raise RecipeError(f"{key}: {value} is an existing file; {key} names a folder (created when missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RecipeError(f"{key}: {existing} is a file, so the folder {value} cannot be created")
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        needed = "" if existing == path else f" (needed to create {value})"
+        raise RecipeError(f"{key}: {existing} is not writable{needed}")

@@ -42,10 +42,14 @@ def load_prompt_file(path: str, field: str, key: str) -> list[str]:
     import datasets
 
     datasets.disable_progress_bars()  # a bar per small file is noise, and would split a refusal over lines
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" line would precede ours
     try:
         rows = datasets.load_dataset("json", data_files=path, split="train") if os.path.getsize(path) else []
     except Exception as e:  # datasets raises several types for a malformed file; all mean the same to the user
         raise RecipeError(f"{key}: cannot read {path} as JSONL ({type(e).__name__})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     if len(rows) and field not in rows.column_names:
         raise RecipeError(f"{key}: {path} has no '{field}' field (fields: {', '.join(rows.column_names)})")
     prompts = [r[field][0] if isinstance(r[field], list) else r[field] for r in rows]

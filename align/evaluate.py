@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import AutoConfig
 
-from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path
 from align.bench import Run, count_forwards, interleaved, verifier_latency
 from align.checkpoint import atomic_folder, write_text_atomic
+from align.config import (METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path,
+                          eval_models)
 from align.corpus import ensure_data
 from align.data import encode_prompts, eval_prompts, load_trajectories
 from align.decoding.adl import AdaptiveLength
@@ -358,10 +359,9 @@ def write_report(result: dict[str, Any], recipe: Recipe, command: str, out: Path
 def main(recipe: Recipe, command: str) -> None:
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
-    uses_drafter = any(n.startswith("specdiff") for n in names)
-    uses_ar_drafter = any(n in ("sd_ar", "hf_assisted") for n in names)
-    check_inputs(recipe, model_keys=("verifier.path", *(("drafter.path",) if uses_drafter else ()),
-                                     *(("ar_drafter.path",) if uses_ar_drafter else ())))
+    needed = eval_models(recipe)  # the models cli checked (config.check_models) are those loaded here
+    uses_drafter, uses_ar_drafter = "drafter.path" in needed, "ar_drafter.path" in needed
+    check_inputs(recipe, model_keys=needed)
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     texts = eval_prompts(recipe)
     # Configs first: a too-long prompt or a vocabulary mismatch is refused before any weights are loaded.

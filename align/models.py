@@ -15,42 +15,18 @@ destroys acceptance, so they live in one place (`DrafterSpec`) and one function 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from align.config import ModelSection, RecipeError
-
-Attention = Literal["bidirectional", "block_causal"]
-ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal")
-
-# Hub dLLM families whose configs do not carry a drafter_spec: model_type -> (logits_shift, attention).
-KNOWN_DLLMS: dict[str, tuple[int, str]] = {
-    "llada": (0, "bidirectional"),
-    "dream": (1, "bidirectional"),  # Dream and DiffuCoder are adapted from Qwen2.5, hence shifted
-}
-
-
-@dataclass(frozen=True)
-class DrafterSpec:
-    mask_token_id: int
-    logits_shift: int
-    attention: str
-
-    def __post_init__(self) -> None:
-        if self.logits_shift not in (0, 1):
-            raise ValueError(f"logits_shift must be 0 or 1, got {self.logits_shift}")
-        if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
-        if self.mask_token_id < 0:
-            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+# The DrafterSpec and its checks need no torch, so that cli can check a drafter's config before loading anything; they
+# live in align/config.py and are part of this module's interface.
+from align.config import (ATTENTION_MODES, KNOWN_DLLMS, Attention, DrafterSpec,  # noqa: F401
+                          check_vocab_compatible, drafter_spec_from_config)
 
 # --------------------------------------------------------------------------------------------------------------------
 # devices, dtypes
@@ -107,35 +83,6 @@ def load_ar_drafter(section: ModelSection) -> PreTrainedModel:
     return _load(section)
 
 
-def drafter_spec_from_config(
-    config: Any,
-    tokenizer: Optional[PreTrainedTokenizerBase] = None,
-    mask_token_id: Optional[int] = None,
-    logits_shift: Optional[int] = None,
-    attention: Optional[str] = None,
-) -> DrafterSpec:
-    """Resolve a DrafterSpec: explicit arguments > `config.drafter_spec` > known dLLM families > the tokenizer."""
-    stored = dict(getattr(config, "drafter_spec", None) or {})
-    known = KNOWN_DLLMS.get(str(getattr(config, "model_type", "")).lower())
-    if known is not None:
-        stored.setdefault("logits_shift", known[0])
-        stored.setdefault("attention", known[1])
-    if getattr(config, "mask_token_id", None) is not None:
-        stored.setdefault("mask_token_id", config.mask_token_id)
-    if tokenizer is not None and tokenizer.mask_token_id is not None:
-        stored.setdefault("mask_token_id", tokenizer.mask_token_id)
-    for key, value in (("mask_token_id", mask_token_id), ("logits_shift", logits_shift), ("attention", attention)):
-        if value is not None:
-            stored[key] = value
-    missing = [k for k in ("mask_token_id", "logits_shift", "attention") if k not in stored]
-    if missing:
-        raise RecipeError(
-            f"drafter: cannot tell its {', '.join(missing)} (no drafter_spec in config.json); "
-            f"set {', '.join('drafter.' + k for k in missing)} in the recipe"
-        )
-    return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]))
-
-
 def load_drafter(
     section: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None
 ) -> tuple[PreTrainedModel, DrafterSpec]:
@@ -160,25 +107,6 @@ def load_drafter(
 
 def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
-
-
-def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter.path") -> None:
-    """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are.
-
-    Takes models or their configs, so that a stage can refuse a mismatch before loading any weights.
-    """
-    v_size, d_size = _vocab_size_of(verifier), _vocab_size_of(drafter)
-    if v_size != d_size:
-        raise RecipeError(
-            f"{drafter_key}: vocabulary size {d_size} differs from the verifier's {v_size}; "
-            "verifier and drafter must share a tokenizer"
-        )
-
-
-def _vocab_size_of(model_or_config: Any) -> int:
-    if isinstance(model_or_config, torch.nn.Module):
-        return vocab_size(model_or_config)
-    return int(model_or_config.vocab_size)
 
 
 # --------------------------------------------------------------------------------------------------------------------

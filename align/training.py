@@ -30,7 +30,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from align.checkpoint import merged_model, save_merged, step_folders, write_text_atomic
-from align.config import Recipe, RecipeError, check_inputs
+from align.config import Recipe, RecipeError
 from align.data import check_trajectories_match, load_trajectories, read_trajectory_manifest
 from align.decoding.specdiff import specdiff_generate
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions
@@ -78,9 +78,7 @@ def check_data(recipe: Recipe) -> TrainData:
     manifest = read_trajectory_manifest(recipe.trajectories.out)
     check_trajectories_match(recipe, manifest)
     needs_verifier = any(needs_verifier_distributions(name) for name in t.losses)
-    online = t.data_mode == "on_policy" or (t.data_mode == "online" and needs_verifier)
-    if online or t.final_eval_prompts:
-        check_inputs(recipe, model_keys=("verifier.path",))
+    online = t.labels_online()
     rows = load_trajectories(recipe.trajectories.out)
     if needs_verifier and not online and "topk_ids" not in rows.column_names:
         raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "

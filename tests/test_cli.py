@@ -86,3 +86,20 @@ def test_train_forwards_launcher_options():
         "--num_gpus", "2", "--module", "align.cli", "trajectories", "r.yaml", "a.b=1"]
     result = align("train", "recipes/tiny/align.yaml", "train.zero_stage=5", "--num_gpus", "2")
     assert result.returncode == 2 and "train.zero_stage: Input should be 0, 1, 2 or 3" in result.stderr
+
+
+def test_version():
+    from importlib.metadata import version
+
+    result = align("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"align {version('align')}\n"
+
+
+def test_argparse_errors_are_one_line():
+    result = align("evl", "recipes/tiny/eval.yaml")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("align: error: argument <stage>: invalid choice")
+    result = align("eval")
+    assert result.returncode == 2
+    assert result.stderr == "align eval: error: the following arguments are required: recipe (see align eval --help)\n"

@@ -1,0 +1,360 @@
+"""Bad input to any stage is refused before the stage starts: one line on stderr naming the key, exit code 2, no
+traceback, nothing written (DESIGN §9).
+
+The stages' own `main` functions are replaced by a recorder here, so a refusal that comes too late (from inside a
+stage, after it started loading or writing) fails the test, and no test does real work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.cli import EVAL_MODULES, STAGES, main
+from align.config import RecipeError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "checkpoints" / "tiny"
+VERIFIER, DRAFTER, AR_DRAFTER = TINY / "verifier", TINY / "drafter-base", TINY / "ar-drafter"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the shipped recipes name checkpoints/tiny relative to the repository
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[str]:
+    """Stages whose main was called; none may be for refused input."""
+    calls: list[str] = []
+    for name, stage in STAGES.items():
+        modules = [stage.module] if isinstance(stage.module, str) else EVAL_MODULES.values() if stage.module else []
+        for module in map(importlib.import_module, modules):
+            monkeypatch.setattr(module, "main", lambda *_, name=name: calls.append(name) or 0)
+    return calls
+
+
+def run(*argv: str) -> int:
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own exits (help, version, its errors)
+        return int(e.code or 0)
+
+
+def refused(capsys, started: list[str], *argv: str) -> str:
+    """Run `align <argv>`; assert a one-line refusal with exit 2 before the stage started; return the line."""
+    code = run(*argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not started, f"the stage started before refusing: {err}"
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"align {argv[0]}: error: "), err
+    return err.strip()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# broken model folders, built from the shipped tiny models
+# --------------------------------------------------------------------------------------------------------------------
+def copy_model(source: Path, dest: Path, weights: bytes | None = None, **config_changes) -> Path:
+    """A copy of a model folder (weights linked, not copied, unless `weights` replaces them)."""
+    import json
+
+    dest.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.name == "model.safetensors":
+            if weights is None:
+                (dest / f.name).symlink_to(f)
+            else:
+                (dest / f.name).write_bytes(weights)
+        else:
+            shutil.copy2(f, dest / f.name)
+    if config_changes:
+        config = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("broken")
+    weights = (DRAFTER / "model.safetensors").read_bytes()
+    ar_weights = (AR_DRAFTER / "model.safetensors").read_bytes()
+    made = {
+        "truncated": copy_model(DRAFTER, root / "truncated", weights[: len(weights) // 2]),
+        "bad_header": copy_model(DRAFTER, root / "bad_header", (10**12).to_bytes(8, "little") + weights[8:]),
+        "small_vocab": copy_model(DRAFTER, root / "small_vocab", vocab_size=4096),
+        "small_vocab_ar": copy_model(AR_DRAFTER, root / "small_vocab_ar", vocab_size=4096),
+        "truncated_ar": copy_model(AR_DRAFTER, root / "truncated_ar", ar_weights[:1000]),
+        "bad_spec": copy_model(DRAFTER, root / "bad_spec", drafter_spec={"mask_token_id": 2, "logits_shift": 2,
+                                                                          "attention": "block_causal"}),
+        "mask_outside": copy_model(DRAFTER, root / "mask_outside", drafter_spec={
+            "mask_token_id": 9000, "logits_shift": 0, "attention": "block_causal"}),
+        "no_weights": copy_model(DRAFTER, root / "no_weights", b""),
+    }
+    (made["no_weights"] / "model.safetensors").unlink()
+    return made
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. every stage's models go through the same checks, before the stage starts
+# --------------------------------------------------------------------------------------------------------------------
+MODEL_CASES = [
+    # stage, recipe, override, expected in the line
+    ("train", "align.yaml", f"drafter.path={VERIFIER}", "is the verifier (verifier.path)"),
+    ("train", "align.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),
+    ("train", "align.yaml", "drafter.path={small_vocab}", "drafter.path: vocabulary size 4096 differs from the verifier's 8192"),
+    ("train", "align.yaml", "drafter.path={truncated}", "model.safetensors is truncated or corrupt"),
+    ("calibrate", "spiffy.yaml", f"drafter.path={VERIFIER}", "is the verifier"),
+    ("calibrate", "spiffy.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),
+    ("calibrate", "spiffy.yaml", "drafter.path={truncated}", "model.safetensors is truncated or corrupt"),
+    ("eval", "eval.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),
+    ("eval", "eval.yaml", "drafter.path={bad_header}", "model.safetensors is truncated or corrupt"),
+    ("eval", "eval.yaml", "eval.compare_drafters={{other: {truncated}}}", "eval.compare_drafters.other: "),
+    ("eval", "eval.yaml", "ar_drafter.path={small_vocab_ar}", "ar_drafter.path: vocabulary size 4096 differs"),
+    ("eval", "spiffy.yaml", f"drafter.path={AR_DRAFTER}", "is not a diffusion drafter"),  # eval.mode=dllm
+    ("export", "eval.yaml", f"drafter.path={VERIFIER}", "is the verifier"),
+    ("export", "eval.yaml", "drafter.path={bad_spec}", "drafter.path: "),
+    ("gkd", "align.yaml", "ar_drafter.path={truncated_ar}", "ar_drafter.path: "),
+    ("gkd", "align.yaml", f"ar_drafter.path={DRAFTER}", "is a diffusion drafter"),
+    ("gkd", "align.yaml", "ar_drafter.path={small_vocab_ar}", "ar_drafter.path: vocabulary size 4096 differs"),
+    ("trajectories", "align.yaml", "verifier.path={truncated}", "verifier.path: "),
+    ("trajectories", "align.yaml", f"verifier.path={DRAFTER}", "is a diffusion drafter"),
+    ("eval", "eval.yaml", "drafter.path={mask_outside}", "mask_token_id 9000 is outside the vocabulary"),
+    ("eval", "eval.yaml", "drafter.path={no_weights}", "has no weights"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, override, expected", MODEL_CASES,
+                         ids=[f"{c[0]}-{c[2].split('=')[0]}-{i}" for i, c in enumerate(MODEL_CASES)])
+def test_bad_model_is_refused_before_the_stage(capsys, started, broken, stage, recipe, override, expected):
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", override.format(**broken))
+    assert expected in line
+
+
+def test_truncated_file_is_named(capsys, started, broken):
+    line = refused(capsys, started, "train", "recipes/tiny/align.yaml", f"drafter.path={broken['truncated']}")
+    assert str(broken["truncated"] / "model.safetensors") in line
+
+
+def test_the_verifier_is_not_a_drafter_even_with_a_spec(capsys, started):
+    # With the spec given in the recipe, an AR model can be read as a drafter; the verifier itself never is.
+    line = refused(capsys, started, "train", "recipes/tiny/align.yaml", f"drafter.path={VERIFIER}",
+                   "drafter.mask_token_id=2", "drafter.logits_shift=0", "drafter.attention=block_causal")
+    assert "drafter.path: " in line and "is the verifier" in line
+
+
+@pytest.mark.parametrize("stage, recipe", [("train", "align.yaml"), ("calibrate", "spiffy.yaml"), ("eval", "eval.yaml"),
+                                           ("eval", "spiffy.yaml"), ("export", "eval.yaml"), ("gkd", "align.yaml"),
+                                           ("trajectories", "align.yaml"), ("bootstrap", "bootstrap.yaml")])
+def test_shipped_models_pass_the_checks(capsys, started, stage, recipe):
+    assert run(stage, f"recipes/tiny/{recipe}") == 0, capsys.readouterr().err
+    assert started == [stage]
+
+
+def test_check_weights_reads_only_the_header(tmp_path):
+    from align.config import check_weights
+
+    check_weights("drafter.path", DRAFTER)
+    weights = (DRAFTER / "model.safetensors").read_bytes()
+    for name, data in {"short": weights[:4], "header": weights[:100], "data": weights[:-1],
+                       "longer": weights + b"\0", "json": (5).to_bytes(8, "little") + b"{nope"}.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(data)
+        with pytest.raises(RecipeError, match=rf"^drafter.path: {folder / 'model.safetensors'} is truncated or corrupt"):
+            check_weights("drafter.path", folder)
+
+
+def test_sharded_weights_name_a_missing_shard(tmp_path):
+    import json
+
+    from align.config import check_weights
+
+    folder = copy_model(DRAFTER, tmp_path / "sharded")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(RecipeError, match="model-00002-of-00002.safetensors is missing"):
+        check_weights("drafter.path", folder)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. output paths
+# --------------------------------------------------------------------------------------------------------------------
+OUTPUT_CASES = [
+    ("bootstrap", "bootstrap.yaml", "bootstrap.out"), ("bootstrap", "bootstrap.yaml", "data.dir"),
+    ("trajectories", "align.yaml", "trajectories.out"), ("train", "align.yaml", "train.out"),
+    ("gkd", "align.yaml", "gkd.out"), ("calibrate", "spiffy.yaml", "calibrate.out"), ("eval", "eval.yaml", "eval.out"),
+    ("export", "eval.yaml", "export.out"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, key", OUTPUT_CASES)
+def test_output_that_is_a_file_is_refused(capsys, started, tmp_path, stage, recipe, key):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"{key}={precious}")
+    assert line.startswith(f"align {stage}: error: {key}: ") and "is an existing file" in line
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"{key}={precious / 'run'}")
+    assert line.startswith(f"align {stage}: error: {key}: ") and "is a file" in line
+    assert precious.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [precious]
+
+
+@pytest.mark.parametrize("stage, recipe", [("trajectories", "align.yaml"), ("calibrate", "spiffy.yaml"),
+                                           ("eval", "eval.yaml")])
+def test_data_dir_that_is_a_file(capsys, started, tmp_path, stage, recipe):
+    # These stages build the tiny data in data.dir when it is missing; a read-only data.dir is fine, a file is not.
+    (tmp_path / "data").write_text("not a folder")
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"data.dir={tmp_path / 'data'}")
+    assert line.startswith(f"align {stage}: error: data.dir: ") and "is an existing file" in line
+    if os.geteuid() == 0 and not os.access("/proc/self", os.W_OK):
+        assert run(stage, f"recipes/tiny/{recipe}", "data.dir=/proc/self") == 0 and started == [stage]
+
+
+def test_output_under_a_folder_that_cannot_be_written(capsys, started, tmp_path):
+    # Root ignores permission bits, so a chmod'ed folder only refuses others; /proc/self refuses even root.
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+    elif os.access("/proc/self", os.W_OK):
+        pytest.skip("no folder here that root cannot write to")
+    else:
+        locked = Path("/proc/self")
+    line = refused(capsys, started, "eval", "recipes/tiny/eval.yaml", f"eval.out={locked / 'eval'}")
+    assert line == f"align eval: error: eval.out: {locked} is not writable (needed to create {locked / 'eval'})"
+
+
+def test_check_output_uses_access(tmp_path, monkeypatch):
+    from align.config import check_output
+
+    check_output("train.out", str(tmp_path / "a" / "b"))  # a new folder under a writable one
+    check_output("train.out", str(tmp_path))  # an existing folder
+    monkeypatch.setattr(os, "access", lambda *_: False)
+    with pytest.raises(RecipeError, match=rf"^train.out: {tmp_path} is not writable$"):
+        check_output("train.out", str(tmp_path))
+
+
+def test_dangling_link_output(tmp_path, capsys, started):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    line = refused(capsys, started, "eval", "recipes/tiny/eval.yaml", f"eval.out={tmp_path / 'link'}")
+    assert "eval.out: " in line and "dangling" in line
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. Ctrl-C
+# --------------------------------------------------------------------------------------------------------------------
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    # A stand-in for a long stage: the real cli, with the eval stage's module replaced by one that waits.
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time, types, dataclasses\n"
+        "slow = types.ModuleType('slow_stage')\n"
+        "def wait(recipe, command):\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "slow.main = wait\n"
+        "sys.modules['slow_stage'] = slow\n"
+        "from align import cli\n"
+        "cli.STAGES['eval'] = dataclasses.replace(cli.STAGES['eval'], module='slow_stage', models=lambda r: ())\n"
+        "raise SystemExit(cli.main(sys.argv[1:]))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), "eval", "recipes/tiny/eval.yaml",
+                             f"eval.out={tmp_path / 'out'}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err == "align eval: interrupted\n"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 7. a new user's mistakes: each one line, exit 2
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("files")
+    made = {"empty": "", "comments": "# nothing here\n", "list": "- a\n- b\n", "binary": b"\xff\xfe\x00bad",
+            "section_value": "train: 5\n", "bad_type": "train:\n  lr: fast\n", "dir": None, "file": "x\n",
+            "bad_config": None, "list_config": None, "no_model_type": None}
+    paths = {}
+    for name, content in made.items():
+        path = root / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        paths[name] = path
+    paths["dir"].mkdir()
+    copy_model(DRAFTER, paths["bad_config"])
+    (paths["bad_config"] / "config.json").write_text('{"model_type": "llama", ')
+    copy_model(VERIFIER, paths["list_config"])
+    (paths["list_config"] / "config.json").write_text("[]")
+    copy_model(DRAFTER, paths["no_model_type"])
+    (paths["no_model_type"] / "config.json").write_text('{"vocab_size": 8192}')
+    return paths
+
+
+NEW_USER_CASES = [
+    # stage, recipe (or {name} of a file above), overrides, expected in the line
+    ("validate", "{empty}", [], "empty recipe"),
+    ("validate", "{comments}", [], "empty recipe"),
+    ("validate", "{list}", [], "a recipe is a mapping of sections, got list"),
+    ("validate", "{dir}", [], "is a folder, not a recipe file"),
+    ("validate", "{binary}", [], "not UTF-8 text"),
+    ("validate", "{section_value}", [], "train: "),
+    ("validate", "{bad_type}", [], "train.lr: "),
+    ("validate", "recipes/tiny/eval.yaml", ["decode.temperature=.inf"], "decode.temperature: Input should be a finite number"),
+    ("validate", "recipes/tiny/eval.yaml", ["train.lr=.nan"], "train.lr: "),
+    ("validate", "recipes/tiny/eval.yaml", ["data.test_prompts=x.jsonl"], "unknown key 'data.test_prompts'"),
+    ("eval", "recipes/tiny/eval.yaml", ["eval.methods=[nope]"], "eval.methods.0: "),
+    ("eval", "recipes/tiny/eval.yaml", ["eval.prompts={dir}"], "eval.prompts: "),
+    ("eval", "recipes/tiny/eval.yaml", ["drafter.path={bad_config}"], "drafter.path: cannot read "),
+    ("eval", "recipes/tiny/eval.yaml", ["verifier.path={list_config}"], "verifier.path: cannot read "),
+    ("eval", "recipes/tiny/eval.yaml", ["drafter.path={no_model_type}"], "drafter.path: cannot read "),
+    ("eval", "recipes/tiny/eval.yaml", ["drafter.path={file}"], "drafter.path: "),
+    ("eval", "recipes/tiny/eval.yaml", [f"drafter.path={TINY / 'tokenizer'}"], "has no config.json"),
+    ("eval", "recipes/tiny/eval.yaml", ["eval.out={file}"], "eval.out: "),
+    ("train", "recipes/tiny/align.yaml", ["train.lr=1e6"], "train.lr: "),
+    ("evl", "recipes/tiny/eval.yaml", [], "invalid choice"),
+    ("eval", None, [], "the following arguments are required: recipe"),
+    ("eval", "recipes/tiny/eval.yaml", ["--num_gpus", "2"], "unrecognized arguments: --num_gpus"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, overrides, expected", NEW_USER_CASES,
+                         ids=[f"{i}-{c[0]}-{(c[2] or [c[1]])[0]}" for i, c in enumerate(NEW_USER_CASES)])
+def test_new_user_mistakes(capsys, started, files, stage, recipe, overrides, expected):
+    argv = [stage] + ([recipe.format(**files)] if recipe else []) + [o.format(**files) for o in overrides]
+    code = run(*argv)
+    err = capsys.readouterr().err
+    assert code == 2 and not started, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    prefix = "align: error: " if stage not in STAGES else f"align {stage}: error: "
+    assert err.startswith(prefix) and expected in err, err
+
+
+@pytest.mark.parametrize("content, why", [
+    (b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text (byte 15)"),  # Latin-1
+    (b'{"prompt": "a"}\n{bad json\n', "cannot read"),
+])
+def test_a_bad_prompt_file_is_one_line(tmp_path, content, why):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_bytes(content)
+    # A subprocess: datasets logs through a handler bound to the real stderr, which capsys would not see.
+    proc = subprocess.run([sys.executable, "-m", "align.cli", "eval", "recipes/tiny/eval.yaml", f"eval.prompts={bad}",
+                           f"eval.out={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("align eval: error: eval.prompts: ") and why in proc.stderr
