@@ -50,8 +50,7 @@ class TrainData:
     rows: Any  # datasets.Dataset of trajectories
     train_rows: list[int]
     held_out: list[int]
-    needs_verifier: bool  # some loss reads the verifier's distributions
-    online: bool  # ... and they come from a verifier forward in the step (not from stored top-k)
+    online: bool  # the verifier runs in the step (its distributions or labels), rather than reading stored top-k
 
 
 @dataclass
@@ -88,12 +87,15 @@ def check_data(recipe: Recipe) -> TrainData:
         raise RecipeError(f"train.gamma: {t.gamma} is longer than every completion in {recipe.trajectories.out} "
                           f"(longest {longest} tokens): no window could be filled; use train.gamma <= {longest}")
     median = statistics.median(len(c) for c in rows["completion_ids"])
-    if t.gamma > median:
+    if t.gamma > median and int(os.environ.get("RANK", 0)) == 0:
         print(f"align train: warning: train.gamma={t.gamma} is longer than half the completions (median {median:g} "
               "tokens): their windows are cut short and train fewer positions", file=sys.stderr)
     held_out = [i for i, p in enumerate(rows["prompt_index"]) if p % HELD_OUT_EVERY == 0]
     train_rows = [i for i, p in enumerate(rows["prompt_index"]) if p % HELD_OUT_EVERY != 0]
-    return TrainData(rows, train_rows, held_out, needs_verifier, online)
+    if not train_rows:
+        raise RecipeError(f"trajectories.out: {recipe.trajectories.out} holds only held-out prompts (one in "
+                          f"{HELD_OUT_EVERY} is held out, the first among them); make trajectories of more prompts")
+    return TrainData(rows, train_rows, held_out, online)
 
 
 def init_distributed() -> tuple[int, int]:
