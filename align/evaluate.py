@@ -25,8 +25,9 @@ from transformers import AutoConfig
 from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path
 from align.corpus import ensure_data
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import GenerationStats, Sampling, ar_generate, prefill, verifier_forward
+from align.decoding.ar import ar_generate
 from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.generation import GenerationStats, Sampling, prefill, verifier_forward
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate

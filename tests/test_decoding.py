@@ -7,7 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import numpy as np
 
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import Sampling, ar_generate
+from align.decoding.ar import ar_generate
+from align.decoding.generation import Sampling
 from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from transformers import PreTrainedModel
 
-from align.decoding.ar import truncate
+from align.decoding.generation import truncate
 from align.models import DrafterContext, DrafterSpec, shared_context_block_logits
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from align.decoding.acceptance import accept_greedy, accept_sampled
-from align.decoding.ar import GenerationStats, Sampling, finish, finished, start, verifier_forward
+from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
 
 
 @torch.inference_mode()

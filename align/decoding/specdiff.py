@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from align.decoding.acceptance import accept_greedy, accept_point_mass, accept_sampled
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import GenerationStats, Sampling, finish, finished, start, verifier_forward
+from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
 from align.models import DrafterContext, DrafterSpec, block_logits
 
