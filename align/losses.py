@@ -134,7 +134,8 @@ def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.T
 
 
 # name -> (loss, what it is computed against): "targets" (the verifier's tokens) or "verifier_logits" (its
-# distributions, online or from stored top-k). train.losses names these; config.LOSS_NAMES must list them.
+# distributions, online or from stored top-k). The one place that says which loss needs what: read it through
+# LOSS_NAMES and needs_verifier_distributions.
 WINDOW_LOSSES: dict[str, tuple] = {
     "streak": (streak, "targets"),
     "ce_streak": (ce_streak, "targets"),
@@ -144,3 +145,12 @@ WINDOW_LOSSES: dict[str, tuple] = {
     "tvd": (tvd, "verifier_logits"),
     "jsd": (jsd, "verifier_logits"),
 }
+LOSS_NAMES: tuple[str, ...] = tuple(WINDOW_LOSSES)
+
+
+def needs_verifier_distributions(name: str) -> bool:
+    """Whether loss `name` is computed against the verifier's distributions (online, or stored top-k log-probs)
+    rather than its tokens alone: what decides if training needs a verifier forward or stored top-k."""
+    if name not in WINDOW_LOSSES:
+        raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_NAMES)}")
+    return WINDOW_LOSSES[name][1] == "verifier_logits"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from align.config import LOSS_NAMES
+from align import losses
 from align.losses import WINDOW_LOSSES, ce_streak, fkl, jsd, mdlm, rkl, streak, streak_tv, tvd
 
 
@@ -22,6 +23,16 @@ ALL = torch.ones(1, 3, dtype=torch.bool)
 
 def test_table_matches_the_schema():
     assert tuple(WINDOW_LOSSES) == LOSS_NAMES
+
+
+def test_which_losses_need_verifier_distributions_is_read_from_the_table():
+    assert losses.LOSS_NAMES == tuple(WINDOW_LOSSES)
+    for name, (_, against) in WINDOW_LOSSES.items():
+        assert losses.needs_verifier_distributions(name) == (against == "verifier_logits"), name
+    # Only the streak losses get by with the verifier's tokens.
+    assert [n for n in losses.LOSS_NAMES if not losses.needs_verifier_distributions(n)] == ["streak", "ce_streak"]
+    with pytest.raises(ValueError, match="unknown loss"):
+        losses.needs_verifier_distributions("kl")
 
 
 def test_streak_by_hand():
