@@ -13,11 +13,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import align.decoding.specdiff as specdiff_module
+import align.decoding.acceptance as acceptance_module
 from align.config import DecodeSection
 from align.decoding.acceptance import accept_sampled
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
+from align.decoding.sd_ar import sd_ar_generate
 from align.evaluate import METHODS, Setup
 from align.models import DrafterSpec
 
@@ -104,6 +105,13 @@ def test_every_method_samples_the_verifier_distribution(setup, method):
     assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
 
 
+def test_sd_ar_with_a_greedy_draft_and_a_sampling_verifier_is_lossless(setup):
+    # The draft is the drafter's argmax (a point mass), whatever the verifier samples at.
+    samples = first_tokens(lambda g: sd_ar_generate(setup.verifier, setup.ar_drafter, PROMPT, 1, NEW_TOKENS,
+                                                    SAMPLING, draft_sampling=Sampling(), generator=g))
+    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
+
+
 def test_a_bonus_from_the_wrong_position_fails(setup, monkeypatch):
     # The test has the power to see the bonus token: draw it from the last draft position's distribution instead.
     def wrong_bonus(draft_tokens, draft_probs, verifier_probs, generator=None):
@@ -112,6 +120,6 @@ def test_a_bonus_from_the_wrong_position_fails(setup, monkeypatch):
             next_token = int(torch.multinomial(verifier_probs[num_accepted - 1], 1, generator=generator))
         return num_accepted, next_token
 
-    monkeypatch.setattr(specdiff_module, "accept_sampled", wrong_bonus)
+    monkeypatch.setattr(acceptance_module, "accept_sampled", wrong_bonus)
     samples = first_tokens(lambda g: METHODS["specdiff"](setup, PROMPT, SAMPLING, g))
     assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) < 1e-6

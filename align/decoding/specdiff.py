@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from transformers import PreTrainedModel
 
-from align.decoding.acceptance import accept_greedy, accept_point_mass, accept_sampled
+from align.decoding.acceptance import accept_draft
 from align.decoding.adl import AdaptiveLength
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
@@ -67,12 +67,7 @@ def specdiff_generate(
 
         t_verify = time.perf_counter()
         verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
-        if sampling.temperature == 0:
-            num_accepted, next_token = accept_greedy(draft, verify_logits)
-        elif draft_probs is None:
-            num_accepted, next_token = accept_point_mass(draft, sampling.probs(verify_logits), generator)
-        else:
-            num_accepted, next_token = accept_sampled(draft, draft_probs, sampling.probs(verify_logits), generator)
+        num_accepted, next_token = accept_draft(draft, draft_probs, verify_logits, sampling, generator)
         cache.crop(-(len(draft) - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
         stats.verify_s += time.perf_counter() - t_verify
         stats.record(num_accepted, len(draft))
