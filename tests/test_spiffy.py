@@ -260,3 +260,14 @@ def test_nfe_counts_every_model_forward(attention, one_thread):
             assert stats.nfe == forwards[0]
     finally:
         handle.remove()
+
+
+def test_decoding_never_unmasks_to_the_mask_token(one_thread):
+    # An undertrained dLLM can rank the mask token first at masked positions; unmasking to it made no progress and
+    # the vanilla loop never ended.
+    model = tiny_dllm("llama", False, seed=0)
+    favour_mask = torch.nn.functional.one_hot(torch.tensor(MASK), VOCAB) * 100.0
+    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + favour_mask)
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    tokens, stats = dllm_generate(model, spec, torch.tensor([[1, 2, 3, 4]]), 16, 8)
+    assert len(tokens) == 16 and MASK not in tokens and stats.steps == 16

@@ -77,8 +77,14 @@ def unmask(block: torch.Tensor, probs: torch.Tensor, mask_id: int, tokens_per_st
 
 def block_probs(model: PreTrainedModel, spec: DrafterSpec, context: torch.Tensor, blocks: torch.Tensor,
                 state: Optional[DrafterContext]) -> torch.Tensor:
-    """(K, b) blocks after one context -> (K, b, V) float32 distributions, one forward."""
-    return torch.softmax(shared_context_block_logits(model, spec, context, blocks, state).float(), dim=-1)
+    """(K, b) blocks after one context -> (K, b, V) float32 distributions, one forward.
+
+    The mask token gets probability 0: unmasking a position to it would make no progress (an undertrained model can
+    rank it first, and the decoding loop then never ends), and a dLLM's output never contains it.
+    """
+    logits = shared_context_block_logits(model, spec, context, blocks, state).float()
+    return torch.softmax(logits.index_fill(-1, torch.tensor([spec.mask_token_id], device=logits.device),
+                                           float("-inf")), dim=-1)
 
 
 def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.Tensor, max_new_tokens: int,
