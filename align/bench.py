@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from align.checkpoint import latest_step
-from align.decoding.ar import prefill
+from align.decoding.generation import prefill
 
 
 @contextmanager

@@ -27,8 +27,9 @@ from align.config import (METHOD_NAMES, DecodeSection, Recipe, RecipeError, chec
 from align.corpus import ensure_data
 from align.data import encode_prompts, eval_prompts, load_trajectories
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import GenerationStats, Sampling, ar_generate
+from align.decoding.ar import ar_generate
 from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate

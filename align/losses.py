@@ -87,18 +87,32 @@ def _per_position(values: torch.Tensor, mask: torch.Tensor, num_tokens: int) -> 
     return (values * mask).sum() / num_tokens
 
 
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """(..., V) log-distributions -> (...) Σ_v a(v)·(log a(v) − log b(v)), with 0·log 0 = 0.
+
+    Offline verifier logits are −inf outside the stored top-k: a term where a(v) = 0 is dropped outright (masked, not
+    multiplied by 0), so that neither the value nor the gradient sees 0·(−inf).
+    """
+    a = log_a.exp()
+    return (a * (log_a - log_b).masked_fill(a == 0, 0.0)).sum(-1)
+
+
 def fkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
-    """Forward KL(p ‖ q): mass-covering distillation."""
+    """Forward KL(p ‖ q): mass-covering distillation. Tokens with p = 0 (outside a stored top-k) contribute 0."""
     log_q = torch.log_softmax(draft_logits.float(), -1)
     log_p = torch.log_softmax(verifier_logits.float(), -1)
-    return _per_position((log_p.exp() * (log_p - log_q)).sum(-1), mask, num_tokens)
+    return _per_position(_kl(log_p, log_q), mask, num_tokens)
 
 
 def rkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
-    """Reverse KL(q ‖ p): mode-seeking distillation."""
-    log_q = torch.log_softmax(draft_logits.float(), -1)
+    """Reverse KL(q ‖ p): mode-seeking distillation, on the support of p with q renormalised there.
+
+    KL(q ‖ p) is infinite as soon as p has zeros (a stored top-k) and q does not; restricted to p's support it is
+    finite and is the plain reverse KL whenever p has full support.
+    """
     log_p = torch.log_softmax(verifier_logits.float(), -1)
-    return _per_position((log_q.exp() * (log_q - log_p)).sum(-1), mask, num_tokens)
+    log_q = torch.log_softmax(draft_logits.float().masked_fill(log_p == float("-inf"), float("-inf")), -1)
+    return _per_position(_kl(log_q, log_p), mask, num_tokens)
 
 
 def tvd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
@@ -116,13 +130,12 @@ def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.T
     log_q = torch.log_softmax(draft_logits.float(), -1)
     log_p = torch.log_softmax(verifier_logits.float(), -1)
     log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
-    kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
-    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
-    return _per_position(beta * kl_pm + (1 - beta) * kl_qm, mask, num_tokens)
+    return _per_position(beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m), mask, num_tokens)
 
 
 # name -> (loss, what it is computed against): "targets" (the verifier's tokens) or "verifier_logits" (its
-# distributions, online or from stored top-k). train.losses names these; config.LOSS_NAMES must list them.
+# distributions, online or from stored top-k). The one place that says which loss needs what: read it through
+# LOSS_NAMES and needs_verifier_distributions.
 WINDOW_LOSSES: dict[str, tuple] = {
     "streak": (streak, "targets"),
     "ce_streak": (ce_streak, "targets"),
@@ -133,7 +146,12 @@ WINDOW_LOSSES: dict[str, tuple] = {
     "jsd": (jsd, "verifier_logits"),
 }
 
+LOSS_NAMES: tuple[str, ...] = tuple(WINDOW_LOSSES)
+
 
 def needs_verifier_distributions(name: str) -> bool:
-    """Whether loss `name` reads the verifier's distributions (online, or stored top-k) rather than its tokens."""
+    """Whether loss `name` is computed against the verifier's distributions (online, or stored top-k log-probs)
+    rather than its tokens alone: what decides if training needs a verifier forward or stored top-k."""
+    if name not in WINDOW_LOSSES:
+        raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_NAMES)}")
     return WINDOW_LOSSES[name][1] == "verifier_logits"

@@ -120,3 +120,20 @@ def test_logits_to_probs_truncation():
     nucleus = logits_to_probs(logits, 1.0, top_p=float(full[0]) + 1e-3)  # needs the top two tokens
     assert (nucleus > 0).tolist() == [True, True, False, False]
     assert torch.allclose(logits_to_probs(logits, 2.0), torch.softmax(logits / 2, -1))
+
+
+def test_point_mass_rule_accepts_with_p_and_resamples_p_without_the_draft():
+    # γ = 1, draft token x: P(keep x, bonus v) = p_0(x)·p_1(v) and P(reject, correction v) = p_0(v) for v ≠ x
+    # (a rejection, probability 1 − p_0(x), samples p_0 with x removed and renormalised). Nothing else can happen.
+    transitions, _, gen = make_problem(3)
+    verifier, x = transitions[:2], 2
+    expected = torch.cat([verifier[0][x] * verifier[1], verifier[0].index_fill(0, torch.tensor([x]), 0.0)])
+    counts = torch.zeros(2 * VOCAB)
+    for _ in range(TRIALS // 2):
+        n, nxt = accept_point_mass(torch.tensor([x]), verifier, gen)
+        counts[(1 - n) * VOCAB + nxt] += 1
+    assert counts[expected == 0].sum() == 0  # a rejected x is never emitted again in its place
+    exp = expected * counts.sum()
+    keep = exp > 0
+    stat = ((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    assert float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2), stat / 2)) > 1e-3

@@ -74,3 +74,45 @@ def test_adl_by_hand():
     with pytest.raises(ValueError):
         AdaptiveLength(min_len=5, max_len=4, delta=1)
     assert math.isclose(adl.gen_ema, 1.5)
+
+
+def test_adl_follows_where_the_drafter_puts_eos_and_grows_when_acceptance_keeps_up():
+    # Raw drafts at the maximum length 8 with EOS at index 3: short acceptance settles on L_gen = 3; acceptance that
+    # keeps up with it (3 accepted) adds δ = 2.
+    raw = torch.tensor([0, 0, 0, EOS, 0, 0, 0, 0])
+    short, long = (AdaptiveLength(min_len=2, max_len=8, delta=2) for _ in range(2))
+    short_trace = [short.update(raw, 1, frozenset({EOS})) for _ in range(8)]
+    long_trace = [long.update(raw, 3, frozenset({EOS})) for _ in range(8)]
+    assert short_trace[-3:] == [3, 3, 3] and long_trace[-3:] == [5, 5, 5]
+    # No EOS anywhere in the proposal: the drafter would go on, so k climbs back to k_max after the first halving.
+    free = AdaptiveLength(min_len=2, max_len=8, delta=2)
+    assert [free.update(torch.zeros(8, dtype=torch.long), 1, frozenset({EOS})) for _ in range(5)] == [4, 6, 7, 8, 8]
+
+
+def test_specdiff_adl_length_is_not_locked_by_its_own_drafts():
+    # A random drafter against a random verifier: short acceptance, no EOS. The length used to halve at the first
+    # update and stay there (L_gen measured on a k_t-long draft can never exceed k_t).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from align.decoding.specdiff import specdiff_generate
+    from align.models import DrafterSpec
+
+    def tiny(seed):
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        return LlamaForCausalLM(config).eval()
+
+    seen = []
+
+    class Recording(AdaptiveLength):
+        def update(self, raw_draft, num_accepted, eos_ids):
+            seen.append(len(raw_draft))
+            return super().update(raw_draft, num_accepted, eos_ids)
+
+    adl = Recording(min_len=2, max_len=8, delta=2)
+    _, stats = specdiff_generate(tiny(0), tiny(1), DrafterSpec(47, 0, "block_causal"), torch.tensor([[3, 9, 4]]),
+                                 4, 24, adaptive=adl, eos_ids=frozenset({46}))
+    assert max(stats.accept_counts) < 4  # acceptance is short throughout
+    assert stats.draft_lengths[:2] == [8, 4] and 8 in stats.draft_lengths[2:]  # halved, then back at k_max
+    assert seen[:10] == [8] * 10  # L_gen is read off a proposal at the maximum length

@@ -7,7 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import numpy as np
 
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import Sampling, ar_generate
+from align.decoding.ar import ar_generate
+from align.decoding.generation import Sampling
 from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
@@ -152,10 +153,29 @@ def test_cps_and_adl_greedy_are_identical_to_ar(verifier, use_cps, use_adl):
             assert max(stats.draft_lengths) <= 8
 
 
-def test_cps_under_sampling_uses_the_point_mass_rule(verifier):
+def test_cps_under_sampling_uses_the_point_mass_rule(verifier, monkeypatch):
+    import align.decoding.acceptance as acceptance
+
+    calls = []
+
+    def recording_point_mass(draft_tokens, verifier_probs, generator=None):
+        calls.append(draft_tokens.clone())
+        return point_mass(draft_tokens, verifier_probs, generator)
+
+    def recording_sampled(draft_tokens, draft_probs, verifier_probs, generator=None):
+        # Reached only through the point-mass rule: the draft distribution is the one-hot of the draft itself.
+        assert torch.equal(draft_probs, torch.nn.functional.one_hot(draft_tokens, VOCAB).to(draft_probs.dtype))
+        return sampled(draft_tokens, draft_probs, verifier_probs, generator)
+
+    point_mass, sampled = acceptance.accept_point_mass, acceptance.accept_sampled
+    monkeypatch.setattr(acceptance, "accept_point_mass", recording_point_mass)
+    monkeypatch.setattr(acceptance, "accept_sampled", recording_sampled)
     drafter = tiny("llama", seed=5)
     proxy = TrigramModel.fit(np.random.default_rng(0).integers(0, VOCAB, 3000), VOCAB)
     tokens, stats = specdiff_generate(verifier, drafter, DrafterSpec(MASK, 0, "block_causal"), PROMPTS[0], 4, 20,
                                       Sampling(temperature=1.0), path_search=(PathSearch(), proxy),
                                       generator=torch.Generator().manual_seed(0))
     assert len(tokens) == 20 and stats.verifier_forwards >= 5
+    # Every iteration's CPS path went through the point-mass rule.
+    assert len(calls) == stats.verifier_forwards
+    assert [len(c) for c in calls] == stats.draft_lengths

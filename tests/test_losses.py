@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from align.config import LOSS_NAMES
+from align import losses
 from align.losses import WINDOW_LOSSES, ce_streak, fkl, jsd, mdlm, rkl, streak, streak_tv, tvd
 
 
@@ -22,6 +23,16 @@ ALL = torch.ones(1, 3, dtype=torch.bool)
 
 def test_table_matches_the_schema():
     assert tuple(WINDOW_LOSSES) == LOSS_NAMES
+
+
+def test_which_losses_need_verifier_distributions_is_read_from_the_table():
+    assert losses.LOSS_NAMES == tuple(WINDOW_LOSSES)
+    for name, (_, against) in WINDOW_LOSSES.items():
+        assert losses.needs_verifier_distributions(name) == (against == "verifier_logits"), name
+    # Only the streak losses get by with the verifier's tokens.
+    assert [n for n in losses.LOSS_NAMES if not losses.needs_verifier_distributions(n)] == ["streak", "ce_streak"]
+    with pytest.raises(ValueError, match="unknown loss"):
+        losses.needs_verifier_distributions("kl")
 
 
 def test_streak_by_hand():
@@ -100,3 +111,34 @@ def test_mdlm_by_hand():
     ratio = torch.tensor([[0.5, 0.5]])
     # Only position 0 is masked: −log 0.5 / 0.5, over 2 tokens.
     assert mdlm(logits, targets, masked, ratio, num_tokens=2).item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_kd_losses_on_stored_top_k_are_finite_and_match_the_dense_values():
+    # Offline KD reads the verifier from stored top-k log-probs: −inf outside the top-k (align/windows.py).
+    torch.manual_seed(2)
+    q_logits = torch.randn(2, 4, 7)
+    p_top = torch.randn(2, 4, 3)  # the verifier's logits on tokens 0-2, its stored top-k
+    outside = torch.full((2, 4, 4), float("-inf"))
+    p_logits = torch.cat([p_top, outside], -1)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    for loss in (fkl, rkl, tvd, jsd, streak_tv):
+        draft = q_logits.clone().requires_grad_()
+        verifier = p_logits.clone().requires_grad_()
+        kwargs = {"num_windows": 2} if loss is streak_tv else {"num_tokens": 8}
+        value = loss(draft, verifier, mask, **kwargs)
+        value.backward()
+        assert torch.isfinite(value), loss.__name__
+        assert torch.isfinite(draft.grad).all() and draft.grad.abs().sum() > 0, loss.__name__
+        assert torch.isfinite(verifier.grad).all(), loss.__name__
+    # Where p vanishes, so do its terms: the same values as with logits so low that p underflows to exactly 0.
+    p_dense = torch.cat([p_top, outside.clamp_min(-1e4)], -1)
+    for loss in (fkl, tvd, jsd):
+        assert loss(q_logits, p_logits, mask, num_tokens=8).item() == pytest.approx(
+            loss(q_logits, p_dense, mask, num_tokens=8).item(), rel=1e-5), loss.__name__
+    # KL(q ‖ p) is infinite when q has mass where p has none: compared on p's support, both renormalised there.
+    assert rkl(q_logits, p_logits, mask, num_tokens=8).item() == pytest.approx(
+        rkl(q_logits[..., :3], p_top, mask, num_tokens=8).item(), rel=1e-5)
+    # A drafter with no mass outside the top-k makes that the dense value.
+    q_inside = torch.cat([q_logits[..., :3], outside.clamp_min(-1e4)], -1)
+    assert rkl(q_inside, p_logits, mask, num_tokens=8).item() == pytest.approx(
+        rkl(q_inside, p_dense, mask, num_tokens=8).item(), rel=1e-5)

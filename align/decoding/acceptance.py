@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from align.decoding.generation import Sampling
 from align.decoding.sampling import residual, sample
 
 
@@ -62,6 +63,27 @@ def accept_point_mass(
     """
     point_mass = torch.nn.functional.one_hot(draft_tokens, verifier_probs.shape[-1]).to(verifier_probs.dtype)
     return accept_sampled(draft_tokens, point_mass, verifier_probs, generator)
+
+
+def accept_draft(
+    draft_tokens: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    verifier_logits: torch.Tensor,
+    sampling: Sampling,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[int, int]:
+    """The rule that matches how the draft was produced, for a single draft.
+
+    draft_tokens: (γ,); verifier_logits: (γ + 1, V); draft_probs: the (γ, V) distributions the draft was sampled
+    from, or None for a deterministic draft (argmax, beam search), which is a point mass whatever temperature the
+    drafter's settings name. A greedy verifier keeps the tokens equal to its argmax, however they were drafted.
+    """
+    if sampling.temperature == 0:
+        return accept_greedy(draft_tokens, verifier_logits)
+    verifier_probs = sampling.probs(verifier_logits)
+    if draft_probs is None:
+        return accept_point_mass(draft_tokens, verifier_probs, generator)
+    return accept_sampled(draft_tokens, draft_probs, verifier_probs, generator)
 
 
 def accept_multi_candidate(

@@ -10,14 +10,15 @@ from typing import Callable, Optional
 import torch
 from transformers import PreTrainedModel
 
-from align.decoding.ar import truncate
-from align.models import DrafterContext, DrafterSpec, shared_context_block_logits
+from align.decoding.generation import truncate
+from align.models import DrafterContext, DrafterSpec, encode_context, shared_context_block_logits
 
 
 @dataclass
 class DllmStats:
-    nfe: int = 0  # model forwards
-    steps: int = 0  # state transitions (vanilla: one per forward; Spiffy: more)
+    nfe: int = 0  # model forwards, every one of them
+    context_forwards: int = 0  # of those, a block-causal model's context-cache extensions (one per block)
+    steps: int = 0  # state transitions (vanilla: one per block forward; Spiffy: more)
     accepted_drafts: int = 0
     new_tokens: int = 0
     wall_s: float = 0.0
@@ -76,8 +77,14 @@ def unmask(block: torch.Tensor, probs: torch.Tensor, mask_id: int, tokens_per_st
 
 def block_probs(model: PreTrainedModel, spec: DrafterSpec, context: torch.Tensor, blocks: torch.Tensor,
                 state: Optional[DrafterContext]) -> torch.Tensor:
-    """(K, b) blocks after one context -> (K, b, V) float32 distributions, one forward."""
-    return torch.softmax(shared_context_block_logits(model, spec, context, blocks, state).float(), dim=-1)
+    """(K, b) blocks after one context -> (K, b, V) float32 distributions, one forward.
+
+    The mask token gets probability 0: unmasking a position to it would make no progress (an undertrained model can
+    rank it first, and the decoding loop then never ends), and a dLLM's output never contains it.
+    """
+    logits = shared_context_block_logits(model, spec, context, blocks, state).float()
+    return torch.softmax(logits.index_fill(-1, torch.tensor([spec.mask_token_id], device=logits.device),
+                                           float("-inf")), dim=-1)
 
 
 def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.Tensor, max_new_tokens: int,
@@ -88,7 +95,8 @@ def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.T
     `decode_block(block, context, state, stats)` and appended to the context, until max_new_tokens or an EOS.
 
     A block-causal model keeps an exact context cache; a bidirectional one re-reads context ⊕ block each step
-    (blocks after the current one are not shown to it, as in block-diffusion decoding).
+    (blocks after the current one are not shown to it, as in block-diffusion decoding). Bringing that cache up to date
+    (the prompt, then each decoded block) is a model forward of its own, counted in stats.nfe like every other.
     """
     stats = DllmStats()
     t0 = time.perf_counter()
@@ -96,6 +104,12 @@ def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.T
     state = DrafterContext.empty(model) if spec.attention == "block_causal" else None
     tokens: list[int] = []
     while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
+        if state is not None:
+            encoded = state.length
+            encode_context(model, context, state)
+            extended = int(state.length > encoded)  # the forward that brought the cache up to date
+            stats.nfe += extended
+            stats.context_forwards += extended
         block = decode_block(prompt_ids.new_full((block_length,), spec.mask_token_id), context, state, stats)
         tokens += block.tolist()
         context = torch.cat([context, block[None]], dim=1)

@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from align.decoding.acceptance import accept_greedy, accept_sampled
-from align.decoding.ar import GenerationStats, Sampling, finish, finished, start, verifier_forward
+from align.decoding.acceptance import accept_draft
+from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
 
 
 @torch.inference_mode()
@@ -19,7 +19,7 @@ def draft_autoregressive(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Draft `draft_len` tokens one by one. context: (1, C), of which the cache already covers a prefix.
 
-    Returns draft (γ,) and, when sampling, the (γ, V) distributions they were drawn from (None when greedy).
+    Returns draft (γ,) and, when sampling, the (γ, V) distributions they were drawn from (None for an argmax draft).
     The cache ends up covering context ⊕ draft[:-1].
     """
     new = context[:, cache.get_seq_length():]
@@ -48,7 +48,12 @@ def sd_ar_generate(
     eos_ids: frozenset[int] = frozenset(),
     generator: Optional[torch.Generator] = None,
 ) -> tuple[list[int], GenerationStats]:
-    """Speculative decoding with an AR drafter. prompt_ids: (1, n). Greedy output equals AR greedy exactly."""
+    """Speculative decoding with an AR drafter. prompt_ids: (1, n). Greedy output equals AR greedy exactly.
+
+    `draft_sampling` (default: the verifier's settings) is how the drafter drafts: temperature 0 gives argmax drafts,
+    accepted by the point-mass rule when the verifier samples; otherwise drafts are sampled and accepted against the
+    distributions they were drawn from. Either way the output is distributed as the verifier's.
+    """
     draft_sampling = draft_sampling or sampling
     stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
     draft_cache = DynamicCache(config=drafter.config)
@@ -63,10 +68,8 @@ def sd_ar_generate(
 
         t_verify = time.perf_counter()
         verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
-        if draft_probs is None:
-            num_accepted, next_token = accept_greedy(draft, verify_logits)
-        else:
-            num_accepted, next_token = accept_sampled(draft, draft_probs, sampling.probs(verify_logits), generator)
+        # The rule follows how the draft was made: an argmax draft is a point mass even when the verifier samples.
+        num_accepted, next_token = accept_draft(draft, draft_probs, verify_logits, sampling, generator)
         cache.crop(-(draft_len - num_accepted))
         # The drafter's cache covers context ⊕ draft[:-1]; keep only what was accepted.
         draft_cache.crop(-max(0, draft_len - 1 - num_accepted))

@@ -8,9 +8,9 @@ from typing import Optional
 import torch
 from transformers import PreTrainedModel
 
-from align.decoding.acceptance import accept_greedy, accept_point_mass, accept_sampled
+from align.decoding.acceptance import accept_draft
 from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import GenerationStats, Sampling, finish, finished, start, verifier_forward
+from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
 from align.models import DrafterContext, DrafterSpec, block_logits
 
@@ -36,7 +36,8 @@ def specdiff_generate(
     Temperature > 0: the draft is sampled from `draft_sampling` (default: the verifier's settings) applied to the
     drafter's logits, and accepted by speculative sampling against that very distribution.
     path_search (DiffuSpec CPS): the draft is the beam-searched path instead; being deterministic, it is accepted by
-    the point-mass rule when sampling. adaptive (DiffuSpec ADL): the draft length follows `adaptive` instead of γ.
+    the point-mass rule when sampling. adaptive (DiffuSpec ADL): the draft length follows `adaptive` instead of γ; the
+    drafter then proposes `adaptive.max_len` tokens in its one pass and the first `adaptive.current` are the draft.
     """
     draft_sampling = draft_sampling or sampling
     # Invariant: the verifier's cache covers every token but the newest one.
@@ -48,17 +49,22 @@ def specdiff_generate(
         draft_len = min(adaptive.current if adaptive else gamma, max_new_tokens - len(tokens))
         context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
 
+        # ADL reads the drafter's length off a proposal at its maximum length (see AdaptiveLength); the first
+        # draft_len positions of that same pass are the draft.
+        proposal_len = min(adaptive.max_len, max_new_tokens - len(tokens)) if adaptive else draft_len
+
         t_draft = time.perf_counter()
-        block = prompt_ids.new_full((1, draft_len), spec.mask_token_id)
-        draft_logits = block_logits(drafter, spec, context, block, state)[0]  # (γ, V)
-        raw_draft = draft_logits.argmax(-1)
+        block = prompt_ids.new_full((1, proposal_len), spec.mask_token_id)
+        proposal_logits = block_logits(drafter, spec, context, block, state)[0]  # (proposal_len, V)
+        raw_draft = proposal_logits.argmax(-1)
+        draft_logits = proposal_logits[:draft_len]  # (γ, V)
         draft_probs = None  # None: a deterministic draft
         if path_search is not None:
             settings, proxy = path_search
             draft = raw_draft.new_tensor(causal_path_search(
                 torch.log_softmax(draft_logits.float(), -1), context[0, -2:].tolist(), proxy, settings, eos_ids))
         elif sampling.temperature == 0:
-            draft = raw_draft
+            draft = raw_draft[:draft_len]
         else:
             draft_probs = draft_sampling.probs(draft_logits)
             draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
@@ -67,12 +73,7 @@ def specdiff_generate(
 
         t_verify = time.perf_counter()
         verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
-        if sampling.temperature == 0:
-            num_accepted, next_token = accept_greedy(draft, verify_logits)
-        elif draft_probs is None:
-            num_accepted, next_token = accept_point_mass(draft, sampling.probs(verify_logits), generator)
-        else:
-            num_accepted, next_token = accept_sampled(draft, draft_probs, sampling.probs(verify_logits), generator)
+        num_accepted, next_token = accept_draft(draft, draft_probs, verify_logits, sampling, generator)
         cache.crop(-(len(draft) - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
         stats.verify_s += time.perf_counter() - t_verify
         stats.record(num_accepted, len(draft))

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from align.decoding.acceptance import accept_multi_candidate
-from align.decoding.ar import GenerationStats, Sampling, finish, finished, start
+from align.decoding.generation import GenerationStats, Sampling, finish, finished, start
 from align.models import DrafterContext, DrafterSpec, block_logits
 
 
