@@ -24,7 +24,7 @@ def main(recipe: Recipe, command: str) -> None:
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     t0 = time.perf_counter()
     traces: list[BlockTrace] = []
-    nfe = 0
+    nfe = context_forwards = 0
     for text in tqdm(prompts, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         if ids.shape[1] + recipe.decode.max_new_tokens > model.config.max_position_embeddings:
@@ -32,6 +32,7 @@ def main(recipe: Recipe, command: str) -> None:
         _, stats = dllm_generate(model, spec, ids, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,
                                  eos_ids=eos_ids, trace=traces, trace_token_rank=c.max_token_rank)
         nfe += stats.nfe
+        context_forwards += stats.context_forwards
     if not traces:
         raise RecipeError(f"calibrate.prompts: no usable prompt in {path}")
     graph = calibrate(
@@ -40,6 +41,7 @@ def main(recipe: Recipe, command: str) -> None:
         meta={"model": recipe.drafter.path, "drafter_spec": spec.to_dict(), "num_prompts": len(prompts),
               "prompts": path, "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
               "max_new_tokens": recipe.decode.max_new_tokens, "vanilla_nfe": nfe, "command": command},
+        context_forwards=context_forwards,
     )
     graph.meta["seconds"] = round(time.perf_counter() - t0, 1)  # tracing and the node search
     out = Path(c.out) / "draft_graph.json"

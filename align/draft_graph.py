@@ -303,17 +303,20 @@ def exhaustive_select(counts: Counter, budget: int, tokens_per_step: int = 1) ->
 def calibrate(traces: list[BlockTrace], mask_id: int, block_length: int, budget: int, tokens_per_step: int = 1,
               max_position_rank: int = 8, max_token_rank: int = 3,
               orders: tuple[PositionOrder, ...] = POSITION_ORDERS, objective_name: str = "simulated",
-              meta: Optional[dict[str, Any]] = None) -> DraftGraph:
+              meta: Optional[dict[str, Any]] = None, context_forwards: int = 0) -> DraftGraph:
     """Count formulas on vanilla traces and select `budget` nodes under each position order; keep the order whose
     graph needs the fewest forwards replayed on the traces (the first listed on a tie). The nodes stay in the
-    greedy's order, so the first D of them are the greedy selection for budget D (`DraftGraph.prefix`)."""
-    vanilla_forwards = sum(len(trace.states) - 1 for trace in traces)
+    greedy's order, so the first D of them are the greedy selection for budget D (`DraftGraph.prefix`).
+
+    context_forwards: the forwards that tracing spent outside the blocks' steps (a block-causal model's context-cache
+    extension per block); Spiffy spends them too, so they count on both sides of the replayed NFE reduction."""
+    vanilla_forwards = sum(len(trace.states) - 1 for trace in traces) + context_forwards
     graphs: dict[str, tuple[int, DraftGraph]] = {}
     for order in orders:
         chains = trace_chains(traces, mask_id, budget, max_position_rank, max_token_rank, order)
         counts = count_formulas(chains)
         nodes = select_nodes(counts, budget, tokens_per_step, chains if objective_name == "simulated" else None)
-        graphs[order] = (replayed_forwards(chains, nodes),
+        graphs[order] = (replayed_forwards(chains, nodes) + context_forwards,
                          DraftGraph(tuple(nodes), block_length, tokens_per_step, order, tuple(counts[f] for f in nodes)))
     forwards, best = min(graphs.values(), key=lambda fg: fg[0])
     info = {"objective": objective_name,

@@ -276,3 +276,22 @@ def test_decoding_never_unmasks_to_the_mask_token(one_thread):
     spec = DrafterSpec(MASK, 0, "block_causal")
     tokens, stats = dllm_generate(model, spec, torch.tensor([[1, 2, 3, 4]]), 16, 8)
     assert len(tokens) == 16 and MASK not in tokens and stats.steps == 16
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_replayed_nfe_reduction_is_what_decoding_the_calibration_prompts_measures(attention, one_thread):
+    # Replaying the graph on its own traces follows the decoder's rule, so on the calibration prompts the estimate is
+    # the measured reduction, context-cache forwards included on both sides.
+    model = tiny_dllm("llama", attention == "bidirectional", seed=1)
+    spec = DrafterSpec(MASK, 0, attention)
+    prompts = [torch.tensor([[1, 2, 3, 4]]), torch.tensor([[7, 7, 8]]), torch.tensor([[11, 3, 5, 9, 2]])]
+    traces, vanilla_nfe, context_forwards = [], 0, 0
+    for prompt in prompts:
+        stats = dllm_generate(model, spec, prompt, 16, 8, trace=traces)[1]
+        vanilla_nfe, context_forwards = vanilla_nfe + stats.nfe, context_forwards + stats.context_forwards
+    assert (context_forwards > 0) == (attention == "block_causal")
+    graph = calibrate(traces, MASK, block_length=8, budget=4, orders=("confidence",),
+                      context_forwards=context_forwards)
+    spiffy_nfe = sum(spiffy_generate(model, spec, prompt, graph, 16)[1].nfe for prompt in prompts)
+    assert spiffy_nfe < vanilla_nfe
+    assert graph.meta["replayed_nfe_reduction"]["confidence"] == round(vanilla_nfe / spiffy_nfe, 3)
