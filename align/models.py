@@ -15,6 +15,7 @@ destroys acceptance, so they live in one place (`DrafterSpec`) and one function 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -35,10 +36,14 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device a model goes to. CUDA means this rank's GPU, cuda:LOCAL_RANK (a bare "cuda" is whatever device is
+    current, GPU 0 unless set: every rank of `align trajectories --num_gpus 8` would stack its model there)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise RecipeError("device: cuda was asked for, but no CUDA device is visible (use device=auto or cpu)")
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device(name)
 
 

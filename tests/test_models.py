@@ -392,3 +392,15 @@ def test_additive_mask():
     assert mask.shape == (1, 3, 3) and mask.dtype == torch.float32
     assert torch.equal(mask[0] == 0, allowed)
     assert torch.all(mask[0][~allowed] == torch.finfo(torch.float32).min)
+
+
+def test_cuda_means_this_ranks_gpu(monkeypatch):
+    # Checked without a GPU: only the device's name is built, no memory is touched.
+    from align.models import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("auto") == torch.device("cuda", 3) == resolve_device("cuda")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
