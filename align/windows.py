@@ -27,10 +27,16 @@ class WindowBatch:
     targets: torch.Tensor  # (B, W, γ) the verifier's tokens
     target_mask: torch.Tensor  # (B, W, γ) False where a window runs past the completion (or is padding)
     block_index: torch.Tensor  # (B, W) where each window's masked block sits in input_ids
+    source_rows: torch.Tensor  # (B,) the trajectory (index into the builder's rows) each batch row comes from
 
     @property
     def num_windows(self) -> int:
         return int(self.target_mask[..., 0].sum())
+
+    def to(self, device: torch.device) -> "WindowBatch":
+        """The batch on `device`. Builders work on the CPU (they are data loading); a step moves the batch to its
+        rank's device before any model reads it."""
+        return WindowBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
 
 
 def pick_starts(prompt_len: int, completion_len: int, gamma: int, windows: int, rng: np.random.Generator) -> list[int]:
@@ -78,7 +84,7 @@ def block_causal_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: i
                 block = slice(L + w * gamma, L + (w + 1) * gamma)
                 allowed[b, block, block] = True
     return WindowBatch(input_ids, positions, additive_mask(allowed, torch.float32), clean, starts, targets,
-                       target_mask, block_index)
+                       target_mask, block_index, torch.arange(B))
 
 
 def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: int, windows: int, pad_id: int,
@@ -110,8 +116,9 @@ def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: 
         target_mask[r, 0, : len(label)] = True
     allowed = valid[:, None, :].expand(R, T, T) | torch.eye(T, dtype=torch.bool)  # padding rows see themselves
     positions = torch.arange(T).expand(R, -1).clone()
+    source_rows = torch.tensor([b for b, _ in picked] or [0])
     return WindowBatch(input_ids, positions, additive_mask(allowed, torch.float32), clean, starts, targets,
-                       target_mask, starts.clone())
+                       target_mask, starts.clone(), source_rows)
 
 
 WINDOW_BUILDERS = {"block_causal": block_causal_windows, "bidirectional": bidirectional_windows}
@@ -124,7 +131,7 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Te
                                  attention_mask=mask).last_hidden_state
     B, W, gamma = batch.targets.shape
     width = hidden.shape[-1]
-    index = (batch.block_index[..., None] + torch.arange(gamma)).view(B, -1)  # (B, W·γ)
+    index = (batch.block_index[..., None] + torch.arange(gamma, device=hidden.device)).view(B, -1)  # (B, W·γ)
     window_hidden = hidden.gather(1, index[..., None].expand(-1, -1, width)).view(B, W, gamma, width)
     if spec.logits_shift:
         # Position start+i is predicted at start+i-1: the clean token before the window, then the window's own.
@@ -137,22 +144,24 @@ def verifier_window_logits(verifier: Any, batch: WindowBatch) -> torch.Tensor:
     """(B, W, γ, V): the verifier's logits at each window position given the true prefix (one forward per row)."""
     logits = verifier(input_ids=batch.clean_ids).logits  # (B, L, V)
     B, W, gamma = batch.targets.shape
-    index = (batch.starts[..., None] - 1 + torch.arange(gamma)).clamp(0, logits.shape[1] - 1)  # (B, W, γ)
+    index = (batch.starts[..., None] - 1 + torch.arange(gamma, device=logits.device)).clamp(0, logits.shape[1] - 1)
     return logits.gather(1, index.view(B, -1, 1).expand(-1, -1, logits.shape[-1])).view(B, W, gamma, -1)
 
 
 def topk_window_logits(rows: list[dict[str, Any]], batch: WindowBatch, vocab: int) -> torch.Tensor:
     """(B, W, γ, V) verifier logits rebuilt from stored top-k log-probs (−inf elsewhere): the top-k renormalised
-    distribution, an approximation of the verifier's that KD losses use offline."""
+    distribution, an approximation of the verifier's that KD losses use offline. `rows` are the rows the batch was
+    built from (a bidirectional batch has a row per window, each pointing at its trajectory)."""
     B, W, gamma = batch.targets.shape
-    out = torch.full((B, W, gamma, vocab), float("-inf"))
-    for b, row in enumerate(rows):
+    out = torch.full((B, W, gamma, vocab), float("-inf"), device=batch.targets.device)
+    for b in range(B):
+        row = rows[int(batch.source_rows[b])]
         p = len(row["prompt_ids"])
         for w in range(W):
             for i in range(gamma):
                 if batch.target_mask[b, w, i]:
                     k = int(batch.starts[b, w]) + i - p  # completion position
-                    out[b, w, i, row["topk_ids"][k]] = torch.tensor(row["topk_logprobs"][k])
+                    out[b, w, i, row["topk_ids"][k]] = torch.tensor(row["topk_logprobs"][k], device=out.device)
     out[~batch.target_mask] = 0.0  # padding: any finite row (masked out of every loss)
     return out
 
@@ -171,10 +180,11 @@ def verifier_path_logits(verifier: Any, batch: WindowBatch, drafts: torch.Tensor
             rows.append(torch.cat([batch.clean_ids[b, :start], drafts[b, w]]))
             where.append(start)
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=drafts.device)
     for r, row in enumerate(rows):
         ids[r, : len(row)] = row  # right padding: causal attention never looks at it
     logits = verifier(input_ids=ids).logits  # (B·W, width, V)
-    index = (torch.tensor(where)[:, None] - 1 + torch.arange(gamma)).clamp_min(0)  # position start+i predicted at start+i-1
+    # position start+i is predicted at start+i-1
+    index = (torch.tensor(where, device=ids.device)[:, None] - 1 + torch.arange(gamma, device=ids.device)).clamp_min(0)
     picked = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
     return picked.view(B, W, gamma, -1)

@@ -76,6 +76,20 @@ def test_verifier_and_topk_window_logits():
     assert torch.isinf(dense[0, 0, 0]).sum() == VOCAB - 2
 
 
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_stored_top_k_lands_on_each_windows_own_trajectory(attention):
+    # A bidirectional batch has a row per window: each must read the top-k of the trajectory it was cut from, at the
+    # completion position it labels (its first top-k token is the label itself here).
+    rows = [dict(r, topk_ids=[[t, (t + 1) % VOCAB] for t in r["completion_ids"]],
+                 topk_logprobs=[[-0.1, -2.5]] * len(r["completion_ids"])) for r in ROWS]
+    batch = WINDOW_BUILDERS[attention](rows, DrafterSpec(MASK, 0, attention), GAMMA, 2, PAD, np.random.default_rng(2))
+    dense = topk_window_logits(rows, batch, VOCAB)
+    assert batch.target_mask.any()
+    for b, w, i in batch.target_mask.nonzero().tolist():
+        assert int(dense[b, w, i].argmax()) == int(batch.targets[b, w, i])
+        assert torch.isfinite(dense[b, w, i]).sum() == 2
+
+
 def test_verifier_logits_along_drafted_windows():
     from align.windows import verifier_path_logits
 
