@@ -58,7 +58,8 @@ def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: O
         **extra: Any) -> tuple[list[int], GenerationStats]:
     if sampling.temperature > 0:
         # HF samples from the global RNG: seed it from our generator so runs are reproducible.
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
+                                            device=generator.device if generator is not None else None)))
         mode = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     else:
         mode = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
@@ -186,10 +187,13 @@ def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
 # --------------------------------------------------------------------------------------------------------------------
 def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
             repeats: int, seed: int, desc: str) -> dict[str, Run]:
-    """Every method (name -> its setup) on every prompt, interleaved; prompt i samples from its own seed."""
+    """Every method (name -> its setup) on every prompt, interleaved; prompt i samples from its own seed, with a
+    generator on the prompt's device (a CPU generator cannot drive sampling on a GPU)."""
+    def generator(i: int, device: torch.device) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seed * 100_003 + i)
+
     def method(name: str) -> Callable[[int, torch.Tensor], tuple[list[int], GenerationStats]]:
-        return lambda i, ids: METHODS[base_method(name)](setups[name], ids, sampling,
-                                                         torch.Generator().manual_seed(seed * 100_003 + i))
+        return lambda i, ids: METHODS[base_method(name)](setups[name], ids, sampling, generator(i, ids.device))
 
     return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
 
@@ -380,6 +384,7 @@ def main(recipe: Recipe, command: str) -> None:
     for key in [k for k in configs if k != "verifier.path"]:
         check_vocab_compatible(configs["verifier.path"], configs[key], key)
     verifier = load_verifier(recipe.verifier)
+    prompts = [ids.to(verifier.device) for ids in prompts]  # the tokenizer gives CPU tensors
     drafter, spec = load_drafter(recipe.drafter, tokenizer) if uses_drafter else (None, None)
     ar_drafter = load_ar_drafter(recipe.ar_drafter) if uses_ar_drafter else None
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})

@@ -68,7 +68,8 @@ def main(recipe: Recipe, command: str) -> None:
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
     texts = eval_prompts(recipe)
     model, spec = load_drafter(recipe.drafter, tokenizer)
-    prompts = encode_prompts(tokenizer, texts, recipe.decode.max_new_tokens, model.config.max_position_embeddings)
+    prompts = [ids.to(model.device) for ids in
+               encode_prompts(tokenizer, texts, recipe.decode.max_new_tokens, model.config.max_position_embeddings)]
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     methods = methods_for(model, spec, graph, recipe, eos_ids)
     names = list(methods)

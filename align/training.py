@@ -66,6 +66,7 @@ class Trainer:
     pad_id: int
     rank: int
     world: int
+    device: torch.device  # this rank's (cuda:LOCAL_RANK on GPUs): batches and collective tensors live there
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -151,7 +152,8 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
                                            config=deepspeed_config(recipe))
     verifier = load_verifier(recipe.verifier) if data.online else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world)
+    return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
+                   engine.device)
 
 
 def resume(trainer: Trainer, out: Path) -> int:
@@ -234,9 +236,9 @@ def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recip
     return parts
 
 
-def all_ranks(flag: bool, world: int) -> bool:
+def all_ranks(flag: bool, world: int, device: torch.device) -> bool:
     """True when `flag` holds on every rank (every rank must take the same branch after a collective decision)."""
-    value = torch.tensor([float(flag)])
+    value = torch.tensor([float(flag)], device=device)  # NCCL reduces GPU tensors only
     if world > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
@@ -247,7 +249,7 @@ def weights_finite(engine: Any, world: int) -> bool:
     parameter, and the partitions together are the whole."""
     finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters()
                  if p.requires_grad)
-    return all_ranks(finite, world)
+    return all_ranks(finite, world, engine.device)
 
 
 def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> Optional[dict[str, Any]]:
@@ -260,10 +262,11 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
                   for p in positions]
     # Windows are drawn by stream position too: a row gets the same windows in any process layout.
     batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
-                             np.random.default_rng([t.seed, p])) for p, rows in zip(positions, micro_rows)]
+                             np.random.default_rng([t.seed, p])).to(trainer.device)
+               for p, rows in zip(positions, micro_rows)]
     # Normalise by the whole step's counts over every rank, so accumulation and data parallelism change nothing.
     counts = torch.tensor([sum(b.num_windows for b in batches), sum(int(b.target_mask.sum()) for b in batches)],
-                          dtype=torch.float64)
+                          dtype=torch.float64, device=trainer.device)
     if world > 1:
         dist.all_reduce(counts)
     scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
@@ -271,7 +274,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     for rows, batch in zip(micro_rows, batches):
         parts = compute_losses(trainer, batch, rows, recipe, int(counts[0]), int(counts[1]))
         loss = sum(parts.values())
-        if not all_ranks(bool(torch.isfinite(loss)), world):
+        if not all_ranks(bool(torch.isfinite(loss)), world, trainer.device):
             return None
         trainer.engine.backward(loss * scale)
         trainer.engine.step()
@@ -279,7 +282,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
             totals[name] = totals.get(name, 0.0) + value.item()
     if not weights_finite(trainer.engine, world):
         return None
-    summed = torch.tensor(list(totals.values()), dtype=torch.float64)
+    summed = torch.tensor(list(totals.values()), dtype=torch.float64, device=trainer.device)
     if world > 1:
         dist.all_reduce(summed)
     return {"step": step + 1, "loss": float(summed.sum()), **dict(zip(totals, summed.tolist())),
@@ -292,17 +295,18 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
     """Simulated accepted length on held-out trajectories: the expected streak Σ_j Π_{i≤j} q(x_i), and the greedy
     streak (draft tokens matching x before the first miss), per window, averaged over every rank's share."""
     t = recipe.train
-    totals = torch.zeros(3, dtype=torch.float64)
+    totals = torch.zeros(3, dtype=torch.float64, device=trainer.device)
     mine, weights = rank_share(data.held_out, trainer.rank, trainer.world)
     for start in range(0, len(mine), t.micro_batch_size):
         rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
-                              np.random.default_rng([t.seed, start]))
+                              np.random.default_rng([t.seed, start])).to(trainer.device)
         logits = window_logits(trainer.engine.module, trainer.spec, batch).float()
         log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
         log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
         hits = (logits.argmax(-1) == batch.targets) & batch.target_mask
-        weight = torch.tensor(weights[start : start + t.micro_batch_size], dtype=torch.float64)[:, None]
+        weight = torch.tensor(weights[start : start + t.micro_batch_size], dtype=torch.float64,
+                              device=trainer.device)[:, None]
         valid = batch.target_mask[..., 0] * weight  # (B, W): padding rows count 0
         totals += torch.stack([(torch.exp(torch.cumsum(log_q, -1)).sum(-1) * valid).sum(),
                                (hits.int().cumprod(-1).sum(-1) * valid).sum(), valid.sum()])

@@ -110,7 +110,7 @@ def accept_multi_candidate(
         chosen = None
         for k in alive:
             token = int(candidates[k, depth])
-            u = float(torch.rand((), generator=generator))
+            u = float(torch.rand((), generator=generator, device=target.device))
             if u * float(draft_probs[depth, token]) < float(target[token]):
                 chosen = token
                 break

@@ -56,12 +56,12 @@ def specdiff2_select_generate(
         cached = cache.get_seq_length()
         cache.batch_repeat_interleave(num_candidates)
         inputs = torch.cat([context[:, -1:].expand(num_candidates, 1), candidates], dim=1)  # (K, γ + 1)
-        positions = torch.arange(cached, cached + draft_len + 1).expand(num_candidates, -1)
+        positions = torch.arange(cached, cached + draft_len + 1, device=inputs.device).expand(num_candidates, -1)
         verify_logits = verifier(input_ids=inputs, position_ids=positions, cache=cache, use_cache=True).logits
         num_accepted, next_token, chosen = accept_multi_candidate(
             candidates, draft_probs, sampling.probs(verify_logits), generator
         )
-        cache.batch_select_indices(torch.tensor([chosen]))
+        cache.batch_select_indices(torch.tensor([chosen], device=inputs.device))
         cache.crop(-(draft_len - num_accepted))
         stats.verify_s += time.perf_counter() - t_verify
         stats.record(num_accepted, draft_len)

@@ -1,0 +1,88 @@
+"""Tensors follow the model they meet (DESIGN §3), checked without a GPU: models and inputs are built on the CPU, then
+the code runs with the default device set to `meta`. A factory call without `device=` then makes a meta tensor, and
+mixing it with the CPU tensors fails, as a CPU tensor would fail next to a model on a GPU."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from align.config import DecodeSection
+from align.decoding.cps import TrigramModel
+from align.decoding.dllm import dllm_generate
+from align.decoding.generation import Sampling
+from align.decoding.spiffy import spiffy_generate
+from align.draft_graph import calibrate
+from align.evaluate import METHODS, Setup
+from align.losses import WINDOW_LOSSES, needs_verifier_distributions
+from align.models import DrafterSpec
+from align.windows import (WINDOW_BUILDERS, topk_window_logits, verifier_path_logits, verifier_window_logits,
+                           window_logits)
+
+VOCAB, MASK = 16, 15
+PROMPT = torch.tensor([[1, 5, 2]])
+# What our runtime implements (HF's own methods are HF's business).
+RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl"]
+
+
+def tiny(seed: int, bidirectional: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    if bidirectional:
+        config.is_causal = False
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    decode = DecodeSection(gamma=3, max_new_tokens=8, num_candidates=3, adl_min_len=1, adl_max_len=4, adl_delta=1)
+    proxy = TrigramModel.fit(np.random.default_rng(0).integers(0, VOCAB, 500), VOCAB)
+    return Setup(tiny(0), tiny(1), DrafterSpec(MASK, 1, "block_causal"), tiny(2), None, frozenset(), decode, proxy)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", RUNTIME_METHODS)
+def test_every_runtime_method_creates_its_tensors_on_the_models_device(setup, name, temperature):
+    sampling = Sampling(temperature, top_k=5 if temperature else 0)
+    expected = METHODS[name](setup, PROMPT, sampling, torch.Generator().manual_seed(0))[0]
+    with torch.device("meta"):
+        tokens = METHODS[name](setup, PROMPT, sampling, torch.Generator().manual_seed(0))[0]
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_dllm_and_spiffy_decoding_create_their_tensors_on_the_models_device(attention):
+    model, spec = tiny(0, attention == "bidirectional"), DrafterSpec(MASK, 1, attention)
+    traces = []
+    expected = dllm_generate(model, spec, PROMPT, 8, 4, trace=traces)[0]
+    graph = calibrate(traces, MASK, block_length=4, budget=3)
+    with torch.device("meta"):
+        assert dllm_generate(model, spec, PROMPT, 8, 4)[0] == expected
+        assert spiffy_generate(model, spec, PROMPT, graph, 8)[0] == expected
+        assert spiffy_generate(model, spec, PROMPT, graph, 8, active=1)[0] == expected
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_windows_and_losses_create_their_tensors_on_the_models_device(attention):
+    drafter, verifier, spec = tiny(0, attention == "bidirectional"), tiny(3), DrafterSpec(MASK, 1, attention)
+    rows = [{"prompt_ids": [1, 2, 3], "completion_ids": [4, 5, 6, 7, 8, 9], "topk_ids": [[4, 5]] * 6,
+             "topk_logprobs": [[-0.1, -2.4]] * 6}] * 2
+    batch = WINDOW_BUILDERS[attention](rows, spec, 3, 2, 0, np.random.default_rng(0)).to(torch.device("cpu"))
+    with torch.device("meta"):
+        draft_logits = window_logits(drafter, spec, batch).float().flatten(0, 1)
+        online = verifier_window_logits(verifier, batch).float().flatten(0, 1)
+        stored = topk_window_logits(rows, batch, VOCAB).flatten(0, 1)
+        on_policy = verifier_path_logits(verifier, batch, batch.targets, 0)
+        targets, mask = batch.targets.flatten(0, 1), batch.target_mask.flatten(0, 1)
+        values = []
+        for name, (loss, _) in WINDOW_LOSSES.items():
+            for verifier_logits in (online, stored):
+                if not needs_verifier_distributions(name):
+                    values.append(loss(draft_logits, targets, mask, num_windows=4))
+                elif name == "streak_tv":
+                    values.append(loss(draft_logits, verifier_logits, mask, num_windows=4))
+                else:
+                    values.append(loss(draft_logits, verifier_logits, mask, num_tokens=10))
+    assert {t.device.type for t in (draft_logits, online, stored, on_policy, *values)} == {"cpu"}
+    assert all(torch.isfinite(v) for v in values)
