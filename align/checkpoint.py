@@ -81,13 +81,13 @@ def latest_step(run_dir: str | os.PathLike) -> Optional[Path]:
     return folders[-1][1] if folders else None
 
 
-def merged_model(module: Any, state: dict[str, Any], trust_remote_code: bool = False) -> Any:
+def merged_model(module: Any, state: dict[str, Any]) -> Any:
     """A fresh copy of the drafter `module` (a plain model or a peft model) holding `state`, with any LoRA merged into
     the base weights: what users load with transformers alone. It keeps the dtype of `state` (the run's)."""
-    from transformers import AutoModelForCausalLM
-
-    base_config = (module.get_base_model() if hasattr(module, "get_base_model") else module).config
-    model = AutoModelForCausalLM.from_config(base_config, trust_remote_code=trust_remote_code)
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    # The drafter's own class, not an Auto lookup: Dream/DiffuCoder-style remote-code models register AutoModel only,
+    # and AutoModelForCausalLM.from_config cannot build them.
+    model = type(base)._from_config(base.config)
     if hasattr(module, "peft_config"):
         from peft import get_peft_model
 

@@ -331,7 +331,7 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
         state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
                  else None)
     if trainer.rank == 0:
-        model = merged_model(module, state, recipe.drafter.trust_remote_code)
+        model = merged_model(module, state)
         save_merged(model, trainer.tokenizer, out / f"step_{step}", {"meta.json": json.dumps({"step": step, **meta},
                                                                                               indent=2)})
     trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step})
