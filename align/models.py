@@ -155,6 +155,14 @@ def block_diffusion_allowed(seq_len: int, block_size: int, device: torch.device 
 # --------------------------------------------------------------------------------------------------------------------
 # reading a diffusion drafter
 # --------------------------------------------------------------------------------------------------------------------
+def rollback_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty KV cache for `model` that speculative decoding can crop back after a rejection. Sliding-window layers
+    (Gemma, Mistral-style) otherwise drop what falls out of the window, and refuse to crop once it is full."""
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
 @dataclass
 class DrafterContext:
     """Encoded context of a block-causal drafter: its exact KV cache and the logits of its last position."""
@@ -165,7 +173,7 @@ class DrafterContext:
 
     @classmethod
     def empty(cls, model: PreTrainedModel) -> "DrafterContext":
-        return cls(DynamicCache(config=model.config), 0, None)
+        return cls(rollback_cache(model), 0, None)
 
 
 def encode_context(

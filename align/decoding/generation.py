@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from align.decoding.sampling import logits_to_probs, sample
+from align.models import rollback_cache
 
 
 @dataclass
@@ -80,7 +81,7 @@ def verifier_forward(
 
 def prefill(verifier: PreTrainedModel, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
     """Encode the prompt (1, n): a cache covering it, and the (V,) logits predicting the first new token."""
-    cache = DynamicCache(config=verifier.config)
+    cache = rollback_cache(verifier)
     logits = verifier_forward(verifier, prompt_ids, cache)
     return logits[-1], cache
 

@@ -10,6 +10,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from align.decoding.acceptance import accept_draft
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
+from align.models import rollback_cache
 
 
 @torch.inference_mode()
@@ -56,7 +57,7 @@ def sd_ar_generate(
     """
     draft_sampling = draft_sampling or sampling
     stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
-    draft_cache = DynamicCache(config=drafter.config)
+    draft_cache = rollback_cache(drafter)
     while not finished(tokens, max_new_tokens, eos_ids):
         draft_len = min(gamma, max_new_tokens - len(tokens))
         context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
