@@ -133,9 +133,29 @@ def show_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_exact(args: argparse.Namespace) -> int:
+    """Exit 1 unless every temperature-0 method of every eval.json matched its reference token for token."""
+    import json
+
+    failed = 0
+    for path in args.evals:
+        try:
+            methods = json.loads(Path(path).read_text())["methods"]
+        except (OSError, ValueError, KeyError):
+            print(f"align exact: error: {path} is not an eval.json written by align eval", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        for name, m in methods.items():
+            print(f"{path}: {name}: exact_match {m['exact_match']:.2f}")
+            failed += m["exact_match"] != 1.0
+    print("every greedy output identical to its reference" if not failed else f"{failed} methods differ")
+    return 1 if failed else 0
+
+
 def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "latest":
         parser.add_argument("run", help="an align train run folder (train.out)")
+    elif name == "exact":
+        parser.add_argument("evals", nargs="+", help="eval.json files")
     else:
         parser.add_argument("runs", nargs="+", help="align train run folders")
         parser.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the median")
@@ -146,6 +166,8 @@ TOOLS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "latest": ("print the newest step_<N> checkpoint folder of a training run", show_latest),
     "throughput": ("print a table of training tokens/s (median after warm-up) for training run folders",
                    show_throughput),
+    "exact": ("check that every greedy output in eval.json files equals its reference (AR greedy, or vanilla "
+              "dLLM decoding); exit 1 if one differs", show_exact),
 }
 
 

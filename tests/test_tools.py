@@ -46,3 +46,14 @@ def test_before_after_table_pairs_each_method_with_its_compared_drafters():
     assert "| specdiff | aligned | 3.00 | 2.00× | 1.20× |" in table
     assert "| ar |" not in table
     assert before_after_table({"ar": {"tau": 1.0, "speedup": 1.0}}) is None
+
+
+def test_exact_fails_when_a_greedy_output_differs(tmp_path, capsys):
+    same, differs = tmp_path / "same.json", tmp_path / "differs.json"
+    same.write_text(json.dumps({"methods": {"ar": {"exact_match": 1.0}, "specdiff": {"exact_match": 1.0}}}))
+    differs.write_text(json.dumps({"methods": {"ar": {"exact_match": 1.0}, "specdiff": {"exact_match": 0.75}}}))
+    assert align(["exact", str(same)]) == 0
+    assert "every greedy output identical to its reference" in capsys.readouterr().out
+    assert align(["exact", str(same), str(differs)]) == 1
+    assert "1 methods differ" in capsys.readouterr().out
+    assert align(["exact", str(tmp_path / "missing.json")]) == 2

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The check to run wherever a GPU is (DESIGN §11), a few minutes on one: a tiny random-initialised family of real
+# architectures (Llama verifier, block-causal Llama drafter, Llama AR drafter; a few seconds of pretraining) through
+# every stage on this machine's devices. It stops non-zero unless every stage succeeds, training losses stay finite
+# (align train exits 3 otherwise) and every greedy output is identical to its reference.
+#   bash launch/gpu_check.sh                 # OUT=<a fresh temporary folder> by default
+# With 2 or more GPUs trajectories and training run on 2 ranks; training is ZeRO-3 (bf16 on GPUs). Evaluation runs in
+# float32, where greedy outputs are comparable token for token. Without a GPU it runs the same stages on the CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+export HF_HUB_OFFLINE=1
+out=${OUT:-$(mktemp -d)/gpu-check}
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)
+ranks=1
+bf16=false
+if [ "$gpus" -ge 2 ]; then ranks=2; fi
+if [ "$gpus" -ge 1 ]; then bf16=true; else export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
+echo "gpu_check: $gpus GPU(s), $ranks rank(s), bf16 training $bf16 -> $out"
+nvidia-smi -L 2>/dev/null || true
+A=.venv/bin/align
+ck=$out/ck
+data=(data.dir="$out/data")
+sizes=()
+for part in verifier drafter ar_drafter; do
+  for key in hidden_size=64 num_layers=2 num_heads=4 num_kv_heads=2 intermediate_size=128 seq_len=64 batch_size=4 \
+             budget_minutes=0.05 eval_tokens=512 warmup_steps=2; do
+    sizes+=("bootstrap.$part.$key")
+  done
+done
+$A bootstrap recipes/tiny/bootstrap.yaml bootstrap.out="$ck" "${data[@]}" bootstrap.corpus_fraction=0.15 \
+  bootstrap.vocab_size=512 "${sizes[@]}"
+models=(verifier.path="$ck/verifier" drafter.path="$ck/drafter-base" ar_drafter.path="$ck/ar-drafter")
+made=(trajectories.out="$out/trajectories" trajectories.temperature=0.7 trajectories.completions_per_prompt=2
+      trajectories.max_new_tokens=24 trajectories.store_topk=8)
+$A trajectories recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${data[@]}" "${made[@]}" \
+  trajectories.num_prompts=48 trajectories.batch_size=8
+$A train recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${made[@]}" train.out="$out/run" \
+  train.zero_stage=3 train.bf16="$bf16" "train.losses={ce_streak: 1.0, fkl: 0.5}" train.gamma=4 \
+  train.micro_batch_size=4 train.max_steps=6 train.save_every=3 train.eval_every=3 train.final_eval_prompts=2
+aligned=$($A latest "$out/run")
+fp32=(verifier.dtype=float32 drafter.dtype=float32 ar_drafter.dtype=float32)
+$A eval recipes/tiny/eval.yaml "${models[@]}" "${fp32[@]}" "${data[@]}" eval.out="$out/eval" eval.num_prompts=4 \
+  eval.warmup=1 decode.max_new_tokens=32 eval.sampling_temperature=0.8 "eval.compare_drafters={aligned: $aligned}"
+spiffy=(drafter.path="$aligned" drafter.dtype=float32 "${data[@]}" calibrate.block_length=8 calibrate.budget=4
+        decode.max_new_tokens=32)
+$A calibrate recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.out="$out/spiffy" calibrate.num_prompts=4
+$A eval recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.graph="$out/spiffy/draft_graph.json" \
+  eval.out="$out/spiffy/eval" eval.num_prompts=3 eval.warmup=0 "eval.spiffy_budgets=[2,4]"
+$A exact "$out/eval/eval.json" "$out/spiffy/eval/eval.json"
+echo "gpu_check: passed ($out)"
