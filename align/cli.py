@@ -18,7 +18,7 @@ from typing import Callable, NoReturn, Optional, Union
 import yaml
 
 from align.config import (Recipe, RecipeError, check_inputs, check_models, check_output, eval_models, get_key,
-                          load_recipe)
+                          load_recipe, train_models)
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -26,12 +26,6 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopp
 
 def _none(recipe: Recipe) -> tuple[str, ...]:
     return ()
-
-
-def _train_models(recipe: Recipe) -> tuple[str, ...]:
-    # The verifier is loaded for labels in the step (KD losses online, on-policy) and for the final real τ.
-    t = recipe.train
-    return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
 
 
 # eval.mode -> the module that evaluates in that mode (speculative decoding methods, or the drafter as a dLLM).
@@ -74,7 +68,7 @@ STAGES: dict[str, Stage] = {
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.training", ("drafter", "verifier", "trajectories", "train"), models=_train_models,
+        "align.train", ("drafter", "verifier", "trajectories", "train"), models=train_models,
         outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(

@@ -838,6 +838,13 @@ METHOD_MODELS: dict[str, tuple[str, ...]] = {
 }
 
 
+def train_models(recipe: Recipe) -> tuple[str, ...]:
+    """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
+    on-policy) and for the final real τ."""
+    t = recipe.train
+    return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
+
+
 def eval_models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align eval` loads: the drafter alone in dllm mode; else the verifier and what the methods need,
     with eval.compare_drafters when a drafter is used."""

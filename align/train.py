@@ -1,5 +1,18 @@
-"""The script the DeepSpeed launcher runs on every rank: `deepspeed align/train.py recipe.yaml [key=value ...]` is
-`align train recipe.yaml [key=value ...]` (the stage itself is align/training.py)."""
+"""`align train`: align a diffusion drafter to a verifier under DeepSpeed, readable top to bottom. Also the script
+the DeepSpeed launcher runs on every rank:
+
+    align train recipes/tiny/align.yaml [key=value ...] [--num_gpus 2]
+    deepspeed --num_gpus 2 align/train.py recipes/tiny/align.yaml [key=value ...]     # the same, launched by hand
+    python align/train.py recipes/tiny/align.yaml                                      # 1 process, no launcher
+
+Reads trajectories written by `align trajectories`, trains on windows with the recipe's weighted losses, and writes
+`<train.out>/step_<N>/` (a merged HF folder loadable by transformers alone, with meta.json), `ds_state/` (DeepSpeed
+state for exact resume), `metrics.jsonl` and TensorBoard events. A re-run resumes from the last checkpoint and
+reproduces the losses an uninterrupted run would have had: every batch is a function of (seed, step, rank).
+A checkpoint is only ever written from finite weights, so `latest` never points at a poisoned state.
+"""
+
+from __future__ import annotations
 
 import sys
 from pathlib import Path
@@ -7,8 +20,430 @@ from pathlib import Path
 if __name__ == "__main__":
     # Run as a script, this file's folder comes first on sys.path, where align's own modules (config, data, ...)
     # would shadow top-level packages of the same names.
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    from align.cli import main
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-    raise SystemExit(main(["train", *sys.argv[1:]]))
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from align.checkpoint import merged_model, save_merged, step_folders, write_text_atomic  # noqa: E402
+from align.config import Recipe, RecipeError, check_models, check_output, load_recipe, train_models  # noqa: E402
+from align.data import check_trajectories_match, load_trajectories, read_trajectory_manifest  # noqa: E402
+from align.decoding.specdiff import specdiff_generate  # noqa: E402
+from align.launch import strip_launcher_args  # noqa: E402
+from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
+from align.models import DrafterSpec, load_drafter, load_tokenizer, load_verifier  # noqa: E402
+from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
+                           verifier_window_logits, window_logits)
+
+EXIT_NOT_FINITE = 3
+# One prompt in HELD_OUT_EVERY is kept out of training, for the simulated accepted length and the final real τ.
+HELD_OUT_EVERY = 20
+
+
+@dataclass
+class TrainData:
+    """The trajectories and how they are split; everything the loop reads besides the models."""
+
+    rows: Any  # datasets.Dataset of trajectories
+    train_rows: list[int]
+    held_out: list[int]
+    online: bool  # the verifier runs in the step (its distributions or labels), rather than reading stored top-k
+
+
+@dataclass
+class Trainer:
+    """The DeepSpeed engine and what a step needs beside it."""
+
+    engine: Any
+    schedule: Any
+    spec: DrafterSpec
+    tokenizer: Any
+    verifier: Optional[torch.nn.Module]
+    build: Callable[..., WindowBatch]
+    pad_id: int
+    rank: int
+    world: int
+    device: torch.device  # this rank's (cuda:LOCAL_RANK on GPUs): batches and collective tensors live there
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# setup
+# --------------------------------------------------------------------------------------------------------------------
+def check_data(recipe: Recipe) -> TrainData:
+    """Load the trajectories and refuse, before any model is loaded, what cannot train as the recipe says."""
+    t = recipe.train
+    manifest = read_trajectory_manifest(recipe.trajectories.out)
+    check_trajectories_match(recipe, manifest)
+    needs_verifier = any(needs_verifier_distributions(name) for name in t.losses)
+    online = t.labels_online()
+    rows = load_trajectories(recipe.trajectories.out)
+    if needs_verifier and not online and "topk_ids" not in rows.column_names:
+        raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "
+                          "trajectories.store_topk > 0 when making the trajectories")
+    longest = max(len(c) for c in rows["completion_ids"])
+    if t.gamma > longest:
+        raise RecipeError(f"train.gamma: {t.gamma} is longer than every completion in {recipe.trajectories.out} "
+                          f"(longest {longest} tokens): no window could be filled; use train.gamma <= {longest}")
+    median = statistics.median(len(c) for c in rows["completion_ids"])
+    if t.gamma > median and int(os.environ.get("RANK", 0)) == 0:
+        print(f"align train: warning: train.gamma={t.gamma} is longer than half the completions (median {median:g} "
+              "tokens): their windows are cut short and train fewer positions", file=sys.stderr)
+    held_out = [i for i, p in enumerate(rows["prompt_index"]) if p % HELD_OUT_EVERY == 0]
+    train_rows = [i for i, p in enumerate(rows["prompt_index"]) if p % HELD_OUT_EVERY != 0]
+    if not train_rows:
+        raise RecipeError(f"trajectories.out: {recipe.trajectories.out} holds only held-out prompts (one in "
+                          f"{HELD_OUT_EVERY} is held out, the first among them); make trajectories of more prompts")
+    return TrainData(rows, train_rows, held_out, online)
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if torch.cuda.is_available():  # each rank owns its GPU before any model is built
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
+    """The DeepSpeed config, derived from the recipe (never hand-maintained beside it)."""
+    t = recipe.train
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.bf16},
+        "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with the progress bar
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Trainer:
+    """Drafter (LoRA or full), optional online verifier, AdamW with warm-up and cosine decay, DeepSpeed engine."""
+    import deepspeed
+
+    t = recipe.train
+    torch.manual_seed(t.seed)
+    tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
+    model, spec = load_drafter(recipe.drafter, tokenizer)
+    model.train()
+    if t.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=t.lora_r, lora_alpha=t.lora_alpha, target_modules="all-linear"))
+    else:
+        model.requires_grad_(True)
+    # A torch AdamW rather than a DeepSpeed-config optimizer: no fused-Adam JIT build, and the same on CPU and GPU.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
+                                  weight_decay=t.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)) * (
+        0.5 * (1 + math.cos(math.pi * min(1.0, s / t.max_steps)))))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           config=deepspeed_config(recipe))
+    verifier = load_verifier(recipe.verifier) if data.online else None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
+                   engine.device)
+
+
+def resume(trainer: Trainer, out: Path) -> int:
+    """Load the last DeepSpeed state under out/ds_state (0 without one), and drop metrics of later steps, which the
+    resumed run will log again."""
+    if not (out / "ds_state" / "latest").is_file():
+        return 0
+    _, client = trainer.engine.load_checkpoint(str(out / "ds_state"))
+    start = client["step"]
+    metrics = out / "metrics.jsonl"
+    if trainer.rank == 0 and metrics.is_file():
+        kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= start]
+        write_text_atomic(metrics, "".join(line + "\n" for line in kept))
+    if trainer.rank == 0:
+        print(f"align train: resuming from step {start}")
+    return start
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# batches
+# --------------------------------------------------------------------------------------------------------------------
+def stream_position(step: int, micro: int, rank: int, world: int, recipe: Recipe) -> int:
+    """Where a micro-batch starts in the stream of training rows. Steps, micro-batches and ranks interleave so that
+    the same global batch holds the same rows whatever the split into processes and accumulation steps."""
+    t = recipe.train
+    return ((step * t.gradient_accumulation_steps + micro) * world + rank) * t.micro_batch_size
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+
+
+def rows_at(position: int, count: int, seed: int, n_rows: int) -> list[int]:
+    """`count` row indices from `position` on; each epoch is a fresh permutation of the rows."""
+    return [int(epoch_order(seed, pos // n_rows, n_rows)[pos % n_rows]) for pos in range(position, position + count)]
+
+
+def rank_share(indices: list[int], rank: int, world: int) -> tuple[list[int], list[float]]:
+    """This rank's share of `indices` and a weight per row (0 for padding). Every rank gets the same number of rows,
+    so that under ZeRO-3, where each forward is a collective, all ranks make the same number of forwards."""
+    per_rank = -(-len(indices) // world)
+    mine = indices[rank::world]
+    padding = per_rank - len(mine)
+    return mine + indices[:1] * padding, [1.0] * len(mine) + [0.0] * padding
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the step
+# --------------------------------------------------------------------------------------------------------------------
+def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recipe: Recipe, num_windows: int,
+                   num_tokens: int) -> dict[str, torch.Tensor]:
+    """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
+    draft_logits = window_logits(trainer.engine.module, trainer.spec, batch).float().flatten(0, 1)  # (B·W, γ, V)
+    targets, mask = batch.targets.flatten(0, 1), batch.target_mask.flatten(0, 1)
+    verifier_logits = None
+    if recipe.train.data_mode == "on_policy":
+        # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
+        # tokens there (what greedy verification would accept), distributions its distributions there.
+        with torch.no_grad():
+            drafts = draft_logits.argmax(-1).view(batch.targets.shape)
+            verifier_logits = verifier_path_logits(trainer.verifier, batch, drafts, trainer.pad_id)
+            verifier_logits = verifier_logits.float().flatten(0, 1)
+        targets = verifier_logits.argmax(-1)
+    parts = {}
+    for name, weight in recipe.train.losses.items():
+        fn = WINDOW_LOSSES[name][0]
+        if not needs_verifier_distributions(name):
+            parts[name] = weight * fn(draft_logits, targets, mask, num_windows=num_windows)
+            continue
+        if verifier_logits is None:
+            with torch.no_grad():
+                verifier_logits = (verifier_window_logits(trainer.verifier, batch) if trainer.verifier is not None
+                                   else topk_window_logits(rows, batch, draft_logits.shape[-1]))
+                verifier_logits = verifier_logits.float().flatten(0, 1)
+        if name == "streak_tv":
+            parts[name] = weight * fn(draft_logits, verifier_logits, mask, num_windows=num_windows)
+        else:
+            parts[name] = weight * fn(draft_logits, verifier_logits, mask, num_tokens=num_tokens)
+    return parts
+
+
+def all_ranks(flag: bool, world: int, device: torch.device) -> bool:
+    """True when `flag` holds on every rank (every rank must take the same branch after a collective decision)."""
+    value = torch.tensor([float(flag)], device=device)  # NCCL reduces GPU tensors only
+    if world > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def weights_finite(engine: Any, world: int) -> bool:
+    """Every trainable weight finite, on every rank. Under ZeRO-3 a rank holds a partition (`ds_tensor`) of each
+    parameter, and the partitions together are the whole."""
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters()
+                 if p.requires_grad)
+    return all_ranks(finite, world, engine.device)
+
+
+def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> Optional[dict[str, Any]]:
+    """One optimiser step (with accumulation); its metrics, or None when a loss or the updated weights are not
+    finite (the update is then not to be kept)."""
+    t, rank, world = recipe.train, trainer.rank, trainer.world
+    t0 = time.perf_counter()
+    positions = [stream_position(step, m, rank, world, recipe) for m in range(t.gradient_accumulation_steps)]
+    micro_rows = [[data.rows[data.train_rows[i]] for i in rows_at(p, t.micro_batch_size, t.seed, len(data.train_rows))]
+                  for p in positions]
+    # Windows are drawn by stream position too: a row gets the same windows in any process layout.
+    batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
+                             np.random.default_rng([t.seed, p])).to(trainer.device)
+               for p, rows in zip(positions, micro_rows)]
+    # Normalise by the whole step's counts over every rank, so accumulation and data parallelism change nothing.
+    counts = torch.tensor([sum(b.num_windows for b in batches), sum(int(b.target_mask.sum()) for b in batches)],
+                          dtype=torch.float64, device=trainer.device)
+    if world > 1:
+        dist.all_reduce(counts)
+    scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
+    totals: dict[str, float] = {}
+    for rows, batch in zip(micro_rows, batches):
+        parts = compute_losses(trainer, batch, rows, recipe, int(counts[0]), int(counts[1]))
+        loss = sum(parts.values())
+        if not all_ranks(bool(torch.isfinite(loss)), world, trainer.device):
+            return None
+        trainer.engine.backward(loss * scale)
+        trainer.engine.step()
+        for name, value in parts.items():
+            totals[name] = totals.get(name, 0.0) + value.item()
+    if not weights_finite(trainer.engine, world):
+        return None
+    summed = torch.tensor(list(totals.values()), dtype=torch.float64, device=trainer.device)
+    if world > 1:
+        dist.all_reduce(summed)
+    return {"step": step + 1, "loss": float(summed.sum()), **dict(zip(totals, summed.tolist())),
+            "lr": trainer.schedule.get_last_lr()[0], "windows": int(counts[0]),
+            "tokens_per_s_per_rank": float(sum(b.target_mask.sum() for b in batches)) / (time.perf_counter() - t0)}
+
+
+@torch.no_grad()
+def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[str, float]:
+    """Simulated accepted length on held-out trajectories: the expected streak Σ_j Π_{i≤j} q(x_i), and the greedy
+    streak (draft tokens matching x before the first miss), per window, averaged over every rank's share."""
+    t = recipe.train
+    totals = torch.zeros(3, dtype=torch.float64, device=trainer.device)
+    mine, weights = rank_share(data.held_out, trainer.rank, trainer.world)
+    for start in range(0, len(mine), t.micro_batch_size):
+        rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
+        batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
+                              np.random.default_rng([t.seed, start])).to(trainer.device)
+        logits = window_logits(trainer.engine.module, trainer.spec, batch).float()
+        log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
+        log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
+        hits = (logits.argmax(-1) == batch.targets) & batch.target_mask
+        weight = torch.tensor(weights[start : start + t.micro_batch_size], dtype=torch.float64,
+                              device=trainer.device)[:, None]
+        valid = batch.target_mask[..., 0] * weight  # (B, W): padding rows count 0
+        totals += torch.stack([(torch.exp(torch.cumsum(log_q, -1)).sum(-1) * valid).sum(),
+                               (hits.int().cumprod(-1).sum(-1) * valid).sum(), valid.sum()])
+    if trainer.world > 1:
+        dist.all_reduce(totals)
+    return {"expected_streak": totals[0].item() / max(totals[2].item(), 1),
+            "greedy_streak": totals[1].item() / max(totals[2].item(), 1)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# saving and the final check
+# --------------------------------------------------------------------------------------------------------------------
+def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
+    """`out/step_<N>/` (the drafter with LoRA merged, in the run's dtype, written atomically by rank 0), then the
+    DeepSpeed state for exact resume. Only called with finite weights."""
+    import deepspeed
+
+    module = trainer.engine.module
+    # Under ZeRO-3 each rank holds a shard: every rank enters the gather, rank 0 copies the full weights.
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None,
+                                           enabled=recipe.train.zero_stage == 3):
+        state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
+                 else None)
+    if trainer.rank == 0:
+        model = merged_model(module, state)
+        save_merged(model, trainer.tokenizer, out / f"step_{step}", {"meta.json": json.dumps({"step": step, **meta},
+                                                                                              indent=2)})
+    trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step})
+
+
+def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> dict[str, float]:
+    """τ of SpecDiff greedy decoding (γ = train.gamma, 64 new tokens) with the saved checkpoint on held-out prompts."""
+    verifier = load_verifier(recipe.verifier)
+    section = recipe.drafter.model_copy(update={"path": str(checkpoint)})
+    drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint)))
+    prompts, seen = [], set()
+    for i in data.held_out:
+        if data.rows[i]["prompt_index"] not in seen and len(prompts) < count:
+            seen.add(data.rows[i]["prompt_index"])
+            prompts.append(torch.tensor([data.rows[i]["prompt_ids"]], device=verifier.device))
+    counts = []
+    for ids in prompts:
+        counts += specdiff_generate(verifier, drafter, spec, ids, recipe.train.gamma, 64)[1].accept_counts
+    return {"final_tau": sum(n + 1 for n in counts) / max(len(counts), 1), "final_tau_prompts": len(prompts)}
+
+
+def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> None:
+    step = recipe.train.max_steps
+    record = final_tau(recipe, out / f"step_{step}", data, recipe.train.final_eval_prompts)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": step, **record}) + "\n")
+    meta_path = out / f"step_{step}" / "meta.json"
+    write_text_atomic(meta_path, json.dumps({**json.loads(meta_path.read_text()), **record}, indent=2))
+    print(f"align train: real τ on {record['final_tau_prompts']} held-out prompts: {record['final_tau']:.3f}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------------------------------
+def main(recipe: Recipe, command: str) -> int:
+    t, out = recipe.train, Path(recipe.train.out)
+    data = check_data(recipe)
+    rank, world = init_distributed()
+    trainer = build_trainer(recipe, data, rank, world)
+    start = resume(trainer, out)
+    writer = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        out.mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(str(out / "tensorboard"))
+    meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path, "verifier": recipe.verifier.path,
+            "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
+            "command": command}
+    bar = tqdm(total=t.max_steps, initial=start, desc="align", unit="step", disable=rank != 0, dynamic_ncols=True)
+    status = 0
+    for step in range(start, t.max_steps):
+        record = train_step(trainer, data, recipe, step)
+        if record is None:
+            last = step_folders(out)
+            if rank == 0:
+                print(f"align train: step {step + 1} gave a non-finite loss or non-finite weights (learning rate "
+                      f"{t.lr:g} too high?); stopping with the last good checkpoint intact: "
+                      f"{last[-1][1] if last else 'none saved'}", file=sys.stderr)
+            status = EXIT_NOT_FINITE
+            break
+        if (step + 1) % t.eval_every == 0 or step + 1 == t.max_steps:
+            trainer.engine.eval()
+            record.update(held_out_streak(trainer, data, recipe))
+            trainer.engine.train()
+        if rank == 0:
+            with (out / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, step + 1)
+            bar.update()
+            bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if (step + 1) % t.save_every == 0 or step + 1 == t.max_steps:
+            save_checkpoint(trainer, recipe, out, step + 1, {**meta, "metrics": record})
+    bar.close()
+    # Real τ with the runtime (training accuracy alone misleads), from the final merged checkpoint.
+    if rank == 0 and status == 0 and t.final_eval_prompts:
+        record_final_tau(recipe, out, data)
+    if writer is not None:
+        writer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+def script(argv: list[str]) -> int:
+    """What the DeepSpeed launcher runs on every rank: the recipe read and checked as `align train` checks it (one
+    line, exit code 2, before any work), then main."""
+    args = strip_launcher_args(argv)
+    try:
+        if not args:
+            raise RecipeError("usage: deepspeed align/train.py recipe.yaml [key=value ...]")
+        recipe = load_recipe(args[0], args[1:])
+        check_models(recipe, train_models(recipe))
+        check_output("train.out", recipe.train.out)
+        return main(recipe, shlex.join(["align/train.py", *args]))
+    except RecipeError as e:
+        if int(os.environ.get("RANK", 0)) == 0:  # every rank would say the same
+            print(f"align train: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(sys.argv[1:]))

@@ -9,11 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "align"
-# Modules with a main(recipe, command) that `align <stage>` runs. cli.py (which dispatches to them), train.py (the
-# DeepSpeed launcher's script, which calls cli) and __main__.py sit above them.
-STAGES = {"bootstrap", "trajectories", "training", "calibrate", "evaluate", "evaluate_dllm", "export", "gkd"}
-ENTRY_POINTS = {"cli", "train", "__main__"}
-TRAINING_CODE = {"deepspeed", "align.training", "align.windows", "align.losses", "peft", "trl"}
+# Modules with a main(recipe, command) that `align <stage>` runs (train.py is also the DeepSpeed launcher's script).
+# cli.py, which dispatches to them, and __main__.py sit above them.
+STAGES = {"bootstrap", "trajectories", "train", "calibrate", "evaluate", "evaluate_dllm", "export", "gkd"}
+ENTRY_POINTS = {"cli", "__main__"}
+TRAINING_CODE = {"deepspeed", "align.train", "align.windows", "align.losses", "peft", "trl"}
 
 
 def modules() -> dict[str, Path]:

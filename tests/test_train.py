@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from conftest import TOY_TRAJECTORIES
 
 from align.cli import main as align
-from align.training import rank_share
+from align.train import rank_share
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -105,7 +105,7 @@ def test_sigkill_after_a_checkpoint_resumes_with_the_same_losses(trajectories, t
 POISON = """
 import sys
 from align.config import load_recipe
-from align.training import main
+from align.train import main
 recipe = load_recipe(sys.argv[1], sys.argv[2:])
 recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": float("inf")})})
 sys.exit(main(recipe, "poison"))
