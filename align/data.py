@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from align.config import Recipe, RecipeError
+from align.config import Recipe, RecipeError, get_key
 from align.corpus import ensure_data
 
 TRAJECTORY_MANIFEST = "manifest.json"
@@ -129,8 +129,7 @@ def check_trajectories_match(recipe: Recipe, manifest: dict[str, Any]) -> None:
     """Refuse trajectories whose manifest disagrees with the recipe (one line naming the first key that differs)."""
     made = manifest.get("settings", {})
     for key, name in TRAJECTORY_KEYS.items():
-        section, field = key.split(".")
-        wanted = getattr(getattr(recipe, section), field)
+        wanted = get_key(recipe, key)
         if name not in made or (name == "top_p" and recipe.trajectories.temperature == 0):
             continue  # greedy trajectories ignore top_p (and a temperature mismatch is reported on its own)
         same = _same_path(str(wanted), str(made[name])) if name == "verifier" else wanted == made[name]

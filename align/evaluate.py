@@ -22,8 +22,7 @@ from transformers import AutoConfig
 
 from align.bench import Run, count_forwards, interleaved, verifier_latency
 from align.checkpoint import atomic_folder, write_text_atomic
-from align.config import (METHOD_NAMES, DecodeSection, Recipe, RecipeError, check_inputs, check_model_path,
-                          eval_models)
+from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, eval_models
 from align.corpus import ensure_data
 from align.data import encode_prompts, eval_prompts, load_trajectories
 from align.decoding.adl import AdaptiveLength
@@ -33,8 +32,7 @@ from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate
-from align.models import (DrafterSpec, check_vocab_compatible, load_ar_drafter, load_drafter, load_tokenizer,
-                          load_verifier)
+from align.models import DrafterSpec, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
 
 
 @dataclass
@@ -364,25 +362,18 @@ def write_report(result: dict[str, Any], recipe: Recipe, command: str, out: Path
 def main(recipe: Recipe, command: str) -> None:
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
-    needed = eval_models(recipe)  # the models cli checked (config.check_models) are those loaded here
+    # The models loaded here are those cli checked before the stage (config.check_models: paths, weights files,
+    # drafter specs, one vocabulary).
+    needed = eval_models(recipe)
     uses_drafter, uses_ar_drafter = "drafter.path" in needed, "ar_drafter.path" in needed
-    check_inputs(recipe, model_keys=needed)
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     texts = eval_prompts(recipe)
-    # Configs first: a too-long prompt or a vocabulary mismatch is refused before any weights are loaded.
     compared = {label: recipe.drafter.model_copy(update={"path": path})
                 for label, path in (e.compare_drafters.items() if uses_drafter else ())}
-    for label, section in compared.items():
-        check_model_path(f"eval.compare_drafters.{label}", section.path)
-    sections = {"verifier.path": recipe.verifier, "drafter.path": recipe.drafter if uses_drafter else None,
-                "ar_drafter.path": recipe.ar_drafter if uses_ar_drafter else None,
-                **{f"eval.compare_drafters.{label}": section for label, section in compared.items()}}
-    configs = {key: AutoConfig.from_pretrained(sec.path, trust_remote_code=sec.trust_remote_code)
-               for key, sec in sections.items() if sec is not None}
-    prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, configs["verifier.path"].max_position_embeddings)
+    # The verifier's config first: a too-long prompt is refused before any weights are loaded.
+    context = AutoConfig.from_pretrained(recipe.verifier.path, trust_remote_code=recipe.verifier.trust_remote_code)
+    prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, context.max_position_embeddings)
     source = proxy_source(recipe) if any("cps" in n for n in names) else None
-    for key in [k for k in configs if k != "verifier.path"]:
-        check_vocab_compatible(configs["verifier.path"], configs[key], key)
     verifier = load_verifier(recipe.verifier)
     prompts = [ids.to(verifier.device) for ids in prompts]  # the tokenizer gives CPU tensors
     drafter, spec = load_drafter(recipe.drafter, tokenizer) if uses_drafter else (None, None)

@@ -12,7 +12,7 @@ import torch
 
 from align.bench import interleaved
 from align.checkpoint import write_text_atomic
-from align.config import Recipe, RecipeError, check_inputs
+from align.config import Recipe, RecipeError
 from align.data import encode_prompts, eval_prompts
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
@@ -59,7 +59,6 @@ def outputs_claim(attention: str, tokens: dict[str, list[list[int]]], references
 
 def main(recipe: Recipe, command: str) -> None:
     c, e = recipe.calibrate, recipe.eval
-    check_inputs(recipe, model_keys=("drafter.path",))
     if c.graph is None:
         raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align calibrate)")
     graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)

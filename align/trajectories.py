@@ -18,8 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from align.checkpoint import atomic_folder, write_text_atomic
-from align.config import Recipe, RecipeError, check_inputs
-from align.data import TRAJECTORY_MANIFEST, file_sha256, load_prompt_file, tiny_prompts_path
+from align.config import Recipe, RecipeError, check_inputs, get_key
+from align.data import TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, file_sha256, load_prompt_file, tiny_prompts_path
 from align.models import load_tokenizer, load_verifier
 
 
@@ -31,9 +31,9 @@ def rank_and_world() -> tuple[int, int]:
 def settings_of(recipe: Recipe, prompts: list[str]) -> dict[str, Any]:
     t = recipe.trajectories
     return {
-        "verifier": recipe.verifier.path,
-        "temperature": t.temperature, "top_p": t.top_p, "completions_per_prompt": t.completions_per_prompt,
-        "max_new_tokens": t.max_new_tokens, "store_topk": t.store_topk, "batch_size": t.batch_size,
+        # what align train compares with its own recipe (verifier, temperature, top_p, max_new_tokens)
+        **{name: get_key(recipe, key) for key, name in TRAJECTORY_KEYS.items()},
+        "completions_per_prompt": t.completions_per_prompt, "store_topk": t.store_topk, "batch_size": t.batch_size,
         "seed": recipe.train.seed, "num_prompts": len(prompts),
         "prompts_sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
     }
