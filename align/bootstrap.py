@@ -219,7 +219,8 @@ def pretrain(
         elapsed += dt
         bar.update(min(round(elapsed) - bar.n, round(budget) - bar.n))
         bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{window[:, :-1].numel() / dt:.0f}", step=step)
-        if elapsed - last_save >= cfg.save_every_minutes * 60:
+        # The last step is always saved: a run that is re-entered after its budget is spent resumes as finished.
+        if elapsed - last_save >= cfg.save_every_minutes * 60 or elapsed >= budget:
             work.mkdir(parents=True, exist_ok=True)
             with atomic_file(state_path) as tmp:
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
