@@ -63,6 +63,8 @@ def _quiet_datasets() -> Iterator[Any]:
 def _read_dataset(path: str, split: str, key: str, split_key: str) -> Any:
     """The `split` of the dataset at `path` (a `datasets.Dataset`, or [] for an empty file)."""
     local = Path(path)
+    if not local.exists() and local.suffix in (".jsonl", ".json", ".parquet"):
+        raise RecipeError(f"{key}: no such file: {path}")  # a file's name, not a Hub id
     if not (local.exists() or is_hub_id(path)):
         raise RecipeError(f"{key}: no such file or folder: {path} (nor a Hub dataset id, org/name)")
     what = "a dataset folder" if local.is_dir() else "a Hub dataset"
