@@ -97,7 +97,7 @@ def _read_dataset(path: str, split: str, key: str, split_key: str) -> Any:
         except ConnectionError:
             if hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
                 raise RecipeError(f"{key}: {path} is not a local file or folder, and the Hub is offline "
-                                  "(HF_HUB_OFFLINE=1) with no copy in the datasets cache") from None
+                                  "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) with no copy in the datasets cache") from None
             raise RecipeError(f"{key}: cannot reach the Hub for the dataset {path}") from None
         except Exception as e:  # datasets raises several types for a malformed file; all mean the same to the user
             why = type(e).__name__ if what in ("JSONL", "Parquet") else first_line(e)

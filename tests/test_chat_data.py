@@ -156,6 +156,9 @@ def chat_run(toy_family, sources, tmp_path_factory):
     assert main(["calibrate", "recipes/tiny/spiffy.yaml", *common, f"calibrate.out={out / 'graph'}",
                  f"calibrate.prompts={hub}", "calibrate.prompt_field=messages", "calibrate.block_length=8",
                  "calibrate.budget=2"]) == 0
+    assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={out / 'graph' / 'draft_graph.json'}",
+                 "calibrate.block_length=8", f"eval.out={out / 'dllm'}", f"eval.prompts={hub}", "eval.split=train",
+                 "eval.prompt_field=messages", "eval.warmup=0", "eval.spiffy_budgets=[2]"]) == 0
     return out, common
 
 
@@ -170,10 +173,12 @@ def test_trajectories_eval_and_calibration_read_the_same_token_ids(chat_run):
     settings = json.loads((out / "traj" / "manifest.json").read_text())["settings"]
     meta = json.loads((out / "eval" / "eval.json").read_text())["meta"]
     graph = DraftGraph.load(out / "graph" / "draft_graph.json", block_length=8).meta
+    dllm = json.loads((out / "dllm" / "eval.json").read_text())["meta"]
+    records = [settings, meta, graph, dllm]  # trajectories, eval, calibration, eval of the dLLM alone
     digest = hashlib.sha256(json.dumps(expected).encode()).hexdigest()
-    assert settings["prompts_sha256"] == meta["prompts_sha256"] == graph["prompts_sha256"] == digest
+    assert [r["prompts_sha256"] for r in records] == [digest] * 4
     template = hashlib.sha256(TEMPLATE.encode()).hexdigest()
-    assert settings["chat_template_sha256"] == meta["chat_template_sha256"] == graph["chat_template_sha256"] == template
+    assert [r["chat_template_sha256"] for r in records] == [template] * 4
 
 
 def test_training_refuses_trajectories_of_another_template(chat_run, capsys):
