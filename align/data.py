@@ -142,9 +142,11 @@ def load_prompts(recipe: Recipe, key: str, default: Optional[str] = None) -> lis
     are converted and checked (a Hub chat dataset may hold hundreds of thousands)."""
     split_key, column_key, limit_key = PROMPT_SOURCES[key]
     path = get_key(recipe, key)
-    split, column = (get_key(recipe, split_key), get_key(recipe, column_key)) if path is not None else ("train", "prompt")
-    path = path if path is not None else default
-    if path is None:
+    if path is not None:
+        split, column = get_key(recipe, split_key), get_key(recipe, column_key)
+    elif default is not None:
+        path, split, column = default, "train", "prompt"
+    else:
         raise RecipeError(f"{key}: no prompts given")
     rows = _read_dataset(path, split, key, split_key)
     if len(rows) and column not in rows.column_names:

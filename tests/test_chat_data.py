@@ -169,7 +169,8 @@ def test_trajectories_eval_and_calibration_read_the_same_token_ids(chat_run):
     rows = load_trajectories(out / "traj")
     by_prompt = {i: ids for i, ids in zip(rows["prompt_index"], rows["prompt_ids"])}
     assert [by_prompt[i] for i in range(len(PROMPTS))] == expected
-    assert tokenizer.decode(expected[1]) == "<|user|>sort a list\n<|assistant|>sorted(x)\n<|user|>in place?\n<|assistant|>"
+    conversation = "<|user|>sort a list\n<|assistant|>sorted(x)\n<|user|>in place?\n<|assistant|>"
+    assert tokenizer.decode(expected[1]) == conversation
     settings = json.loads((out / "traj" / "manifest.json").read_text())["settings"]
     meta = json.loads((out / "eval" / "eval.json").read_text())["meta"]
     graph = DraftGraph.load(out / "graph" / "draft_graph.json", block_length=8).meta
