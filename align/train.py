@@ -351,7 +351,7 @@ def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> 
     """τ of SpecDiff greedy decoding (γ = train.gamma, 64 new tokens) with the saved checkpoint on held-out prompts."""
     verifier = load_verifier(recipe.verifier)
     section = recipe.drafter.model_copy(update={"path": str(checkpoint)})
-    drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint)))
+    drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint), section.trust_remote_code))
     prompts, seen = [], set()
     for i in data.held_out:
         if data.rows[i]["prompt_index"] not in seen and len(prompts) < count:
