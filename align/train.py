@@ -315,8 +315,9 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
         log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
         log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
         hits = (logits.argmax(-1) == batch.targets) & batch.target_mask
+        # Per trajectory; a bidirectional batch has a row per window, each naming its trajectory in source_rows.
         weight = torch.tensor(weights[start : start + t.micro_batch_size], dtype=torch.float64,
-                              device=trainer.device)[:, None]
+                              device=trainer.device)[batch.source_rows][:, None]
         valid = batch.target_mask[..., 0] * weight  # (B, W): padding rows count 0
         totals += torch.stack([(torch.exp(torch.cumsum(log_q, -1)).sum(-1) * valid).sum(),
                                (hits.int().cumprod(-1).sum(-1) * valid).sum(), valid.sum()])
