@@ -8,9 +8,10 @@ before its start and to itself, at the positions it replaces. A bidirectional dr
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -47,6 +48,17 @@ def pick_starts(prompt_len: int, completion_len: int, gamma: int, windows: int, 
     return sorted(int(prompt_len + s) for s in chosen)
 
 
+def on_cpu(build: Callable[..., WindowBatch]) -> Callable[..., WindowBatch]:
+    """Builders are data loading: they build on the CPU whatever the default device (a training step moves the batch
+    to its rank's device), so that no tensor of theirs lands on a device by accident."""
+    @functools.wraps(build)
+    def on_the_cpu(*args: Any, **kwargs: Any) -> WindowBatch:
+        with torch.device("cpu"):
+            return build(*args, **kwargs)
+    return on_the_cpu
+
+
+@on_cpu
 def block_causal_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: int, windows: int, pad_id: int,
                          rng: np.random.Generator, max_len: Optional[int] = None) -> WindowBatch:
     """Many windows per sequence, one row per trajectory (see the module docstring for the layout)."""
@@ -88,6 +100,7 @@ def block_causal_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: i
                        target_mask, block_index, torch.arange(B))
 
 
+@on_cpu
 def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: int, windows: int, pad_id: int,
                           rng: np.random.Generator, max_len: Optional[int] = None) -> WindowBatch:
     """One window per row, `prefix ⊕ MASK×γ` right-padded; every real token sees every other (padding is hidden)."""
