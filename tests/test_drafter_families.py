@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModel
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModel
 
 from align.cli import main as align
 from align.config import DecodeSection, DrafterSection, ModelSection
@@ -50,8 +51,8 @@ def folders(tmp_path_factory):
             "prompts": write_prompts(root / "prompts.jsonl", 40)}
 
 
-def drafter(folder):
-    section = DrafterSection(path=str(folder), trust_remote_code=True, device="cpu")
+def drafter(folder, dtype="auto"):
+    section = DrafterSection(path=str(folder), trust_remote_code=True, device="cpu", dtype=dtype)
     return load_drafter(section, load_tokenizer(str(folder), True))
 
 
@@ -61,6 +62,14 @@ def test_the_loader_reads_each_familys_spec_from_its_remote_code_config(folders,
     tokenizer = load_tokenizer(str(folders[family]))
     assert type(model).__module__.startswith("transformers_modules.")  # its own code, not a transformers class
     assert spec == DrafterSpec(tokenizer.mask_token_id, *EXPECTED[family])
+    # The same function as the model built from its config and weights (transformers 5 leaves buffers that
+    # transformers-4 remote code computes in __init__, Dream's rotary frequencies, as uninitialised memory)
+    reference = AutoModel.from_config(AutoConfig.from_pretrained(folders[family], trust_remote_code=True),
+                                      trust_remote_code=True)
+    reference.load_state_dict(load_file(folders[family] / "model.safetensors"))
+    ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference.eval()(input_ids=ids).logits)
     # block_logits reads position i of the block at logits[n + i - shift] of the model's own forward
     context, block = torch.tensor([[5, 6, 7, 8]]), torch.full((1, 3), spec.mask_token_id)
     full = model(input_ids=torch.cat([context, block], 1)).logits
@@ -137,9 +146,11 @@ def test_a_training_step_and_the_export_keep_the_remote_code(folders, trajectori
     assert config["auto_map"] == source["auto_map"] and config["model_type"] == source["model_type"]
     for module in source["auto_map"].values():
         assert (step / f"{module.split('.')[0]}.py").is_file()
-    trained = AutoModel.from_pretrained(step, trust_remote_code=True)
-    base = AutoModel.from_pretrained(folders[family], trust_remote_code=True)
-    assert trained.dtype == dtype  # the run's dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    saved = load_file(step / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {dtype} and config["dtype"] == dtype_name  # the run's dtype
+    trained, _ = drafter(step, dtype_name)
+    base, _ = drafter(folders[family], dtype_name)
     assert set(trained.state_dict()) == set(base.state_dict())  # LoRA merged: no adapter keys
     assert any(not torch.equal(p.float(), base.state_dict()[n].float()) for n, p in trained.named_parameters())
     assert json.loads((step / "meta.json").read_text())["final_tau"] >= 1.0  # the runtime decoded with it
@@ -150,9 +161,8 @@ def test_a_training_step_and_the_export_keep_the_remote_code(folders, trajectori
     exported = json.loads((out / "config.json").read_text())
     assert exported["auto_map"] == source["auto_map"]
     assert exported["drafter_spec"]["logits_shift"] == EXPECTED[family][0]
-    reloaded = AutoModel.from_pretrained(out, trust_remote_code=True)
-    assert reloaded.dtype == dtype
-    ids = torch.tensor([[5, 6, 7, 8, load_tokenizer(str(out)).mask_token_id]])
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {dtype}
+    reloaded, spec = drafter(out, dtype_name)
+    ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]])
     with torch.no_grad():
-        exported_logits, trained_logits = reloaded(input_ids=ids).logits, trained(input_ids=ids).logits
-    assert torch.equal(exported_logits, trained_logits), (exported_logits.float() - trained_logits.float()).abs().max()
+        assert torch.equal(reloaded(input_ids=ids).logits, trained(input_ids=ids).logits)
