@@ -166,3 +166,23 @@ def test_a_training_step_and_the_export_keep_the_remote_code(folders, trajectori
     ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]])
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def test_the_fixtures_take_the_masks_their_real_code_takes(folders):
+    """What each family's forward accepts, as its real code does (align passes a 4-D additive float mask or None)."""
+    dream, spec = drafter(folders["dream"])
+    ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]])
+    with torch.no_grad():
+        expected = dream(input_ids=ids).logits
+        # Dream: None, "full", or a 4-D tensor handed to scaled_dot_product_attention as it is (bool or additive)
+        for mask in ("full", torch.ones(1, 1, 5, 5, dtype=torch.bool), torch.zeros(1, 1, 5, 5)):
+            assert torch.equal(dream(input_ids=ids, attention_mask=mask).logits, expected)
+        llada, _ = drafter(folders["llada"])
+        expected = llada(input_ids=ids).logits
+        # LLaDA: `attention_mask` is a 2-D padding mask, 4-D masks go in `attention_bias`; no position ids, no cache
+        assert torch.equal(llada(input_ids=ids, attention_mask=torch.ones(1, 5)).logits, expected)
+        assert torch.equal(llada(input_ids=ids, attention_bias=torch.zeros(1, 1, 5, 5)).logits, expected)
+        with pytest.raises(TypeError):
+            llada(input_ids=ids, position_ids=torch.arange(5)[None])
+        with pytest.raises(AssertionError):
+            llada(input_ids=ids, use_cache=True)
