@@ -9,10 +9,11 @@ import torch
 from tqdm.auto import tqdm
 
 from align.config import Recipe, RecipeError
-from align.data import chat_template, load_prompts, prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path
+from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_prompt, template_sha256,
+                        tiny_prompts_path)
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import POSITION_ORDERS, calibrate
-from align.models import load_drafter, load_tokenizer
+from align.models import context_length, load_drafter, load_tokenizer
 
 
 def main(recipe: Recipe, command: str) -> None:
@@ -29,7 +30,7 @@ def main(recipe: Recipe, command: str) -> None:
     traces: list[BlockTrace] = []
     nfe = context_forwards = 0
     for ids in tqdm(prompt_ids, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
-        if len(ids) + recipe.decode.max_new_tokens > model.config.max_position_embeddings:
+        if len(ids) + recipe.decode.max_new_tokens > context_length(model.config):
             continue  # calibration only needs typical prompts; an over-long one is skipped, not fatal
         prompt = torch.tensor([ids], device=model.device)  # (1, n)
         _, stats = dllm_generate(model, spec, prompt, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,

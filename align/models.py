@@ -15,6 +15,7 @@ destroys acceptance, so they live in one place (`DrafterSpec`) and one function 
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -66,7 +67,7 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     kwargs = dict(
         dtype=resolve_dtype(section.dtype, device),
         trust_remote_code=section.trust_remote_code,
-        attn_implementation=section.attn_implementation,
+        **_attention_kwargs(section, config_overrides.get("config")),
         **config_overrides,
     )
     try:
@@ -74,9 +75,46 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     except ValueError:
         # LLaDA and Dream register their LM under AutoModel only.
         model = AutoModel.from_pretrained(section.path, **kwargs)
+    if section.trust_remote_code:
+        _restore_computed_buffers(model)
     model.to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+def _restore_computed_buffers(model: PreTrainedModel) -> None:
+    """Recompute the non-persistent buffers of remote code written for transformers 4.
+
+    transformers 5 builds a model on the meta device and fills what the checkpoint holds and what the model's
+    `_init_weights` sets; a non-persistent buffer that the code computes in `__init__` (Dream's and DiffuCoder's rotary
+    `inv_freq`) is left as uninitialised memory, and the model silently reads garbage positions. A skeleton built with
+    its parameters on the meta device (no memory) and its buffers on the CPU gives the values `__init__` computes."""
+    computed = dict(model.named_non_persistent_buffers())
+    if not computed:
+        return
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        skeleton = type(model)(model.config)
+    for name, value in skeleton.named_non_persistent_buffers():
+        if name in computed:
+            module_name, _, leaf = name.rpartition(".")
+            old = computed[name]
+            model.get_submodule(module_name).register_buffer(leaf, value.to(old.device, old.dtype), persistent=False)
+
+
+def _attention_kwargs(section: ModelSection, config: Any = None) -> dict[str, str]:
+    """`attn_implementation` for transformers to honour, unless the model is remote code that does not declare it:
+    LLaDA calls scaled_dot_product_attention itself and never tells transformers, which then refuses "sdpa"."""
+    if section.attn_implementation == "sdpa" and section.trust_remote_code:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        config = config or AutoConfig.from_pretrained(section.path, trust_remote_code=True)
+        auto_map = getattr(config, "auto_map", None) or {}
+        reference = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")
+        if reference and not getattr(get_class_from_dynamic_module(reference, section.path), "_supports_sdpa", False):
+            return {}
+    return {"attn_implementation": section.attn_implementation}
 
 
 def load_verifier(section: ModelSection) -> PreTrainedModel:
@@ -112,6 +150,28 @@ def load_drafter(
 
 def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
+
+
+def context_length(config: Any) -> int:
+    """The longest sequence a model is built for: `max_position_embeddings`, or `max_sequence_length` in LLaDA's
+    OLMo-style config."""
+    length = getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+    if length is None:
+        raise RecipeError(f"{getattr(config, 'model_type', 'model')}: its config gives no maximum sequence length")
+    return int(length)
+
+
+def _forward_parameters(model: Any) -> set[str]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
+    return set(inspect.signature(base.forward).parameters)
+
+
+def full_mask_kwargs(model: Any, mask: Optional[torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+    """The keyword that carries a 4-D additive mask (B, 1, q, k) into `model`'s forward: `attention_mask` for
+    transformers models and Dream; LLaDA reads `attention_mask` as a 2-D padding mask and takes 4-D masks as
+    `attention_bias`."""
+    key = "attention_bias" if "attention_bias" in _forward_parameters(model) else "attention_mask"
+    return {key: mask}
 
 
 # --------------------------------------------------------------------------------------------------------------------
