@@ -87,6 +87,22 @@ def test_topk_logprobs_agree(both_backends):
 
 
 @needs_vllm
+def test_sampled_trajectories_keep_each_completion_with_its_prompt(prompt_file, tmp_path):
+    out = tmp_path / "sampled"
+    assert trajectories(prompt_file, out, "trajectories.backend=vllm", "trajectories.temperature=1.0",
+                        "trajectories.completions_per_prompt=3", "trajectories.max_new_tokens=12",
+                        "trajectories.store_topk=0") == 0
+    data = load_trajectories(out)
+    assert len(data) == 3 * len(PROMPTS)
+    assert data["prompt_index"] == [i for i in range(len(PROMPTS)) for _ in range(3)]
+    for i in range(len(PROMPTS)):
+        rows = data.select(range(3 * i, 3 * i + 3))
+        assert len({tuple(ids) for ids in rows["prompt_ids"]}) == 1  # the prompt they continue
+        assert len({tuple(c) for c in rows["completion_ids"]}) == 3  # three samples, three seeds
+    assert "topk_ids" not in data.column_names
+
+
+@needs_vllm
 def test_serve_without_a_drafter_decodes_as_hf(both_backends):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
