@@ -79,6 +79,8 @@ class VllmRunner:
     def __init__(self, model: str, *, dtype: str, kv_cache_gib: float, seed: int = 0,
                  speculative_config: Optional[dict[str, Any]] = None, max_model_len: Optional[int] = None,
                  cuda_device: Optional[int] = None, key: str = "trajectories.backend") -> None:
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"VllmRunner: dtype must be resolved (float32, bfloat16, float16), not {dtype!r}")
         python = vllm_python(key)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="align-vllm-", suffix=".log", delete=False)
         env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
