@@ -155,6 +155,12 @@ class TrajectoriesSection(Section):
     store_topk: int = Field(default=0, ge=0)
     #: prompts per verifier batch
     batch_size: int = Field(default=8, ge=1)
+    # vLLM batches continuously and is faster for large runs; it runs in its own environment (launch/setup_vllm.sh).
+    # Greedy float32 completions are token-identical between the two; sampled ones differ (other random streams).
+    #: who generates the completions: hf (transformers generate) or vllm
+    backend: Literal["hf", "vllm"] = "hf"
+    #: with backend vllm on a CPU, memory vLLM reserves for its KV cache, in GiB (on a GPU vLLM sizes it itself)
+    vllm_cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
 
     @model_validator(mode="after")
     def _check(self) -> "TrajectoriesSection":

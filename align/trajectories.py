@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +22,8 @@ from align.checkpoint import atomic_folder, write_text_atomic
 from align.config import Recipe, RecipeError, check_inputs, get_key
 from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, file_sha256, load_prompts,
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path)
-from align.models import load_tokenizer, load_verifier
+from align.models import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+from align.vllm_engine import VllmRunner, vllm_python
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -35,6 +37,7 @@ def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[
         # what align train compares with its own recipe (verifier, temperature, top_p, max_new_tokens)
         **{name: get_key(recipe, key) for key, name in TRAJECTORY_KEYS.items()},
         "completions_per_prompt": t.completions_per_prompt, "store_topk": t.store_topk, "batch_size": t.batch_size,
+        "backend": t.backend,
         "seed": recipe.train.seed, "num_prompts": len(prompt_ids),
         # the token ids the verifier read, and the chat template that rendered them (align train compares it)
         "prompts_sha256": prompt_ids_sha256(prompt_ids), "chat_template_sha256": template_sha256(template),
@@ -76,6 +79,32 @@ def sample_chunk(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], rec
     return rows
 
 
+def start_vllm(recipe: Recipe) -> VllmRunner:
+    """The verifier in a vLLM worker, in the dtype and on the device align would load it with."""
+    device = resolve_device(recipe.verifier.device)
+    dtype = str(resolve_dtype(recipe.verifier.dtype, device)).removeprefix("torch.")
+    return VllmRunner(recipe.verifier.path, dtype=dtype, kv_cache_gib=recipe.trajectories.vllm_cpu_kv_cache_gib,
+                      seed=recipe.train.seed, cuda_device=device.index if device.type == "cuda" else None)
+
+
+def sample_chunk_vllm(runner: VllmRunner, tokenizer: Any, prompt_ids: list[list[int]], recipe: Recipe,
+                      seed: int) -> list[dict[str, Any]]:
+    """The rows `sample_chunk` makes, from vLLM: it reads the same rendered token ids (it never sees a tokenizer),
+    each completion ends at its first EOS (kept), the top-k log-probs are the verifier's own, as HF's."""
+    t = recipe.trajectories
+    out = runner.generate(prompt_ids, max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                          top_p=t.top_p if t.temperature > 0 else 1.0, n=t.completions_per_prompt, seed=seed,
+                          logprobs=t.store_topk, stop_token_ids=[tokenizer.eos_token_id])
+    rows = []
+    for ids, samples in zip(prompt_ids, out.completions):  # prompt-major, as generate()'s num_return_sequences
+        for sample in samples:
+            row: dict[str, Any] = {"prompt_ids": list(ids), "completion_ids": sample.token_ids}
+            if t.store_topk:
+                row["topk_ids"], row["topk_logprobs"] = sample.topk_ids, sample.topk_logprobs
+            rows.append(row)
+    return rows
+
+
 def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) -> None:
     """Write a chunk atomically, with its files' checksums."""
     from datasets import Dataset
@@ -98,6 +127,8 @@ def chunk_done(folder: Path, settings_hash: str) -> bool:
 def main(recipe: Recipe, command: str) -> None:
     t = recipe.trajectories
     check_inputs(recipe, model_keys=("verifier.path",))
+    if t.backend == "vllm":
+        vllm_python()  # vLLM's environment is there, before any work
     source = recipe.data.train_prompts or tiny_prompts_path(recipe, "train", recipe.verifier.path)
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
@@ -110,7 +141,7 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"trajectories.out: {out} holds trajectories made with other settings; "
                           "choose another folder or delete it")
     rank, world = rank_and_world()
-    verifier = load_verifier(recipe.verifier)
+    verifier = start_vllm(recipe) if t.backend == "vllm" else load_verifier(recipe.verifier)
     starts = list(range(0, len(prompts), t.batch_size))
     mine = [c for c in range(len(starts)) if c % world == rank]
     todo = [c for c in mine if not chunk_done(out / "chunks" / f"chunk-{c:05d}", settings_hash)]
@@ -118,10 +149,13 @@ def main(recipe: Recipe, command: str) -> None:
     for c in tqdm(todo, desc=f"trajectories (rank {rank})", unit="chunk", disable=rank != 0, dynamic_ncols=True,
                   initial=len(mine) - len(todo), total=len(mine)):
         chunk_prompts = prompts[starts[c] : starts[c] + t.batch_size]
-        rows = sample_chunk(verifier, tokenizer, chunk_prompts, recipe, seed=recipe.train.seed * 1_000_003 + c)
+        produce = sample_chunk_vllm if t.backend == "vllm" else sample_chunk
+        rows = produce(verifier, tokenizer, chunk_prompts, recipe, seed=recipe.train.seed * 1_000_003 + c)
         for k, row in enumerate(rows):
             row["prompt_index"] = starts[c] + k // t.completions_per_prompt
         write_chunk(rows, out / "chunks" / f"chunk-{c:05d}", settings_hash)
+    if isinstance(verifier, VllmRunner):  # (after an error, the worker ends by itself when this process does)
+        verifier.close()
     if world > 1:
         import torch.distributed as dist
 
@@ -137,9 +171,16 @@ def main(recipe: Recipe, command: str) -> None:
                     "rows": sum(c["rows"] for c in chunks.values()),
                     "completion_tokens": sum(c["tokens"] for c in chunks.values()),
                     "chunks": {name: c["sha256"] for name, c in chunks.items()},
+                    "engine": f"vllm {verifier.version}" if isinstance(verifier, VllmRunner) else
+                              f"transformers {version('transformers')}",
                     "seconds_this_run": round(time.perf_counter() - t0, 1)}
         write_text_atomic(out / TRAJECTORY_MANIFEST, json.dumps(manifest, indent=2))
-        print(f"trajectories: {manifest['rows']} completions, {manifest['completion_tokens']} tokens -> {out}")
+        # Tokens/s of this run's generation (model loading left out), when one process made them all.
+        made = sum(chunks[f"chunk-{c:05d}"]["tokens"] for c in todo)
+        seconds = time.perf_counter() - t0
+        rate = f", {made / seconds:.0f} tokens/s this run" if made and world == 1 else ""
+        print(f"trajectories: {manifest['rows']} completions, {manifest['completion_tokens']} tokens "
+              f"({manifest['engine']}{rate}) -> {out}")
     if world > 1:
         import torch.distributed as dist
 

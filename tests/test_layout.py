@@ -3,6 +3,7 @@ stages, the runtime never imports training code, one module renames into place, 
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,16 @@ def test_launch_scripts_call_align_commands_only():
     for script in sorted((ROOT / "launch").iterdir()):
         found = EMBEDDED.search(script.read_text())
         assert not found, f"{script.name} embeds Python or parses YAML ({found.group(0)!r}): add an align command"
+
+
+def test_the_vllm_worker_imports_only_vllm_and_the_stdlib():
+    # It runs under .venv-vllm's python, which has vllm and its own transformers, and no align or torch of align's.
+    found = {m.split(".")[0] for m in imports(PACKAGE / "vllm_worker.py")}
+    assert found <= set(sys.stdlib_module_names) | {"vllm"}, sorted(found - set(sys.stdlib_module_names))
+
+
+def test_only_the_vllm_worker_imports_vllm():
+    # align's environment has no vllm: the rest of align reaches it through align/vllm_engine.py's worker.
+    offenders = [name for name, path in modules().items()
+                 if name != "align.vllm_worker" and any(m.split(".")[0] == "vllm" for m in imports(path))]
+    assert not offenders, offenders

@@ -1,0 +1,208 @@
+"""vLLM, driven from align's environment: align never imports vllm.
+
+vLLM pins other transformers versions than align, so it lives in its own environment, `.venv-vllm` at the repository
+root (`bash launch/setup_vllm.sh` builds it; `ALIGN_VLLM_PYTHON` names another interpreter). `VllmRunner` starts
+align/vllm_worker.py under that interpreter, which loads the model once and then answers requests: prompt token ids
+in, completions (and top-k log-probs, and vLLM's speculative-decoding counters) out, as JSON lines over a pipe.
+
+Two uses: `align trajectories` with `trajectories.backend: vllm` (batched sampling, `VllmRunner.generate`), and the
+serving check (`serve`: the same prompts greedily at batch 1, with or without a drafter as `speculative_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Optional, Sequence
+
+from align.config import RecipeError
+
+VENV = ".venv-vllm"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+GIB = 1 << 30
+
+
+def vllm_python(key: str = "trajectories.backend") -> Path:
+    """The interpreter of the vLLM environment: $ALIGN_VLLM_PYTHON, else .venv-vllm's python at the repository root
+    (or in the working directory). Missing, it is a one-line RecipeError naming `key`."""
+    override = os.environ.get("ALIGN_VLLM_PYTHON")
+    if override:
+        candidates = [Path(override)]
+    else:
+        repo = Path(__file__).resolve().parents[1]
+        candidates = [repo / VENV / "bin" / "python", Path.cwd() / VENV / "bin" / "python"]
+    for python in candidates:
+        if python.is_file() and os.access(python, os.X_OK):
+            return python
+    where = f"ALIGN_VLLM_PYTHON={override} is not an executable" if override else f"no {candidates[0]}"
+    raise RecipeError(f"{key}: vllm needs vLLM's own environment ({where}); build it with "
+                      "`bash launch/setup_vllm.sh`, or set ALIGN_VLLM_PYTHON to a python that has vllm")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation: token ids (ending with the stop token when one was met) and, when asked for, the
+    verifier's k most likely tokens and their log-probs at each position (temperature 1, before sampling's warpers)."""
+
+    token_ids: list[int]
+    topk_ids: list[list[int]] = field(default_factory=list)  # (len(token_ids), k)
+    topk_logprobs: list[list[float]] = field(default_factory=list)  # (len(token_ids), k)
+
+
+@dataclass
+class Generation:
+    completions: list[list[Completion]]  # (prompts, n)
+    #: wall time of vLLM's generate alone (no pipe, no load)
+    seconds: float
+    #: vLLM's speculative-decoding counters for this request: num_drafts, num_draft_tokens, num_accepted_tokens,
+    #: num_accepted_tokens_per_pos (zeros without a drafter)
+    spec_decode: dict[str, Any]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for row in self.completions for c in row)
+
+
+class VllmRunner:
+    """A vLLM engine for one model in a worker process; a context manager (closing it ends the worker).
+
+    `dtype` is a name vLLM knows ("float32", "bfloat16", "float16"): pass the resolved one, never "auto" (vLLM's auto
+    is the checkpoint's dtype, bf16 for the tiny family, where align's auto is float32 on a CPU). On a CPU vLLM
+    reserves `kv_cache_gib` for its KV cache (unset, it takes 92% of the memory, and refuses to start when less is
+    free); on a GPU it sizes the cache itself and the setting is ignored.
+    """
+
+    def __init__(self, model: str, *, dtype: str, kv_cache_gib: float, seed: int = 0,
+                 speculative_config: Optional[dict[str, Any]] = None, max_model_len: Optional[int] = None,
+                 cuda_device: Optional[int] = None, key: str = "trajectories.backend") -> None:
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"VllmRunner: dtype must be resolved (float32, bfloat16, float16), not {dtype!r}")
+        python = vllm_python(key)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="align-vllm-", suffix=".log", delete=False)
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        if cuda_device is not None:
+            # vLLM takes the first visible GPU: each rank's worker must see its own (cuda:LOCAL_RANK), not GPU 0.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[cuda_device] if visible else str(cuda_device)
+        self.process = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.log, text=True, env=env)
+        self.version = ""
+        try:
+            ready = self._ask({"model": str(model), "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
+                               "speculative_config": speculative_config,
+                               "kv_cache_memory_bytes": int(kv_cache_gib * GIB)})
+        except BaseException:
+            self.close()
+            raise
+        self.version, self.load_seconds = ready["vllm"], ready["seconds"]
+
+    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            self.process.stdin.write(json.dumps(message) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker is gone: said below, with its log
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            raise RuntimeError(f"the vLLM worker exited (code {code}): {last_error(self.log)} (log: {self.log.name})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"vLLM: {reply['error']} (log: {self.log.name})")
+        return reply
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, n: int = 1, seed: Optional[int] = None, logprobs: int = 0,
+                 stop_token_ids: Sequence[int] = (), one_at_a_time: bool = False) -> Generation:
+        """`n` completions of each prompt (token ids, no padding). Temperature 0 is greedy. Prompt i samples with
+        seed + i·n (+ j for its j-th completion), so a chunk's samples are reproducible and no two share a seed.
+        `one_at_a_time`: one prompt per vLLM call (batch 1, the latency regime), else one batch."""
+        reply = self._ask({"prompts": [list(map(int, p)) for p in prompt_ids], "n": n, "temperature": temperature,
+                           "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed, "logprobs": logprobs,
+                           "stop_token_ids": list(stop_token_ids), "one_at_a_time": one_at_a_time})
+        completions = [[Completion(c["token_ids"], c.get("topk_ids", []), c.get("topk_logprobs", [])) for c in row]
+                       for row in reply["completions"]]
+        return Generation(completions, reply["seconds"], reply["spec_decode"])
+
+    def close(self) -> None:
+        """End the worker: closing its stdin lets it shut vLLM down; a worker that hangs is killed."""
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            try:
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        if self.process.returncode == 0:
+            os.unlink(self.log.name)  # a failed worker's log is kept: errors name it
+
+    def __enter__(self) -> "VllmRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def last_error(log: IO[str]) -> str:
+    """The line of a worker's log that says what went wrong, as one line. vLLM's engine processes log their
+    traceback before the main process's "see root cause above", so the first line naming an exception is the cause;
+    pydantic (vLLM's config checks) puts the reason on the indented line after it."""
+    log.flush()
+    lines = [line.rstrip() for line in Path(log.name).read_text(errors="replace").splitlines() if line.strip()]
+    found = next((i for i, line in enumerate(lines) if ("Error:" in line or "Exception:" in line)
+                  and " WARNING " not in line), None)  # vLLM logs some harmless exceptions as warnings
+    if found is None:
+        return lines[-1].strip()[-300:] if lines else "no output"
+    cause = lines[found].strip()
+    if found + 1 < len(lines) and lines[found + 1].startswith("  ") and not lines[found + 1].lstrip().startswith("File"):
+        cause += " " + lines[found + 1].strip()
+    return cause[-400:]
+
+
+@dataclass
+class ServeResult:
+    """vLLM decoding prompts greedily at batch 1, as a server answering one request at a time would."""
+
+    outputs: list[list[int]]  # (prompts, generated tokens)
+    seconds: float
+    tokens_per_second: float
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    #: accepted drafts at each draft position, summed over drafts (vLLM's num_accepted_tokens_per_pos)
+    accepted_per_position: list[int]
+    #: tokens per verifier forward: 1 + accepted / drafts (EAGLE's τ, what align's eval reports); 1.0 without drafts
+    mean_acceptance_length: float
+    vllm_version: str
+
+
+def serve(model: str, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, dtype: str,
+          kv_cache_gib: float, stop_token_ids: Sequence[int] = (),
+          speculative_config: Optional[dict[str, Any]] = None, key: str = "serve") -> ServeResult:
+    """Decode `prompt_ids` greedily with vLLM, one prompt at a time, with a drafter when `speculative_config` is
+    given ({"model": drafter_dir, "num_speculative_tokens": k}); one warm-up prompt first, outside the timing."""
+    with VllmRunner(model, dtype=dtype, kv_cache_gib=kv_cache_gib, speculative_config=speculative_config,
+                    key=key) as runner:
+        runner.generate(prompt_ids[:1], max_new_tokens=min(max_new_tokens, 8), stop_token_ids=stop_token_ids)
+        run = runner.generate(prompt_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                              one_at_a_time=True)
+    counters = run.spec_decode
+    drafts = counters["num_drafts"]
+    return ServeResult(
+        outputs=[row[0].token_ids for row in run.completions], seconds=run.seconds,
+        tokens_per_second=run.num_tokens / run.seconds if run.seconds > 0 else 0.0,
+        num_drafts=drafts, num_draft_tokens=counters["num_draft_tokens"],
+        num_accepted_tokens=counters["num_accepted_tokens"],
+        accepted_per_position=counters["num_accepted_tokens_per_pos"],
+        mean_acceptance_length=1.0 + counters["num_accepted_tokens"] / drafts if drafts else 1.0,
+        vllm_version=runner.version)
