@@ -12,7 +12,7 @@ from align.config import Recipe, RecipeError
 from align.data import load_prompt_file, tiny_prompts_path
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import POSITION_ORDERS, calibrate
-from align.models import load_drafter, load_tokenizer
+from align.models import context_length, load_drafter, load_tokenizer
 
 
 def main(recipe: Recipe, command: str) -> None:
@@ -27,7 +27,7 @@ def main(recipe: Recipe, command: str) -> None:
     nfe = context_forwards = 0
     for text in tqdm(prompts, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        if ids.shape[1] + recipe.decode.max_new_tokens > model.config.max_position_embeddings:
+        if ids.shape[1] + recipe.decode.max_new_tokens > context_length(model.config):
             continue  # calibration only needs typical prompts; an over-long one is skipped, not fatal
         _, stats = dllm_generate(model, spec, ids, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,
                                  eos_ids=eos_ids, trace=traces, trace_token_rank=c.max_token_rank)

@@ -17,7 +17,7 @@ from align.data import encode_prompts, eval_prompts
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
-from align.models import load_drafter, load_tokenizer
+from align.models import context_length, load_drafter, load_tokenizer
 
 
 def methods_for(model: Any, spec: Any, graph: DraftGraph, recipe: Recipe, eos_ids: frozenset[int]
@@ -68,7 +68,7 @@ def main(recipe: Recipe, command: str) -> None:
     texts = eval_prompts(recipe)
     model, spec = load_drafter(recipe.drafter, tokenizer)
     prompts = [ids.to(model.device) for ids in
-               encode_prompts(tokenizer, texts, recipe.decode.max_new_tokens, model.config.max_position_embeddings)]
+               encode_prompts(tokenizer, texts, recipe.decode.max_new_tokens, context_length(model.config))]
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     methods = methods_for(model, spec, graph, recipe, eos_ids)
     names = list(methods)

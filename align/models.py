@@ -129,6 +129,11 @@ def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def context_length(config: Any) -> int:
+    """The longest sequence a model reads. Multimodal configs (Gemma 4, DiffusionGemma) keep it on their text part."""
+    return int(config.get_text_config().max_position_embeddings)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # attention masks
 # --------------------------------------------------------------------------------------------------------------------

@@ -8,15 +8,22 @@ decoder step, no self-conditioning), fills noised positions with one fixed unifo
 windows read the same way, exports it, decodes it as a dLLM with Spiffy, and evaluates it with `align eval`.
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig,
-                          Gemma4ForCausalLM, Gemma4TextConfig)
+from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig, Gemma4Config,
+                          Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig)
 from transformers.models.gemma4 import Gemma4VisionConfig
 
 from align.checkpoint import merged_model, save_merged
+from align.cli import main as align
 from align.config import DecodeSection, DrafterSection, drafter_spec_from_config
 from align.decoding.ar import ar_generate
 from align.decoding.cps import TrigramModel
@@ -30,7 +37,8 @@ from align.models import (DrafterContext, DrafterSpec, block_logits, load_drafte
                           noise_fill, shared_context_block_logits)
 from align.windows import WINDOW_BUILDERS, window_logits
 
-TOKENIZER = "checkpoints/tiny/tokenizer"
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = str(ROOT / "checkpoints/tiny/tokenizer")
 VOCAB = 8192  # the tiny tokenizer's
 SLIDING_WINDOW = 8  # small, so that prompts and drafts run past it
 FAVOURED = slice(10, 14)
@@ -229,3 +237,88 @@ def test_the_draft_and_window_paths_create_their_tensors_on_the_models_device(dr
         on_meta = window_logits(drafter, spec, batch)
     assert on_meta.device.type == "cpu"
     torch.testing.assert_close(on_meta, windows, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the stages, through the command line, with tiny random models saved where Hub ids would be
+# --------------------------------------------------------------------------------------------------------------------
+def tiny_gemma4_multimodal_verifier(seed: int) -> Gemma4ForConditionalGeneration:
+    """The architecture of google/gemma-4-*-it checkpoints (Gemma4ForConditionalGeneration), tiny."""
+    text = Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=512,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=1, eos_token_id=0, bos_token_id=None)
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                        audio_config=None))
+    return favour_few_tokens(model)
+
+
+def save_with_tokenizer(model, tokenizer, folder) -> str:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def prompt_file(folder, texts) -> str:
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+    return str(path)
+
+
+PROMPTS = ["def add(a, b):\n    return", "import os\n\nfor name in", "class Stack:\n    def push(self, item):"]
+
+
+def test_align_eval_with_a_diffusion_gemma_drafter_and_a_gemma4_verifier_is_exact(drafter, tokenizer, tmp_path):
+    verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, tmp_path / "verifier")
+    drafter_path = save_with_tokenizer(drafter, tokenizer, tmp_path / "drafter")
+    assert align(["eval", "recipes/tiny/eval.yaml", f"verifier.path={verifier}", f"drafter.path={drafter_path}",
+                  f"eval.prompts={prompt_file(tmp_path, PROMPTS)}", f"eval.out={tmp_path / 'eval'}",
+                  "eval.methods=[specdiff]", "eval.warmup=0", "eval.sampling_temperature=0",
+                  "decode.max_new_tokens=12", "decode.gamma=4"]) == 0
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["methods"]["specdiff"]["exact_match"] == 1.0
+    assert result["meta"]["drafter_spec"]["noise"] == "uniform"
+
+
+RECIPE = "recipes/gemma4-diffusiongemma.yaml"
+
+
+def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, tokenizer, tmp_path, capsys):
+    """The recipe as written validates; with its two Hub ids swapped for tiny random models of the same
+    architectures it evaluates losslessly, makes trajectories and trains one ZeRO-3 bf16 step (its own settings),
+    and the checkpoint reloads as a DiffusionGemma drafter. LoRA is refused."""
+    assert align(["validate", RECIPE]) == 0
+    assert "google/diffusiongemma-26B-A4B-it" in capsys.readouterr().out
+    verifier = save_with_tokenizer(tiny_gemma4_multimodal_verifier(1), tokenizer, tmp_path / "gemma-4-31B-it")
+    drafter_path = save_with_tokenizer(drafter, tokenizer, tmp_path / "diffusiongemma-26B-A4B-it")
+    prompts = prompt_file(tmp_path, PROMPTS)
+    tiny = [f"verifier.path={verifier}", f"drafter.path={drafter_path}", "verifier.dtype=float32",
+            "drafter.dtype=float32", f"data.train_prompts={prompts}", f"eval.prompts={prompts}",
+            f"trajectories.out={tmp_path / 'trajectories'}", "trajectories.max_new_tokens=12",
+            "trajectories.completions_per_prompt=1", "trajectories.batch_size=3", f"train.out={tmp_path / 'run'}",
+            "train.gamma=4", "train.windows_per_sequence=2", "train.max_steps=1", "train.micro_batch_size=2",
+            "train.gradient_accumulation_steps=1", "train.warmup_steps=0", f"eval.out={tmp_path / 'eval'}",
+            "eval.warmup=0", "eval.sampling_temperature=0", "decode.max_new_tokens=12", "decode.gamma=4"]
+    assert align(["eval", RECIPE, *tiny]) == 0
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert {result["methods"][name]["exact_match"] for name in ("specdiff", "specdiff_adl")} == {1.0}
+    assert align(["trajectories", RECIPE, *tiny]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    train = [sys.executable, "align/train.py", RECIPE, *tiny]
+    done = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)
+    step = tmp_path / "run" / "step_1"
+    saved = safe_open(str(step / "model.safetensors"), "pt")
+    assert {saved.get_tensor(k).dtype for k in saved.keys()} == {torch.bfloat16}  # the run's dtype
+    model, spec = load_drafter(DrafterSection(path=str(step), device="cpu"), tokenizer)
+    assert type(model) is DiffusionGemmaForBlockDiffusion and spec.noise == "uniform"
+    lora = subprocess.run([*train, "train.lora_r=8", f"train.out={tmp_path / 'lora'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert lora.returncode == 2 and "train.lora_r" in lora.stderr, lora.stderr[-2000:]
