@@ -129,6 +129,12 @@ def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def config_vocab_size(model: PreTrainedModel) -> int:
+    """The vocabulary the model's config declares (on its text part for multimodal configs): unlike the output
+    embeddings' shape, it is known under ZeRO-3, which partitions the weights away between forwards."""
+    return int(model.config.get_text_config().vocab_size)
+
+
 def context_length(config: Any) -> int:
     """The longest sequence a model reads. Multimodal configs (Gemma 4, DiffusionGemma) keep it on their text part."""
     return int(config.get_text_config().max_position_embeddings)
@@ -292,7 +298,7 @@ def block_logits(
         raise ValueError("a shifted drafter needs at least one context token to predict the first block position")
     if is_canvas_decoder(model):
         return canvas_logits(model, spec, context_ids, block_ids, state)
-    block_ids = noise_fill(spec, vocab_size(model), block_ids)
+    block_ids = noise_fill(spec, config_vocab_size(model), block_ids)
     if spec.attention == "block_causal" and state is not None:
         return _cached_block_logits(model, spec, context_ids, block_ids, state)
     ids = torch.cat([context_ids, block_ids], dim=1)
@@ -356,7 +362,7 @@ def shared_context_block_logits(
         crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
     encode_context(model, context_ids, state)
     n = state.length
-    ids = noise_fill(spec, vocab_size(model), blocks).reshape(1, -1)
+    ids = noise_fill(spec, config_vocab_size(model), blocks).reshape(1, -1)
     positions = torch.arange(n, n + block_len, device=ids.device).repeat(num_blocks).unsqueeze(0)
     which = torch.arange(num_blocks, device=ids.device).repeat_interleave(block_len)  # block of each block token
     own_block = which[:, None] == which[None, :]
@@ -389,7 +395,7 @@ def canvas_logits(
         state = DrafterContext.empty(model)
     encode_context(model, context_ids, state)
     n, (num_canvases, canvas_len) = state.length, canvas_ids.shape
-    canvas = noise_fill(spec, vocab_size(model), canvas_ids)
+    canvas = noise_fill(spec, config_vocab_size(model), canvas_ids)
     positions = torch.arange(n, n + canvas_len, device=canvas.device).unsqueeze(0).expand(num_canvases, -1)
     cache = state.cache if context_ids.shape[0] == num_canvases else _shared_cache(state.cache, num_canvases)
     return model(decoder_input_ids=canvas, cache=cache, decoder_position_ids=positions).logits  # (K, γ, V)

@@ -16,7 +16,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from align.models import DrafterContext, DrafterSpec, additive_mask, canvas_logits, is_canvas_decoder
+from align.models import (DrafterContext, DrafterSpec, additive_mask, canvas_logits, config_vocab_size,
+                          is_canvas_decoder)
 
 
 @dataclass
@@ -166,8 +167,7 @@ def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> t
         for w in sorted(used, key=lambda w: int(batch.starts[b, w])):
             context = batch.clean_ids[b : b + 1, : int(batch.starts[b, w])]
             logits[w] = canvas_logits(model, spec, context, canvas, state)[0]  # (γ, V)
-        vocab = next(iter(logits.values())).shape[-1] if logits else model.get_output_embeddings().weight.shape[0]
-        zeros = torch.zeros(gamma, vocab, device=batch.clean_ids.device)
+        zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
         rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
     return torch.stack(rows)
 

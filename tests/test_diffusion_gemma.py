@@ -307,7 +307,7 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert {result["methods"][name]["exact_match"] for name in ("specdiff", "specdiff_adl")} == {1.0}
     assert align(["trajectories", RECIPE, *tiny]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": "0", "LOCAL_RANK": "0",
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": "0", "LOCAL_RANK": "0",
            "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
     train = [sys.executable, "align/train.py", RECIPE, *tiny]
     done = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
