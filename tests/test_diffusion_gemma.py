@@ -319,6 +319,20 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     assert {saved.get_tensor(k).dtype for k in saved.keys()} == {torch.bfloat16}  # the run's dtype
     model, spec = load_drafter(DrafterSection(path=str(step), device="cpu"), tokenizer)
     assert type(model) is DiffusionGemmaForBlockDiffusion and spec.noise == "uniform"
+    # The trained drafter exported, then used as a dLLM: Spiffy calibrated on it and decoding exactly as vanilla.
+    exported = tmp_path / "export"
+    assert align(["export", RECIPE, *tiny, f"drafter.path={step}", f"export.out={exported}",
+                  f"export.eval={tmp_path / 'eval' / 'eval.json'}"]) == 0
+    model, spec = load_drafter(DrafterSection(path=str(exported), device="cpu"), tokenizer)
+    assert type(model) is DiffusionGemmaForBlockDiffusion and spec.noise == "uniform"
+    dllm = [*tiny, f"drafter.path={exported}", f"calibrate.prompts={prompts}", "calibrate.num_prompts=3",
+            "calibrate.block_length=4", "calibrate.budget=3", f"calibrate.out={tmp_path / 'spiffy'}"]
+    assert align(["calibrate", RECIPE, *dllm]) == 0
+    assert align(["eval", RECIPE, *dllm, "eval.mode=dllm", f"calibrate.graph={tmp_path / 'spiffy' / 'draft_graph.json'}",
+                  "eval.spiffy_budgets=[3]", f"eval.out={tmp_path / 'dllm'}"]) == 0
+    result = json.loads((tmp_path / "dllm" / "eval.json").read_text())
+    spiffy = [m for name, m in result["methods"].items() if "spiffy" in name]
+    assert spiffy and all(m["exact_match"] == 1.0 for m in spiffy)
     lora = subprocess.run([*train, "train.lora_r=8", f"train.out={tmp_path / 'lora'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert lora.returncode == 2 and "train.lora_r" in lora.stderr, lora.stderr[-2000:]
