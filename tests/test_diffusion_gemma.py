@@ -230,12 +230,19 @@ def test_the_draft_and_window_paths_create_their_tensors_on_the_models_device(dr
     traces = []
     vanilla = dllm_generate(drafter, spec, prompt, 8, 4, trace=traces)[0]
     graph = calibrate(traces, spec.mask_token_id, block_length=4, budget=3)
-    with torch.device("meta"), torch.no_grad():
-        assert METHODS["specdiff"](setup, prompt, Sampling(), None)[0] == expected
-        assert dllm_generate(drafter, spec, prompt, 8, 4)[0] == vanilla
-        assert spiffy_generate(drafter, spec, prompt, graph, 8)[0] == vanilla
-        on_meta = window_logits(drafter, spec, batch)
-    assert on_meta.device.type == "cpu"
+    trained = tiny_diffusion_gemma(5).train()
+    with torch.device("meta"):
+        with torch.no_grad():
+            assert METHODS["specdiff"](setup, prompt, Sampling(), None)[0] == expected
+            assert dllm_generate(drafter, spec, prompt, 8, 4)[0] == vanilla
+            assert spiffy_generate(drafter, spec, prompt, graph, 8)[0] == vanilla
+            on_meta = window_logits(drafter, spec, batch)
+        # one training step's forward and backward
+        logits = window_logits(trained, spec, batch).flatten(0, 1)
+        loss = streak(logits, batch.targets.flatten(0, 1), batch.target_mask.flatten(0, 1),
+                      num_windows=batch.num_windows)
+        loss.backward()
+    assert on_meta.device.type == "cpu" and loss.device.type == "cpu" and torch.isfinite(loss)
     torch.testing.assert_close(on_meta, windows, rtol=0, atol=0)
 
 
