@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from align.config import Recipe, RecipeError
-from align.data import load_prompt_file, tiny_prompts_path
+from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_prompt, template_sha256,
+                        tiny_prompts_path)
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import POSITION_ORDERS, calibrate
 from align.models import context_length, load_drafter, load_tokenizer
@@ -18,18 +19,21 @@ from align.models import context_length, load_drafter, load_tokenizer
 def main(recipe: Recipe, command: str) -> None:
     c = recipe.calibrate
     path = c.prompts or tiny_prompts_path(recipe, "train", recipe.drafter.path)
-    prompts = load_prompt_file(path, "prompt", "calibrate.prompts")[: c.num_prompts]
+    prompts = load_prompts(recipe, "calibrate.prompts", path)
+    # The dLLM decodes alone here, so its own tokenizer (and chat template) renders the prompts, as in dllm eval.
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
+    template = chat_template(tokenizer, recipe.data.chat_template, recipe.drafter.path)
+    prompt_ids = [render_prompt(tokenizer, p, template) for p in prompts]
     model, spec = load_drafter(recipe.drafter, tokenizer)
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     t0 = time.perf_counter()
     traces: list[BlockTrace] = []
     nfe = context_forwards = 0
-    for text in tqdm(prompts, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        if ids.shape[1] + recipe.decode.max_new_tokens > context_length(model.config):
+    for ids in tqdm(prompt_ids, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
+        if len(ids) + recipe.decode.max_new_tokens > context_length(model.config):
             continue  # calibration only needs typical prompts; an over-long one is skipped, not fatal
-        _, stats = dllm_generate(model, spec, ids, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,
+        prompt = torch.tensor([ids], device=model.device)  # (1, n)
+        _, stats = dllm_generate(model, spec, prompt, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,
                                  eos_ids=eos_ids, trace=traces, trace_token_rank=c.max_token_rank)
         nfe += stats.nfe
         context_forwards += stats.context_forwards
@@ -39,7 +43,8 @@ def main(recipe: Recipe, command: str) -> None:
         traces, spec.mask_token_id, c.block_length, c.budget, c.tokens_per_step, c.max_position_rank,
         c.max_token_rank, POSITION_ORDERS if c.position_order == "auto" else (c.position_order,), c.objective,
         meta={"model": recipe.drafter.path, "drafter_spec": spec.to_dict(), "num_prompts": len(prompts),
-              "prompts": path, "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+              "prompts": path, "prompts_sha256": prompt_ids_sha256(prompt_ids),
+              "chat_template_sha256": template_sha256(template),
               "max_new_tokens": recipe.decode.max_new_tokens, "vanilla_nfe": nfe, "command": command},
         context_forwards=context_forwards,
     )

@@ -102,8 +102,23 @@ def merged_model(module: Any, state: dict[str, Any]) -> Any:
 def save_merged(model: Any, tokenizer: Any, final: Path, files: dict[str, str]) -> None:
     """Write `model` (merged, in its own dtype) and `tokenizer` as an HF folder at `final`, with extra text `files`
     (name -> content, e.g. meta.json), atomically."""
+    _tied_keys_as_mapping(model)
     with atomic_folder(final) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         for name, text in files.items():
             (tmp / name).write_text(text)
+
+
+def _tied_keys_as_mapping(model: Any) -> None:
+    """Remote code written for transformers 4 (Dream, DiffuCoder: `_tied_weights_keys = ["lm_head.weight"]`) lists
+    its tied weights, where transformers 5's save_pretrained reads a {tied: source} mapping and fails on a list.
+    Untied models (the configs' `tie_word_embeddings: false`) tie nothing, so the mapping is empty; a tied one maps
+    each listed key to the input embedding."""
+    embedding = model.get_input_embeddings()
+    source = next((f"{name}.weight" for name, module in model.named_modules() if module is embedding), None)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for module in model.modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if isinstance(keys, (list, tuple)):
+            module._tied_weights_keys = {key: source for key in keys} if tied and source else {}

@@ -45,6 +45,9 @@ class Stage:
     models: Callable[[Recipe], tuple[str, ...]] = _none
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
+    #: the prompt sources the stage reads, given the recipe: (source key, the model key whose tokenizer renders them),
+    #: checked by data.check_prompts (source, split, column, messages, chat template)
+    prompts: Callable[[Recipe], tuple[tuple[str, str], ...]] = lambda recipe: ()
     #: recipe keys naming folders the stage writes: each must be a folder, or creatable, and writable
     outputs: tuple[str, ...] = ()
     #: folders the stage writes only when something is missing (data.dir: the tiny data, built on first use): only a
@@ -64,7 +67,8 @@ STAGES: dict[str, Stage] = {
     "trajectories": Stage(
         "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
         "align.trajectories", ("verifier", "trajectories", "data"), models=lambda r: ("verifier.path",),
-        file_keys=("data.train_prompts",), outputs=("trajectories.out",), folders=("data.dir",), launcher=True,
+        prompts=lambda r: (("data.train_prompts", "verifier.path"),), outputs=("trajectories.out",),
+        folders=("data.dir",), launcher=True,
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
@@ -79,15 +83,16 @@ STAGES: dict[str, Stage] = {
     "calibrate": Stage(
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
         "align.calibrate", ("drafter", "calibrate", "decode", "data"),
-        models=lambda r: ("drafter.path",), file_keys=("calibrate.prompts",), outputs=("calibrate.out",),
-        folders=("data.dir",),
+        models=lambda r: ("drafter.path",), prompts=lambda r: (("calibrate.prompts", "drafter.path"),),
+        outputs=("calibrate.out",), folders=("data.dir",),
     ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
         lambda recipe: EVAL_MODULES[recipe.eval.mode],
         ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
-        models=eval_models, file_keys=("eval.prompts", "calibrate.graph"), outputs=("eval.out",),
-        folders=("data.dir",),
+        models=eval_models, file_keys=("calibrate.graph",), outputs=("eval.out",), folders=("data.dir",),
+        # in dllm mode the drafter decodes alone, with its own tokenizer
+        prompts=lambda r: (("eval.prompts", "drafter.path" if r.eval.mode == "dllm" else "verifier.path"),),
     ),
     "export": Stage(
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
@@ -249,6 +254,10 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
     """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
     check_inputs(recipe, file_keys=stage.file_keys)
     check_models(recipe, stage.models(recipe))
+    for key, model_key in stage.prompts(recipe):
+        from align.data import check_prompts  # reads datasets and tokenizers: only for the stages that need them
+
+        check_prompts(recipe, key, model_key)
     for key in stage.outputs:
         check_output(key, str(get_key(recipe, key)))
     for key in stage.folders:

@@ -116,9 +116,25 @@ class DataSection(Section):
     #: where the tiny corpus and prompt sets live; built from the stdlib by `align bootstrap` or the first stage that
     #: needs them
     dir: str = "data/tiny"
-    #: prompts (JSONL with a `prompt` field) for trajectories; None: the tiny train split (evaluation prompts are
-    #: eval.prompts, calibration prompts calibrate.prompts)
+    #: prompts for trajectories: a local JSONL or Parquet file, a local dataset folder in the Hub layout
+    #: (data/train-00000-of-00001.parquet), or a Hub dataset id (org/name), all read with `datasets`; None: the tiny
+    #: train split (evaluation prompts are eval.prompts, calibration prompts calibrate.prompts)
     train_prompts: Optional[str] = None
+    #: the split of data.train_prompts read (a folder or Hub id; a single file is its only split)
+    train_split: str = "train"
+    #: the column holding each prompt: a string, or chat messages ({role, content}); a conversation that ends with
+    #: assistant turns is cut before them, leaving the prompt the verifier answers
+    prompt_column: str = "prompt"
+    #: render prompts with the chat template of the tokenizer that reads them (the verifier's; the dLLM's in
+    #: calibration and dllm eval), in every stage alike: auto: when that tokenizer has one (instruct models); on: it
+    #: must have one; off: plain text
+    chat_template: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as true / false: take them back as the words the user wrote.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class TrajectoriesSection(Section):
@@ -283,8 +299,13 @@ class CalibrateSection(Section):
     #: node search: simulated (the forwards the graph saves, replayed on the calibration traces) or degree1 (Spiffy's
     #: degree-1 accumulation proxy for them)
     objective: Literal["simulated", "degree1"] = "simulated"
-    #: JSONL (`prompt` field) of calibration prompts; None: the tiny train split
+    #: calibration prompts, any source data.train_prompts takes (file, Hub-layout folder, Hub id); None: the tiny
+    #: train split
     prompts: Optional[str] = None
+    #: the split of calibrate.prompts read (a folder or Hub id; a single file is its only split)
+    split: str = "train"
+    #: the column of calibrate.prompts holding each prompt (a string or chat messages, as data.prompt_column)
+    prompt_field: str = "prompt"
 
 
 class EvalSection(Section):
@@ -296,9 +317,13 @@ class EvalSection(Section):
     #: dynamic pruning (Spiffy v4): for each k, `pruned_spiffy_d<D>_a<k>` evaluates the k most likely of the largest
     #: budget's D drafts per forward
     spiffy_active: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
-    #: JSONL of prompts; None: the tiny test split
+    #: evaluation prompts, any source data.train_prompts takes (file, Hub-layout folder, Hub id); None: the tiny
+    #: test split
     prompts: Optional[str] = None
-    #: the JSONL field holding the prompt (a list, as Spec-Bench's `turns`, gives its first element)
+    #: the split of eval.prompts read (a folder or Hub id; a single file is its only split)
+    split: str = "test"
+    #: the column holding the prompt: a string, chat messages (as data.prompt_column), or a list of strings (as
+    #: Spec-Bench's `turns`: its first element)
     prompt_field: str = "prompt"
     #: output folder: eval.json, report.md, plots
     out: str = "checkpoints/tiny-eval"
@@ -677,6 +702,12 @@ def get_key(recipe: Recipe, key: str) -> Any:
     return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
 
 
+def is_hub_id(value: str) -> bool:
+    """An org/name that is no local path: not there, and not under an existing folder (there, it is a typo)."""
+    local = Path(value)
+    return not local.exists() and bool(_HUB_ID.match(value)) and not local.parent.is_dir()
+
+
 def check_model_path(key: str, value: str) -> None:
     """A model path is a local HF folder (with config.json) or, when the Hub is reachable, a Hub id."""
     local = Path(value)
@@ -686,7 +717,7 @@ def check_model_path(key: str, value: str) -> None:
         return
     if local.exists():
         raise RecipeError(f"{key}: {value} is a file; a model is a Hugging Face folder (with config.json) or a Hub id")
-    if _HUB_ID.match(value) and not local.parent.is_dir():
+    if is_hub_id(value):
         if hub_offline():
             raise RecipeError(f"{key}: {value} is not a local folder, and the Hub is offline (HF_HUB_OFFLINE=1)")
         return
@@ -750,7 +781,7 @@ def _safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
 
@@ -782,7 +813,7 @@ def load_model_config(key: str, section: ModelSection) -> Any:
         if "trust_remote_code" in str(e) and not section.trust_remote_code:
             raise RecipeError(f"{key}: {section.path} ships its own modelling code; set "
                               f"{_section_of(key)}.trust_remote_code=true if you trust it") from None
-        raise RecipeError(f"{key}: cannot read {section.path}/config.json ({_first_line(e)})") from None
+        raise RecipeError(f"{key}: cannot read {section.path}/config.json ({first_line(e)})") from None
 
 
 def check_drafter(key: str, section: ModelSection, config: Any, verifier_path: str) -> DrafterSpec:

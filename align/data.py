@@ -1,7 +1,9 @@
-"""Reading what stages consume: prompt files (JSONL via `datasets`), prompts as token ids, and trajectories.
+"""Reading what stages consume: prompts (files, Hub-layout folders or Hub datasets, via `datasets`), prompts as the
+token ids a model reads (one chat-template rendering for every stage), and trajectories.
 
-Problems a user can fix (a missing or malformed file, a prompt too long for the model, a corrupted chunk) are
-`RecipeError`s naming the recipe key, so every stage refuses them the same way: one line, exit code 2.
+Problems a user can fix (a missing or malformed file, an unknown column or split, a prompt too long for the model, a
+corrupted chunk) are `RecipeError`s naming the recipe key, so every stage refuses them the same way: one line, exit
+code 2. The cli runs `check_prompts` before a stage starts; the stage reads the same prompts with the same functions.
 """
 
 from __future__ import annotations
@@ -9,15 +11,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
-import torch
-
-from align.config import Recipe, RecipeError, get_key
+from align.config import Recipe, RecipeError, first_line, get_key, hub_offline, is_hub_id, model_section
 from align.corpus import ensure_data
 
+if TYPE_CHECKING:
+    import torch
+
 TRAJECTORY_MANIFEST = "manifest.json"
+
+# A prompt is plain text, or a conversation of chat messages ({"role", "content"}) that ends on a turn the model
+# answers (never an assistant turn).
+Prompt = Union[str, list[dict[str, str]]]
+
+# recipe key naming a prompt source -> the keys of its split, of the column holding the prompts, and of how many
+# prompts the stage reads (None: all)
+PROMPT_SOURCES: dict[str, tuple[str, str, str]] = {
+    "data.train_prompts": ("data.train_split", "data.prompt_column", "trajectories.num_prompts"),
+    "eval.prompts": ("eval.split", "eval.prompt_field", "eval.num_prompts"),
+    "calibrate.prompts": ("calibrate.split", "calibrate.prompt_field", "calibrate.num_prompts"),
+}
 
 
 def file_sha256(path: Path) -> str:
@@ -28,32 +44,122 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_prompt_file(path: str, field: str, key: str) -> list[str]:
-    """Prompts from a JSONL file (via `datasets`): the `field` of each row; a list (Spec-Bench's turns) gives its
-    first element. Problems are RecipeErrors naming `key`."""
-    if not Path(path).is_file():
-        raise RecipeError(f"{key}: no such file: {path}")
-    try:  # datasets would report a non-UTF-8 file as a pyarrow parse error deep in a traceback
-        with open(path, encoding="utf-8") as f:
-            for _ in iter(lambda: f.read(1 << 20), ""):
-                pass
-    except UnicodeDecodeError as e:
-        raise RecipeError(f"{key}: {path} is not UTF-8 text (byte {e.start}); JSONL files must be UTF-8") from None
+# --------------------------------------------------------------------------------------------------------------------
+# prompt sources
+# --------------------------------------------------------------------------------------------------------------------
+@contextmanager
+def _quiet_datasets() -> Iterator[Any]:
     import datasets
 
     datasets.disable_progress_bars()  # a bar per small file is noise, and would split a refusal over lines
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its "Failed to load JSON" line would precede ours
     try:
-        rows = datasets.load_dataset("json", data_files=path, split="train") if os.path.getsize(path) else []
-    except Exception as e:  # datasets raises several types for a malformed file; all mean the same to the user
-        raise RecipeError(f"{key}: cannot read {path} as JSONL ({type(e).__name__})") from None
+        yield datasets
     finally:
         datasets.logging.set_verbosity(verbosity)
-    if len(rows) and field not in rows.column_names:
-        raise RecipeError(f"{key}: {path} has no '{field}' field (fields: {', '.join(rows.column_names)})")
-    prompts = [r[field][0] if isinstance(r[field], list) else r[field] for r in rows]
-    prompts = [p for p in prompts if isinstance(p, str) and p]
+
+
+def _read_dataset(path: str, split: str, key: str, split_key: str) -> Any:
+    """The `split` of the dataset at `path` (a `datasets.Dataset`, or [] for an empty file)."""
+    local = Path(path)
+    if not local.exists() and local.suffix in (".jsonl", ".json", ".parquet"):
+        raise RecipeError(f"{key}: no such file: {path}")  # a file's name, not a Hub id
+    if not (local.exists() or is_hub_id(path)):
+        raise RecipeError(f"{key}: no such file or folder: {path} (nor a Hub dataset id, org/name)")
+    what = "a dataset folder" if local.is_dir() else "a Hub dataset"
+    if local.is_file():
+        if local.suffix == ".parquet":
+            what = "Parquet"
+        else:  # the existing convention: any other file is JSONL (a .json file of one array reads the same way)
+            what = "JSONL"
+            try:  # datasets would report a non-UTF-8 file as a pyarrow parse error deep in a traceback
+                with open(local, encoding="utf-8") as f:
+                    for _ in iter(lambda: f.read(1 << 20), ""):
+                        pass
+            except UnicodeDecodeError as e:
+                raise RecipeError(f"{key}: {path} is not UTF-8 text (byte {e.start}); JSONL files must be UTF-8"
+                                  ) from None
+        if not local.stat().st_size:
+            return []
+    with _quiet_datasets() as datasets:
+        try:
+            if local.is_file():
+                # A single file is one split, named as the recipe asks, so the split key never refuses a file.
+                builder = "parquet" if what == "Parquet" else "json"
+                return datasets.load_dataset(builder, data_files={split: str(local)}, split=split)
+            return datasets.load_dataset(path, split=split)  # a Hub-layout folder or id: splits from file names
+        except ValueError as e:
+            if "Unknown split" not in str(e):
+                raise RecipeError(f"{key}: cannot read {path} as {what} ({first_line(e)})") from None
+            known = str(e).partition("[")[2].partition("]")[0].replace("'", "")
+            raise RecipeError(f"{split_key}: {path} has no split '{split}' (splits: {known})") from None
+        except ConnectionError:
+            if hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+                raise RecipeError(f"{key}: {path} is not a local file or folder, and the Hub is offline "
+                                  "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) with no copy in the datasets cache") from None
+            raise RecipeError(f"{key}: cannot reach the Hub for the dataset {path}") from None
+        except Exception as e:  # datasets raises several types for a malformed file; all mean the same to the user
+            why = type(e).__name__ if what in ("JSONL", "Parquet") else first_line(e)
+            raise RecipeError(f"{key}: cannot read {path} as {what} ({why})") from None
+
+
+def _conversation(messages: list[Any], where: str) -> list[dict[str, str]]:
+    """Chat messages as the prompt: every message a {role, content} of strings; trailing assistant turns (the answer
+    a chat dataset stores) are cut, so the conversation ends on the turn the model answers."""
+    for k, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise RecipeError(f"{where}: message {k} is not a {{role, content}} of strings ({str(message)[:80]})")
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    if not end:
+        raise RecipeError(f"{where}: the conversation holds only assistant turns, so no prompt")
+    # Only role and content: datasets fills a struct's missing keys (name, tool_calls) with None, which templates
+    # would render as text.
+    return [{"role": m["role"], "content": m["content"]} for m in messages[:end]]
+
+
+def _as_prompt(value: Any, where: str) -> Optional[Prompt]:
+    """A column value as a prompt: a string; a list of strings (Spec-Bench's `turns`) gives its first; a list of
+    messages is a conversation. Empty values are skipped (None); anything else is refused."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value[0] or None
+    if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        return _conversation(value, where)
+    raise RecipeError(f"{where}: neither a string nor a list of chat messages ({type(value).__name__}: "
+                      f"{str(value)[:80]})")
+
+
+def load_prompts(recipe: Recipe, key: str, default: Optional[str] = None) -> list[Prompt]:
+    """The prompts of the source named by `key` (a PROMPT_SOURCES key), with its split and column keys; when the key is
+    unset, those of the tiny prompt file `default` (a JSONL with a `prompt` field). Only as many as the stage reads
+    are converted and checked (a Hub chat dataset may hold hundreds of thousands)."""
+    split_key, column_key, limit_key = PROMPT_SOURCES[key]
+    path = get_key(recipe, key)
+    if path is not None:
+        split, column = get_key(recipe, split_key), get_key(recipe, column_key)
+    elif default is not None:
+        path, split, column = default, "train", "prompt"
+    else:
+        raise RecipeError(f"{key}: no prompts given")
+    rows = _read_dataset(path, split, key, split_key)
+    if len(rows) and column not in rows.column_names:
+        raise RecipeError(f"{column_key}: {path} has no '{column}' field (fields: {', '.join(rows.column_names)})")
+    limit = get_key(recipe, limit_key)
+    prompts: list[Prompt] = []
+    for start in range(0, len(rows), 1024):
+        for i, value in enumerate(rows[start : start + 1024][column], start):
+            prompt = _as_prompt(value, f"{column_key}: row {i} of {path}")
+            if prompt is not None:
+                prompts.append(prompt)
+            if limit is not None and len(prompts) == limit:
+                return prompts
     if not prompts:
         raise RecipeError(f"{key}: {path} holds no prompts")
     return prompts
@@ -65,24 +171,103 @@ def tiny_prompts_path(recipe: Recipe, split: str, model_dir: str | None = None) 
     return str(data_dir / "prompts" / f"{split}.jsonl")
 
 
-def eval_prompts(recipe: Recipe) -> list[str]:
-    """eval.prompts, or the tiny test split; the first eval.num_prompts of them."""
-    path = recipe.eval.prompts or tiny_prompts_path(recipe, "test", recipe.verifier.path)
-    return load_prompt_file(path, recipe.eval.prompt_field, "eval.prompts")[: recipe.eval.num_prompts]
+def eval_prompts(recipe: Recipe) -> list[Prompt]:
+    """eval.prompts (split eval.split, column eval.prompt_field), or the tiny test split; the first eval.num_prompts."""
+    default = None if recipe.eval.prompts else tiny_prompts_path(recipe, "test", recipe.verifier.path)
+    return load_prompts(recipe, "eval.prompts", default)
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str], max_new_tokens: int, context: int) -> list[torch.Tensor]:
-    """Each prompt as (1, n) token ids; a prompt that cannot fit `max_new_tokens` more tokens in `context` is refused."""
+# --------------------------------------------------------------------------------------------------------------------
+# rendering: the one place a prompt becomes token ids
+# --------------------------------------------------------------------------------------------------------------------
+def chat_template(tokenizer: Any, mode: str, model_path: str) -> Optional[str]:
+    """The chat template prompts are rendered with under data.chat_template=`mode`, or None for plain text.
+    `model_path` names the tokenizer's model in a refusal."""
+    if mode == "off":
+        return None
+    if tokenizer.chat_template:
+        return tokenizer.get_chat_template()  # the default one when the tokenizer ships several
+    if mode == "on":
+        raise RecipeError(f"data.chat_template: on, but the tokenizer of {model_path} has no chat template (set "
+                          "data.chat_template=auto or off for plain-text prompts)")
+    return None
+
+
+def template_sha256(template: Optional[str]) -> Optional[str]:
+    """What manifests record of a template: the sha256 of its text, None when prompts are plain text."""
+    return None if template is None else hashlib.sha256(template.encode()).hexdigest()
+
+
+def recipe_chat_template(recipe: Recipe, model_key: str) -> Optional[str]:
+    """The template the recipe renders prompts with, read from the tokenizer of the model at `model_key`."""
+    if recipe.data.chat_template == "off":
+        return None  # no tokenizer to load
+    from align.models import load_tokenizer
+
+    section = model_section(recipe, model_key)
+    try:
+        tokenizer = load_tokenizer(section.path, section.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"{model_key}: cannot load the tokenizer of {section.path} ({first_line(e)})") from None
+    return chat_template(tokenizer, recipe.data.chat_template, section.path)
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt, template: Optional[str]) -> list[int]:
+    """The token ids of `prompt` as every stage feeds them to the model (trajectories, eval, calibration; training
+    windows read trajectories' ids).
+
+    With a template, the conversation (a plain prompt is one user turn) is rendered with add_generation_prompt=True,
+    so the ids end where the answer begins. The rendered text already holds the template's special tokens (a BOS, turn
+    markers), so it is tokenized with add_special_tokens=False: a tokenizer that adds a BOS of its own would otherwise
+    give two. Plain text is tokenized as it always was here, also without added special tokens.
+    """
+    if template is None:
+        if not isinstance(prompt, str):
+            raise RecipeError("data.chat_template: chat-message prompts need a chat template, and none is applied "
+                              "(data.chat_template=off, or the tokenizer has none)")
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def prompt_ids_sha256(prompt_ids: list[list[int]]) -> str:
+    """What manifests record of the prompts a model read: equal exactly when the token ids are."""
+    return hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
+
+
+def encode_prompts(tokenizer: Any, prompts: list[Prompt], template: Optional[str], max_new_tokens: int,
+                   context: int) -> list["torch.Tensor"]:
+    """Each prompt rendered (render_prompt) as (1, n) token ids; a prompt that cannot fit `max_new_tokens` more tokens
+    in `context` is refused."""
+    import torch
+
     encoded = []
-    for i, text in enumerate(prompts):
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        if ids.shape[1] + max_new_tokens > context:
+    for i, prompt in enumerate(prompts):
+        ids = render_prompt(tokenizer, prompt, template)
+        if len(ids) + max_new_tokens > context:
             raise RecipeError(
-                f"eval.prompts: prompt {i} has {ids.shape[1]} tokens; with decode.max_new_tokens={max_new_tokens} it "
+                f"eval.prompts: prompt {i} has {len(ids)} tokens; with decode.max_new_tokens={max_new_tokens} it "
                 f"exceeds the model's context of {context} (use shorter prompts or fewer new tokens)"
             )
-        encoded.append(ids)
+        # On the CPU: prompts are checked before any model is loaded; callers move them to the model's device.
+        encoded.append(torch.tensor([ids], dtype=torch.long, device="cpu"))
     return encoded
+
+
+def check_prompts(recipe: Recipe, key: str, model_key: str) -> None:
+    """What the cli checks before a stage reads the prompts at `key` with the tokenizer of `model_key`: the template
+    data.chat_template asks for exists, and the source (when set) reads, has the split and column, holds well-formed
+    prompts, and chat messages only where a template applies."""
+    template = recipe_chat_template(recipe, model_key)
+    if get_key(recipe, key) is None:
+        return  # the tiny prompt sets: plain strings, built on first use by the stage
+    prompts = load_prompts(recipe, key)
+    if template is None and any(not isinstance(p, str) for p in prompts):
+        why = "data.chat_template=off" if recipe.data.chat_template == "off" else \
+            f"the tokenizer of {model_section(recipe, model_key).path} has none"
+        raise RecipeError(f"{PROMPT_SOURCES[key][1]}: {get_key(recipe, key)} holds chat messages, which need a chat "
+                          f"template ({why})")
 
 
 def read_trajectory_manifest(path: str | Path) -> dict[str, Any]:
@@ -137,3 +322,15 @@ def check_trajectories_match(recipe: Recipe, manifest: dict[str, Any]) -> None:
             raise RecipeError(f"{key}: the trajectories in {recipe.trajectories.out} were made with {made[name]!r}, "
                               f"the recipe says {wanted!r} (rerun align trajectories into another "
                               "trajectories.out, or set the key to match)")
+    # Prompts rendered with another chat template (or none) are other token sequences: the drafter would learn to
+    # draft after prompts the verifier will never be given. Manifests from before templates rendered nothing.
+    made_with = made.get("chat_template_sha256")
+    wanted = template_sha256(recipe_chat_template(recipe, "verifier.path"))
+    if made_with != wanted:
+        def name(digest: Optional[str]) -> str:
+            return "no chat template" if digest is None else f"the chat template sha256 {digest[:12]}"
+
+        raise RecipeError(f"data.chat_template: the trajectories in {recipe.trajectories.out} were rendered with "
+                          f"{name(made_with)}, the recipe ({recipe.data.chat_template}, {recipe.verifier.path}) gives "
+                          f"{name(wanted)} (rerun align trajectories into another trajectories.out, or set "
+                          "data.chat_template to match)")

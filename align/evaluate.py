@@ -24,7 +24,8 @@ from align.bench import Run, count_forwards, interleaved, verifier_latency
 from align.checkpoint import atomic_folder, write_text_atomic
 from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, eval_models
 from align.corpus import ensure_data
-from align.data import encode_prompts, eval_prompts, load_trajectories
+from align.data import (chat_template, encode_prompts, eval_prompts, load_trajectories, prompt_ids_sha256,
+                        template_sha256)
 from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import ar_generate
 from align.decoding.cps import PathSearch, TrigramModel
@@ -368,12 +369,13 @@ def main(recipe: Recipe, command: str) -> None:
     needed = eval_models(recipe)
     uses_drafter, uses_ar_drafter = "drafter.path" in needed, "ar_drafter.path" in needed
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+    template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
     texts = eval_prompts(recipe)
     compared = {label: recipe.drafter.model_copy(update={"path": path})
                 for label, path in (e.compare_drafters.items() if uses_drafter else ())}
     # The verifier's config first: a too-long prompt is refused before any weights are loaded.
     context = AutoConfig.from_pretrained(recipe.verifier.path, trust_remote_code=recipe.verifier.trust_remote_code)
-    prompts = encode_prompts(tokenizer, texts, d.max_new_tokens, context_length(context))
+    prompts = encode_prompts(tokenizer, texts, template, d.max_new_tokens, context_length(context))
     source = proxy_source(recipe) if any("cps" in n for n in names) else None
     verifier = load_verifier(recipe.verifier)
     prompts = [ids.to(verifier.device) for ids in prompts]  # the tokenizer gives CPU tensors
@@ -402,6 +404,9 @@ def main(recipe: Recipe, command: str) -> None:
     result["meta"] = {
         "command": command, "recipe": recipe.to_dict(), "prompts": e.prompts or "tiny test split",
         "num_prompts": len(prompts), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # the token ids every method read, and the chat template that rendered them
+        "prompts_sha256": prompt_ids_sha256([ids[0].tolist() for ids in prompts]),
+        "chat_template_sha256": template_sha256(template),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "device": str(next(verifier.parameters()).device), "dtype": str(verifier.dtype)},

@@ -13,7 +13,7 @@ import torch
 from align.bench import interleaved
 from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError
-from align.data import encode_prompts, eval_prompts
+from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256, template_sha256
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
@@ -65,10 +65,12 @@ def main(recipe: Recipe, command: str) -> None:
     for budget in e.spiffy_budgets:
         graph.prefix(budget)  # refuse a budget the graph cannot serve before any work
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
+    # The dLLM decodes alone, so its own tokenizer's chat template renders the prompts (as in align calibrate).
+    template = chat_template(tokenizer, recipe.data.chat_template, recipe.drafter.path)
     texts = eval_prompts(recipe)
     model, spec = load_drafter(recipe.drafter, tokenizer)
-    prompts = [ids.to(model.device) for ids in
-               encode_prompts(tokenizer, texts, recipe.decode.max_new_tokens, context_length(model.config))]
+    prompts = [ids.to(model.device) for ids in encode_prompts(tokenizer, texts, template, recipe.decode.max_new_tokens,
+                                                              context_length(model.config))]
     eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     methods = methods_for(model, spec, graph, recipe, eos_ids)
     names = list(methods)
@@ -99,6 +101,8 @@ def main(recipe: Recipe, command: str) -> None:
     exactness = outputs_claim(spec.attention, tokens, {name: reference for name, (reference, _) in methods.items()})
     result = {"methods": summary, "meta": {
         "command": command, "mode": "dllm", "prompts": e.prompts or "tiny test split", "num_prompts": len(prompts),
+        "prompts_sha256": prompt_ids_sha256([ids[0].tolist() for ids in prompts]),
+        "chat_template_sha256": template_sha256(template),
         "graph": c.graph, "graph_calibrated_on": graph.meta.get("prompts"), "position_order": graph.position_order,
         "block_length": c.block_length,
         "tokens_per_step": c.tokens_per_step, "threshold": c.threshold, "exactness": exactness,

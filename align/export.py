@@ -136,7 +136,9 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
     if "drafter_spec" not in config:
         from transformers import AutoConfig
 
-        spec = drafter_spec_from_config(AutoConfig.from_pretrained(source), load_tokenizer(str(source)),
+        remote = recipe.drafter.trust_remote_code  # Dream, DiffuCoder, LLaDA: their config class ships with them
+        spec = drafter_spec_from_config(AutoConfig.from_pretrained(source, trust_remote_code=remote),
+                                        load_tokenizer(str(source), remote),
                                         recipe.drafter.mask_token_id, recipe.drafter.logits_shift,
                                         recipe.drafter.attention)
         config["drafter_spec"] = spec.to_dict()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -76,7 +77,7 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     kwargs = dict(
         dtype=resolve_dtype(section.dtype, device),
         trust_remote_code=section.trust_remote_code,
-        attn_implementation=section.attn_implementation,
+        **_attention_kwargs(section, config_overrides.get("config")),
         **config_overrides,
     )
     try:
@@ -89,9 +90,46 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
         except ValueError:
             # LLaDA and Dream register their LM under AutoModel only.
             model = AutoModel.from_pretrained(section.path, **kwargs)
+    if section.trust_remote_code:
+        _restore_computed_buffers(model)
     model.to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+def _restore_computed_buffers(model: PreTrainedModel) -> None:
+    """Recompute the non-persistent buffers of remote code written for transformers 4.
+
+    transformers 5 builds a model on the meta device and fills what the checkpoint holds and what the model's
+    `_init_weights` sets; a non-persistent buffer that the code computes in `__init__` (Dream's and DiffuCoder's rotary
+    `inv_freq`) is left as uninitialised memory, and the model silently reads garbage positions. A skeleton built with
+    its parameters on the meta device (no memory) and its buffers on the CPU gives the values `__init__` computes."""
+    computed = dict(model.named_non_persistent_buffers())
+    if not computed:
+        return
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        skeleton = type(model)(model.config)
+    for name, value in skeleton.named_non_persistent_buffers():
+        if name in computed:
+            module_name, _, leaf = name.rpartition(".")
+            old = computed[name]
+            model.get_submodule(module_name).register_buffer(leaf, value.to(old.device, old.dtype), persistent=False)
+
+
+def _attention_kwargs(section: ModelSection, config: Any = None) -> dict[str, str]:
+    """`attn_implementation` for transformers to honour, unless the model is remote code that does not declare it:
+    LLaDA calls scaled_dot_product_attention itself and never tells transformers, which then refuses "sdpa"."""
+    if section.attn_implementation == "sdpa" and section.trust_remote_code:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        config = config or AutoConfig.from_pretrained(section.path, trust_remote_code=True)
+        auto_map = getattr(config, "auto_map", None) or {}
+        reference = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")
+        if reference and not getattr(get_class_from_dynamic_module(reference, section.path), "_supports_sdpa", False):
+            return {}
+    return {"attn_implementation": section.attn_implementation}
 
 
 def load_verifier(section: ModelSection) -> PreTrainedModel:
@@ -136,8 +174,26 @@ def config_vocab_size(model: PreTrainedModel) -> int:
 
 
 def context_length(config: Any) -> int:
-    """The longest sequence a model reads. Multimodal configs (Gemma 4, DiffusionGemma) keep it on their text part."""
-    return int(config.get_text_config().max_position_embeddings)
+    """The longest sequence a model is built for: `max_position_embeddings` (on the text part of multimodal configs:
+    Gemma 4, DiffusionGemma), or `max_sequence_length` in LLaDA's OLMo-style config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = getattr(text, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+    if length is None:
+        raise RecipeError(f"{getattr(config, 'model_type', 'model')}: its config gives no maximum sequence length")
+    return int(length)
+
+
+def _forward_parameters(model: Any) -> set[str]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
+    return set(inspect.signature(base.forward).parameters)
+
+
+def full_mask_kwargs(model: Any, mask: Optional[torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+    """The keyword that carries a 4-D additive mask (B, 1, q, k) into `model`'s forward: `attention_mask` for
+    transformers models and Dream; LLaDA reads `attention_mask` as a 2-D padding mask and takes 4-D masks as
+    `attention_bias`."""
+    key = "attention_bias" if "attention_bias" in _forward_parameters(model) else "attention_mask"
+    return {key: mask}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -203,6 +259,11 @@ def noise_fill(spec: DrafterSpec, vocab: int, block_ids: torch.Tensor) -> torch.
         return block_ids
     fill = _uniform_fill(vocab, spec.noise_seed, block_ids.shape[-1], block_ids.device)
     return torch.where(block_ids == spec.mask_token_id, fill, block_ids)
+
+
+def model_input(model: PreTrainedModel, spec: DrafterSpec, block_ids: torch.Tensor) -> torch.Tensor:
+    """`noise_fill` for `model`'s vocabulary (read only for uniform noise: remote-code configs may not name it)."""
+    return block_ids if spec.noise == "mask" else noise_fill(spec, config_vocab_size(model), block_ids)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -298,7 +359,7 @@ def block_logits(
         raise ValueError("a shifted drafter needs at least one context token to predict the first block position")
     if is_canvas_decoder(model):
         return canvas_logits(model, spec, context_ids, block_ids, state)
-    block_ids = noise_fill(spec, config_vocab_size(model), block_ids)
+    block_ids = model_input(model, spec, block_ids)
     if spec.attention == "block_causal" and state is not None:
         return _cached_block_logits(model, spec, context_ids, block_ids, state)
     ids = torch.cat([context_ids, block_ids], dim=1)
@@ -362,7 +423,7 @@ def shared_context_block_logits(
         crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
     encode_context(model, context_ids, state)
     n = state.length
-    ids = noise_fill(spec, config_vocab_size(model), blocks).reshape(1, -1)
+    ids = model_input(model, spec, blocks).reshape(1, -1)
     positions = torch.arange(n, n + block_len, device=ids.device).repeat(num_blocks).unsqueeze(0)
     which = torch.arange(num_blocks, device=ids.device).repeat_interleave(block_len)  # block of each block token
     own_block = which[:, None] == which[None, :]
@@ -395,7 +456,7 @@ def canvas_logits(
         state = DrafterContext.empty(model)
     encode_context(model, context_ids, state)
     n, (num_canvases, canvas_len) = state.length, canvas_ids.shape
-    canvas = noise_fill(spec, config_vocab_size(model), canvas_ids)
+    canvas = model_input(model, spec, canvas_ids)
     positions = torch.arange(n, n + canvas_len, device=canvas.device).unsqueeze(0).expand(num_canvases, -1)
     cache = state.cache if context_ids.shape[0] == num_canvases else _shared_cache(state.cache, num_canvases)
     return model(decoder_input_ids=canvas, cache=cache, decoder_position_ids=positions).logits  # (K, γ, V)

@@ -320,8 +320,9 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
         log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
         log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
         hits = (logits.argmax(-1) == batch.targets) & batch.target_mask
+        # Per trajectory; a bidirectional batch has a row per window, each naming its trajectory in source_rows.
         weight = torch.tensor(weights[start : start + t.micro_batch_size], dtype=torch.float64,
-                              device=trainer.device)[:, None]
+                              device=trainer.device)[batch.source_rows][:, None]
         valid = batch.target_mask[..., 0] * weight  # (B, W): padding rows count 0
         totals += torch.stack([(torch.exp(torch.cumsum(log_q, -1)).sum(-1) * valid).sum(),
                                (hits.int().cumprod(-1).sum(-1) * valid).sum(), valid.sum()])
@@ -356,7 +357,7 @@ def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> 
     """τ of SpecDiff greedy decoding (γ = train.gamma, 64 new tokens) with the saved checkpoint on held-out prompts."""
     verifier = load_verifier(recipe.verifier)
     section = recipe.drafter.model_copy(update={"path": str(checkpoint)})
-    drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint)))
+    drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint), section.trust_remote_code))
     prompts, seen = [], set()
     for i in data.held_out:
         if data.rows[i]["prompt_index"] not in seen and len(prompts) < count:

@@ -12,14 +12,15 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from align.checkpoint import atomic_folder, write_text_atomic
 from align.config import Recipe, RecipeError, check_inputs, get_key
-from align.data import TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, file_sha256, load_prompt_file, tiny_prompts_path
+from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, file_sha256, load_prompts,
+                        prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path)
 from align.models import load_tokenizer, load_verifier
 
 
@@ -28,23 +29,26 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def settings_of(recipe: Recipe, prompts: list[str]) -> dict[str, Any]:
+def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[str]) -> dict[str, Any]:
     t = recipe.trajectories
     return {
         # what align train compares with its own recipe (verifier, temperature, top_p, max_new_tokens)
         **{name: get_key(recipe, key) for key, name in TRAJECTORY_KEYS.items()},
         "completions_per_prompt": t.completions_per_prompt, "store_topk": t.store_topk, "batch_size": t.batch_size,
-        "seed": recipe.train.seed, "num_prompts": len(prompts),
-        "prompts_sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
+        "seed": recipe.train.seed, "num_prompts": len(prompt_ids),
+        # the token ids the verifier read, and the chat template that rendered them (align train compares it)
+        "prompts_sha256": prompt_ids_sha256(prompt_ids), "chat_template_sha256": template_sha256(template),
     }
 
 
 @torch.inference_mode()
-def sample_chunk(verifier: Any, tokenizer: Any, prompts: list[str], recipe: Recipe, seed: int) -> list[dict[str, Any]]:
-    """Completions of a batch of prompts, `completions_per_prompt` each, by HF generate() (batched, left-padded)."""
+def sample_chunk(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], recipe: Recipe,
+                 seed: int) -> list[dict[str, Any]]:
+    """Completions of a batch of rendered prompts (data.render_prompt), `completions_per_prompt` each, by HF
+    generate() (batched, left-padded)."""
     t = recipe.trajectories
     tokenizer.padding_side = "left"  # generation appends on the right: padding must not sit between prompt and text
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(verifier.device)
+    batch = tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt").to(verifier.device)
     torch.manual_seed(seed)
     sample = dict(do_sample=True, temperature=t.temperature, top_p=t.top_p, top_k=0) if t.temperature > 0 else dict(
         do_sample=False, temperature=None, top_p=None, top_k=None)  # greedy: sampling flags would only draw warnings
@@ -95,8 +99,10 @@ def main(recipe: Recipe, command: str) -> None:
     t = recipe.trajectories
     check_inputs(recipe, model_keys=("verifier.path",))
     source = recipe.data.train_prompts or tiny_prompts_path(recipe, "train", recipe.verifier.path)
-    prompts = load_prompt_file(source, "prompt", "data.train_prompts")[: t.num_prompts]
-    settings = settings_of(recipe, prompts)
+    tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+    template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
+    prompts = [render_prompt(tokenizer, p, template) for p in load_prompts(recipe, "data.train_prompts", source)]
+    settings = settings_of(recipe, prompts, template)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(t.out)
     old = out / TRAJECTORY_MANIFEST
@@ -104,7 +110,6 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"trajectories.out: {out} holds trajectories made with other settings; "
                           "choose another folder or delete it")
     rank, world = rank_and_world()
-    tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     verifier = load_verifier(recipe.verifier)
     starts = list(range(0, len(prompts), t.batch_size))
     mine = [c for c in range(len(starts)) if c % world == rank]
@@ -127,6 +132,8 @@ def main(recipe: Recipe, command: str) -> None:
         chunks = {f"chunk-{c:05d}": json.loads((out / "chunks" / f"chunk-{c:05d}" / "chunk.json").read_text())
                   for c in range(len(starts))}
         manifest = {"settings_hash": settings_hash, "settings": settings, "prompts": source, "command": command,
+                    "prompt_split": recipe.data.train_split, "prompt_column": recipe.data.prompt_column,
+                    "chat_template": recipe.data.chat_template,
                     "rows": sum(c["rows"] for c in chunks.values()),
                     "completion_tokens": sum(c["tokens"] for c in chunks.values()),
                     "chunks": {name: c["sha256"] for name, c in chunks.items()},

@@ -10,14 +10,16 @@ reads them as it drafts: see `canvas_window_logits`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from align.models import (DrafterContext, DrafterSpec, additive_mask, canvas_logits, config_vocab_size,
-                          is_canvas_decoder)
+                          full_mask_kwargs, is_canvas_decoder)
 
 
 @dataclass
@@ -49,6 +51,17 @@ def pick_starts(prompt_len: int, completion_len: int, gamma: int, windows: int, 
     return sorted(int(prompt_len + s) for s in chosen)
 
 
+def on_cpu(build: Callable[..., WindowBatch]) -> Callable[..., WindowBatch]:
+    """Builders are data loading: they build on the CPU whatever the default device (a training step moves the batch
+    to its rank's device), so that no tensor of theirs lands on a device by accident."""
+    @functools.wraps(build)
+    def on_the_cpu(*args: Any, **kwargs: Any) -> WindowBatch:
+        with torch.device("cpu"):
+            return build(*args, **kwargs)
+    return on_the_cpu
+
+
+@on_cpu
 def block_causal_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: int, windows: int, pad_id: int,
                          rng: np.random.Generator, max_len: Optional[int] = None) -> WindowBatch:
     """Many windows per sequence, one row per trajectory (see the module docstring for the layout)."""
@@ -90,6 +103,7 @@ def block_causal_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: i
                        target_mask, block_index, torch.arange(B))
 
 
+@on_cpu
 def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: int, windows: int, pad_id: int,
                           rng: np.random.Generator, max_len: Optional[int] = None) -> WindowBatch:
     """One window per row, `prefix ⊕ MASK×γ` right-padded; every real token sees every other (padding is hidden)."""
@@ -135,8 +149,10 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Te
         raise ValueError(f"windows fill noised positions with the mask token; noise {spec.noise!r} is read only by "
                          "the canvas-decoder families (DiffusionGemma)")
     mask = batch.attention_mask.to(model.dtype) if model.dtype != torch.float32 else batch.attention_mask
-    hidden = model.get_decoder()(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                 attention_mask=mask).last_hidden_state
+    decoder = model.get_decoder()
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        return _whole_model_window_logits(model, spec, batch, mask)
+    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask).last_hidden_state
     B, W, gamma = batch.targets.shape
     width = hidden.shape[-1]
     index = (batch.block_index[..., None] + torch.arange(gamma, device=hidden.device)).view(B, -1)  # (B, W·γ)
@@ -170,6 +186,23 @@ def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> t
         zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
         rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
     return torch.stack(rows)
+
+
+def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, mask: torch.Tensor) -> torch.Tensor:
+    """(B, W, γ, V) through the whole model, for drafters whose decoder takes no position ids and returns logits
+    (LLaDA: RoPE positions are always 0..T-1, which is what a bidirectional window uses)."""
+    B, W, gamma = batch.targets.shape
+    offsets = torch.arange(gamma, device=batch.input_ids.device)
+    if not torch.equal(batch.position_ids, torch.arange(batch.input_ids.shape[1], device=offsets.device).expand(
+            batch.input_ids.shape[0], -1)):
+        raise ValueError(f"{type(model).__name__} takes no position ids; only windows at positions 0..T-1 "
+                         "(bidirectional windows) can be read from it")
+    logits = model(input_ids=batch.input_ids, **full_mask_kwargs(model, mask)).logits  # (B, T, V)
+    # Position start+i is read at start+i-shift; a shifted window's first position at the clean token before it.
+    index = batch.block_index[..., None] + offsets - spec.logits_shift  # (B, W, γ)
+    if spec.logits_shift:
+        index[..., 0] = (batch.starts - 1).clamp_min(0)
+    return logits.gather(1, index.view(B, -1, 1).expand(-1, -1, logits.shape[-1])).view(B, W, gamma, -1)
 
 
 def verifier_window_logits(verifier: Any, batch: WindowBatch) -> torch.Tensor:

@@ -358,3 +358,72 @@ def test_a_bad_prompt_file_is_one_line(tmp_path, content, why):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("align eval: error: eval.prompts: ") and why in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 8. prompt sources (files, Hub-layout folders, Hub ids) and chat templates: refused by the cli, before the stage
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> dict[str, Path]:
+    from datasets import Dataset
+
+    root = tmp_path_factory.mktemp("chats")
+    messages = [{"role": "user", "content": "def f():"}, {"role": "assistant", "content": "    pass"}]
+    hub = root / "hub"
+    (hub / "data").mkdir(parents=True)
+    for split in ("train", "test"):
+        Dataset.from_list([{"messages": messages, "prompt": "def f():"}]).to_parquet(
+            str(hub / "data" / f"{split}-00000-of-00001.parquet"))
+    malformed = root / "malformed.jsonl"
+    malformed.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": [{"role": "user"}]}\n')
+    answers = root / "answers.jsonl"
+    answers.write_text('{"messages": [{"role": "assistant", "content": "a"}]}\n')
+    numbers = root / "numbers.jsonl"
+    numbers.write_text('{"prompt": 3}\n')
+    return {"hub": hub, "malformed": malformed, "answers": answers, "numbers": numbers}
+
+
+PROMPT_CASES = [
+    # stage, recipe, overrides, expected in the line
+    ("trajectories", "align", ["data.train_prompts=/nonexistent/chats"], "data.train_prompts: no such file or folder"),
+    # org/name-shaped, but a file's name: no Hub look-up
+    ("trajectories", "align", ["data.train_prompts=nonexistent/p.parquet"], "data.train_prompts: no such file: "),
+    ("trajectories", "align", ["data.train_prompts={hub}", "data.prompt_column=text"],
+     "data.prompt_column: {hub} has no 'text' field (fields: messages, prompt)"),
+    ("trajectories", "align", ["data.train_prompts={hub}", "data.train_split=validation"],
+     "data.train_split: {hub} has no split 'validation' (splits: train, test)"),
+    ("trajectories", "align", ["data.chat_template=on"], "data.chat_template: on, but the tokenizer of "),
+    ("trajectories", "align", ["data.train_prompts={malformed}", "data.prompt_column=messages"],
+     "data.prompt_column: row 1 of {malformed}: message 0 is not a {{role, content}} of strings"),
+    ("trajectories", "align", ["data.train_prompts={answers}", "data.prompt_column=messages"],
+     "holds only assistant turns"),
+    ("trajectories", "align", ["data.train_prompts={numbers}"], "neither a string nor a list of chat messages"),
+    # the tiny verifier's tokenizer has no chat template: messages cannot become a prompt
+    ("trajectories", "align", ["data.train_prompts={hub}", "data.prompt_column=messages"],
+     "data.prompt_column: {hub} holds chat messages, which need a chat template (the tokenizer of "),
+    ("eval", "eval", ["eval.prompts={hub}", "eval.prompt_field=messages", "data.chat_template=off"],
+     "eval.prompt_field: {hub} holds chat messages, which need a chat template (data.chat_template=off)"),
+    ("eval", "eval", ["eval.prompts=nobody/no-such-dataset"], "eval.prompts: nobody/no-such-dataset is not a local "
+     "file or folder, and the Hub is offline"),
+    ("eval", "eval", ["eval.prompts={hub}", "eval.split=validation"], "eval.split: "),
+    ("calibrate", "spiffy", ["calibrate.prompts={hub}", "calibrate.prompt_field=text"], "calibrate.prompt_field: "),
+    ("calibrate", "spiffy", ["data.chat_template=on"], "the tokenizer of checkpoints/tiny/drafter-base has no chat"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, overrides, expected", PROMPT_CASES,
+                         ids=[f"{i}-{c[0]}-{c[2][-1].split('=')[0]}" for i, c in enumerate(PROMPT_CASES)])
+def test_bad_prompt_sources(capsys, started, chats, tmp_path, stage, recipe, overrides, expected):
+    names = {k: str(v) for k, v in chats.items()}
+    out = {"trajectories": "trajectories.out", "eval": "eval.out", "calibrate": "calibrate.out"}[stage]
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}.yaml", *(o.format(**names) for o in overrides),
+                   f"{out}={tmp_path / 'out'}")
+    assert expected.format(**names) in line, line
+
+
+def test_good_prompt_sources_pass_the_checks(capsys, started, chats, tmp_path):
+    assert run("trajectories", "recipes/tiny/align.yaml", f"data.train_prompts={chats['hub']}",
+               f"trajectories.out={tmp_path / 'out'}") == 0, capsys.readouterr().err
+    assert run("eval", "recipes/tiny/eval.yaml", f"eval.prompts={chats['hub']}", "eval.prompt_field=prompt",
+               f"eval.out={tmp_path / 'out'}") == 0, capsys.readouterr().err
+    assert started == ["trajectories", "eval"]

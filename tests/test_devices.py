@@ -2,6 +2,9 @@
 the code runs with the default device set to `meta`. A factory call without `device=` then makes a meta tensor, and
 mixing it with the CPU tensors fails, as a CPU tensor would fail next to a model on a GPU."""
 
+import socket
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +23,7 @@ from align.windows import (WINDOW_BUILDERS, topk_window_logits, verifier_path_lo
                            window_logits)
 
 VOCAB, MASK = 16, 15
+TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny" / "tokenizer"
 PROMPT = torch.tensor([[1, 5, 2]])
 # What our runtime implements (HF's own methods are HF's business).
 RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl"]
@@ -86,3 +90,61 @@ def test_windows_and_losses_create_their_tensors_on_the_models_device(attention)
                     values.append(loss(draft_logits, verifier_logits, mask, num_tokens=10))
     assert {t.device.type for t in (draft_logits, online, stored, on_policy, *values)} == {"cpu"}
     assert all(torch.isfinite(v) for v in values)
+
+
+def block_causal_drafter(folder):
+    """A tiny random block-causal Llama drafter folder on the tiny tokenizer (the shipped drafter's kind)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    config.drafter_spec = {"mask_token_id": tokenizer.mask_token_id, "logits_shift": 1, "attention": "block_causal"}
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path, monkeypatch):
+    """The train stage's own step (DeepSpeed engine, LoRA, windows, online and on-policy verifier labels, every kind
+    of loss, the optimiser) and its held-out metric, with the default device set to `meta` around the calls, for a
+    block-causal drafter and both remote-code dLLM families (one process group: DeepSpeed keeps its groups for the
+    process's life)."""
+    import torch.distributed as dist
+
+    from align.config import load_recipe
+    from align.train import TrainData, build_trainer, held_out_streak, init_distributed, train_step
+    from remote_code_families import write_family, write_qwen2
+
+    verifier = write_qwen2(tmp_path / "verifier", seed=3)
+    rows = [{"prompt_ids": [5, 6, 7], "completion_ids": [8 + i, 9, 10, 11, 12, 13], "prompt_index": i}
+            for i in range(6)]
+    data = TrainData(rows, train_rows=[1, 2, 3, 4, 5], held_out=[0], online=True)
+    # One process of one, as `python align/train.py` runs outside a launcher (the variables are restored after).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    rank, world = init_distributed()
+    try:
+        for drafter, data_mode in [("block_causal", "online"), ("dream", "on_policy"), ("llada", "online")]:
+            folder = (block_causal_drafter(tmp_path / "drafter") if drafter == "block_causal"
+                      else write_family(drafter, tmp_path / drafter, seed=1))
+            recipe = load_recipe(None, [
+                f"drafter.path={folder}", "drafter.trust_remote_code=true", "drafter.device=cpu",
+                f"verifier.path={verifier}", "verifier.device=cpu",
+                "train.losses={ce_streak: 1.0, fkl: 0.5, streak_tv: 0.5}", f"train.data_mode={data_mode}",
+                "train.bf16=false", "train.lora_r=4", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
+                "train.gamma=3", "train.windows_per_sequence=2", "train.max_steps=2"])
+            trainer = build_trainer(recipe, data, rank, world)
+            with torch.device("meta"):
+                record = train_step(trainer, data, recipe, 0)
+                streak = held_out_streak(trainer, data, recipe)
+            assert record is not None and all(np.isfinite(v) for v in record.values()), drafter
+            assert np.isfinite(streak["expected_streak"]), drafter
+            assert {p.device.type for p in trainer.engine.module.parameters()} == {"cpu"}, drafter
+    finally:
+        dist.destroy_process_group()
