@@ -304,7 +304,8 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     drafter_path = save_with_tokenizer(drafter, tokenizer, tmp_path / "diffusiongemma-26B-A4B-it")
     prompts = prompt_file(tmp_path, PROMPTS)
     tiny = [f"verifier.path={verifier}", f"drafter.path={drafter_path}", "verifier.dtype=float32",
-            "drafter.dtype=float32", f"data.train_prompts={prompts}", f"eval.prompts={prompts}",
+            "drafter.dtype=float32", f"data.train_prompts={prompts}", "data.train_split=train",
+            "data.prompt_column=prompt", f"eval.prompts={prompts}", "trajectories.num_prompts=3",
             f"trajectories.out={tmp_path / 'trajectories'}", "trajectories.max_new_tokens=12",
             "trajectories.completions_per_prompt=1", "trajectories.batch_size=3", f"train.out={tmp_path / 'run'}",
             "train.gamma=4", "train.windows_per_sequence=2", "train.max_steps=1", "train.micro_batch_size=2",
