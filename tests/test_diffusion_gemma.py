@@ -305,7 +305,8 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     prompts = prompt_file(tmp_path, PROMPTS)
     tiny = [f"verifier.path={verifier}", f"drafter.path={drafter_path}", "verifier.dtype=float32",
             "drafter.dtype=float32", f"data.train_prompts={prompts}", "data.train_split=train",
-            "data.prompt_column=prompt", f"eval.prompts={prompts}", "trajectories.num_prompts=3",
+            "data.prompt_column=prompt", f"eval.prompts={prompts}", "eval.prompt_field=prompt",
+            "eval.num_prompts=3", "trajectories.num_prompts=3",
             f"trajectories.out={tmp_path / 'trajectories'}", "trajectories.max_new_tokens=12",
             "trajectories.completions_per_prompt=1", "trajectories.batch_size=3", f"train.out={tmp_path / 'run'}",
             "train.gamma=4", "train.windows_per_sequence=2", "train.max_steps=1", "train.micro_batch_size=2",
@@ -333,7 +334,7 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
                   f"export.eval={tmp_path / 'eval' / 'eval.json'}"]) == 0
     model, spec = load_drafter(DrafterSection(path=str(exported), device="cpu"), tokenizer)
     assert type(model) is DiffusionGemmaForBlockDiffusion and spec.noise == "uniform"
-    dllm = [*tiny, f"drafter.path={exported}", f"calibrate.prompts={prompts}", "calibrate.num_prompts=3",
+    dllm = [*tiny, f"drafter.path={exported}", f"calibrate.prompts={prompts}", "calibrate.prompt_field=prompt", "calibrate.num_prompts=3",
             "calibrate.block_length=4", "calibrate.budget=3", f"calibrate.out={tmp_path / 'spiffy'}"]
     assert align(["calibrate", RECIPE, *dllm]) == 0
     assert align(["eval", RECIPE, *dllm, "eval.mode=dllm", f"calibrate.graph={tmp_path / 'spiffy' / 'draft_graph.json'}",
