@@ -577,21 +577,38 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
 Attention = Literal["bidirectional", "block_causal"]
 ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal")
 
+# How a noised (not yet decoded) position is filled when the drafter reads it:
+# - "mask": with the mask token (LLaDA, Dream, DiffuCoder, the tiny drafter: they were trained that way);
+# - "uniform": with a token drawn uniformly from the vocabulary (DiffusionGemma: its generate() starts every canvas
+#   from torch.randint and renoises rejected positions the same way; it has no mask token). align keeps
+#   `mask_token_id` as its own marker of a noised position everywhere (runtime, Spiffy, windows) and swaps in the
+#   family's fill only where the model reads the block (align/models.py `noise_fill`).
+NOISE_KINDS: tuple[str, ...] = ("mask", "uniform")
+
 # Hub dLLM families whose configs do not carry a drafter_spec: model_type -> (logits_shift, attention).
 KNOWN_DLLMS: dict[str, tuple[int, str]] = {
     "llada": (0, "bidirectional"),
     "dream": (1, "bidirectional"),  # Dream and DiffuCoder are adapted from Qwen2.5, hence shifted
+    # Native in transformers: a causal encoder writes the context cache (exact, grows as tokens are accepted), a
+    # bidirectional decoder reads it and denoises the canvas; canvas position i predicts token i, so unshifted.
+    "diffusion_gemma": (0, "block_causal"),
 }
+# Known families whose noise is not the mask token (the others are "mask").
+KNOWN_DLLM_NOISE: dict[str, str] = {"diffusion_gemma": "uniform"}
 SPEC_FIELDS: tuple[str, ...] = ("mask_token_id", "logits_shift", "attention")
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    mask_token_id: int
+    mask_token_id: int  # with noise "uniform": align's marker of a noised position, never shown to the model
     logits_shift: int
     attention: str
+    noise: str = "mask"  # NOISE_KINDS: what the model reads at a noised position
+    noise_seed: int = 0  # noise "uniform": the seed of the fixed draw that fills noised positions (noise_fill)
 
     def __post_init__(self) -> None:
+        if self.noise not in NOISE_KINDS:
+            raise ValueError(f"noise must be one of {NOISE_KINDS}, got {self.noise!r}")
         if self.logits_shift not in (0, 1):
             raise ValueError(f"logits_shift must be 0 or 1, got {self.logits_shift}")
         if self.attention not in ATTENTION_MODES:
@@ -606,10 +623,13 @@ class DrafterSpec:
 def _stored_spec(config: Any, tokenizer: Any, overrides: dict[str, Any]) -> dict[str, Any]:
     """What is known of a spec: explicit overrides > `config.drafter_spec` > known dLLM families > the tokenizer."""
     stored = dict(getattr(config, "drafter_spec", None) or {})
-    known = KNOWN_DLLMS.get(str(getattr(config, "model_type", "")).lower())
+    model_type = str(getattr(config, "model_type", "")).lower()
+    known = KNOWN_DLLMS.get(model_type)
     if known is not None:
         stored.setdefault("logits_shift", known[0])
         stored.setdefault("attention", known[1])
+    if model_type in KNOWN_DLLM_NOISE:
+        stored.setdefault("noise", KNOWN_DLLM_NOISE[model_type])
     if getattr(config, "mask_token_id", None) is not None:
         stored.setdefault("mask_token_id", config.mask_token_id)
     if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
@@ -635,7 +655,8 @@ def drafter_spec_from_config(
             f"set {', '.join('drafter.' + k for k in missing)} in the recipe"
         )
     try:
-        return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]))
+        return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]),
+                           str(stored.get("noise", "mask")), int(stored.get("noise_seed", 0)))
     except (TypeError, ValueError) as e:  # a hand-edited drafter_spec in config.json
         raise RecipeError(f"drafter: invalid drafter_spec {stored} ({e})") from None
 

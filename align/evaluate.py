@@ -33,7 +33,8 @@ from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate
-from align.models import DrafterSpec, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
+from align.models import (DrafterSpec, context_length, load_ar_drafter, load_drafter, load_tokenizer,
+                          load_verifier)
 
 
 @dataclass
@@ -374,7 +375,7 @@ def main(recipe: Recipe, command: str) -> None:
                 for label, path in (e.compare_drafters.items() if uses_drafter else ())}
     # The verifier's config first: a too-long prompt is refused before any weights are loaded.
     context = AutoConfig.from_pretrained(recipe.verifier.path, trust_remote_code=recipe.verifier.trust_remote_code)
-    prompts = encode_prompts(tokenizer, texts, template, d.max_new_tokens, context.max_position_embeddings)
+    prompts = encode_prompts(tokenizer, texts, template, d.max_new_tokens, context_length(context))
     source = proxy_source(recipe) if any("cps" in n for n in names) else None
     verifier = load_verifier(recipe.verifier)
     prompts = [ids.to(verifier.device) for ids in prompts]  # the tokenizer gives CPU tensors

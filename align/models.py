@@ -10,18 +10,28 @@ destroys acceptance, so they live in one place (`DrafterSpec`) and one function 
   DiffuCoder and other models adapted from AR checkpoints);
 - `attention`: `bidirectional` (every position sees every other: the context is re-encoded for each draft) or
   `block_causal` (the context is causal and the block attends to the context and to itself: the context KV cache is
-  exact, so a draft costs O(γ) rather than O(context)).
+  exact, so a draft costs O(γ) rather than O(context));
+- `noise`: what the model reads at a noised position: the mask token, or (DiffusionGemma) a token drawn uniformly
+  from the vocabulary. align marks noised positions with `mask_token_id` everywhere and `noise_fill` swaps in the
+  family's fill where the model reads a block.
+
+DiffusionGemma (`DiffusionGemmaForBlockDiffusion`) is block-causal in two modules that share their weights: a causal
+encoder writes the context KV cache and a bidirectional decoder denoises a canvas reading that cache without writing
+it. `block_logits`, `encode_context` and `shared_context_block_logits` take that route for it (`is_canvas_decoder`).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          DynamicCache)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from align.config import ModelSection, RecipeError
@@ -73,8 +83,13 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     try:
         model = AutoModelForCausalLM.from_pretrained(section.path, **kwargs)
     except ValueError:
-        # LLaDA and Dream register their LM under AutoModel only.
-        model = AutoModel.from_pretrained(section.path, **kwargs)
+        try:
+            # DiffusionGemmaForBlockDiffusion is registered under AutoModelForImageTextToText only (AutoModel would
+            # build DiffusionGemmaModel, without its LM head).
+            model = AutoModelForImageTextToText.from_pretrained(section.path, **kwargs)
+        except ValueError:
+            # LLaDA and Dream register their LM under AutoModel only.
+            model = AutoModel.from_pretrained(section.path, **kwargs)
     if section.trust_remote_code:
         _restore_computed_buffers(model)
     model.to(device).eval()
@@ -152,10 +167,17 @@ def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def config_vocab_size(model: PreTrainedModel) -> int:
+    """The vocabulary the model's config declares (on its text part for multimodal configs): unlike the output
+    embeddings' shape, it is known under ZeRO-3, which partitions the weights away between forwards."""
+    return int(model.config.get_text_config().vocab_size)
+
+
 def context_length(config: Any) -> int:
-    """The longest sequence a model is built for: `max_position_embeddings`, or `max_sequence_length` in LLaDA's
-    OLMo-style config."""
-    length = getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+    """The longest sequence a model is built for: `max_position_embeddings` (on the text part of multimodal configs:
+    Gemma 4, DiffusionGemma), or `max_sequence_length` in LLaDA's OLMo-style config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = getattr(text, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
     if length is None:
         raise RecipeError(f"{getattr(config, 'model_type', 'model')}: its config gives no maximum sequence length")
     return int(length)
@@ -213,12 +235,55 @@ def block_diffusion_allowed(seq_len: int, block_size: int, device: torch.device 
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# noise: what the model reads at a noised position
+# --------------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _uniform_fill(vocab: int, seed: int, length: int, device: torch.device) -> torch.Tensor:
+    # Drawn on the CPU, whatever the model's device: the fill is a constant of the spec, like a mask token id, and a
+    # CUDA generator draws other numbers from the same seed. So windows (built on the CPU) train on exactly the
+    # canvas that drafts on a GPU read, and a draft is reproducible across machines. A CPU draw of `length` tokens is
+    # the prefix of any longer draw from the same seed, so drafts of different lengths (ADL) share their fill.
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=generator, device="cpu").to(device)
+
+
+def noise_fill(spec: DrafterSpec, vocab: int, block_ids: torch.Tensor) -> torch.Tensor:
+    """What the model reads for a block: (..., L) with `spec.mask_token_id` at noised positions -> (..., L).
+
+    noise "mask": the block as it is. noise "uniform" (DiffusionGemma, whose generate() initialises and renoises its
+    canvas with torch.randint over the vocabulary): block position i, when noised, reads token i of one fixed uniform
+    draw (seed `spec.noise_seed`). Fixed, so that drafts are deterministic and training noises exactly as drafting
+    does; uniform, so that it is a sample of the noise the model was trained to denoise.
+    """
+    if spec.noise == "mask":
+        return block_ids
+    fill = _uniform_fill(vocab, spec.noise_seed, block_ids.shape[-1], block_ids.device)
+    return torch.where(block_ids == spec.mask_token_id, fill, block_ids)
+
+
+def model_input(model: PreTrainedModel, spec: DrafterSpec, block_ids: torch.Tensor) -> torch.Tensor:
+    """`noise_fill` for `model`'s vocabulary (read only for uniform noise: remote-code configs may not name it)."""
+    return block_ids if spec.noise == "mask" else noise_fill(spec, config_vocab_size(model), block_ids)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # reading a diffusion drafter
 # --------------------------------------------------------------------------------------------------------------------
+# Families whose context goes through an encoder that writes the KV cache and whose block goes through a decoder that
+# reads it (`model.get_encoder()`, then `model(decoder_input_ids=..., cache=...)`).
+CANVAS_DECODER_FAMILIES: frozenset[str] = frozenset({"diffusion_gemma"})
+
+
+def is_canvas_decoder(model: PreTrainedModel) -> bool:
+    """DiffusionGemma-style: a causal encoder writes the context cache, a bidirectional decoder reads the canvas."""
+    return getattr(model.config, "model_type", None) in CANVAS_DECODER_FAMILIES
+
+
 def rollback_cache(model: PreTrainedModel) -> DynamicCache:
     """An empty KV cache for `model` that speculative decoding can crop back after a rejection. Sliding-window layers
     (Gemma, Mistral-style) otherwise drop what falls out of the window, and refuse to crop once it is full."""
-    cache = DynamicCache(config=model.config)
+    with torch.device(model.device):  # sliding layers make a tensor of their window size at construction
+        cache = DynamicCache(config=model.config)
     cache.activate_past_recording()
     return cache
 
@@ -233,6 +298,12 @@ class DrafterContext:
 
     @classmethod
     def empty(cls, model: PreTrainedModel) -> "DrafterContext":
+        if is_canvas_decoder(model):
+            # A plain cache, as DiffusionGemma's own generate() uses: its decoder concatenates a sliding layer's
+            # cached keys with the canvas and must find exactly the last window−1 tokens its mask describes (past
+            # recording keeps more). Drafts never enter this cache, so it is never cropped back past the window.
+            with torch.device(model.device):  # sliding layers make a tensor of their window size at construction
+                return cls(DynamicCache(config=model.config.get_text_config(decoder=True)), 0, None)
         return cls(rollback_cache(model), 0, None)
 
 
@@ -252,6 +323,11 @@ def encode_context(
     if state.length < n:
         new = context_ids[:, state.length:]
         positions = torch.arange(state.length, n, device=context_ids.device).unsqueeze(0)
+        if is_canvas_decoder(model):
+            # The encoder has no LM head: last_logits stays None, which an unshifted drafter never reads.
+            model.get_encoder()(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True)
+            state.length = n
+            return state
         out = model(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True)
         state.length, state.last_logits = n, out.logits[:, -1]
     return state
@@ -281,6 +357,9 @@ def block_logits(
     n, block_len = context_ids.shape[1], block_ids.shape[1]
     if spec.logits_shift and n == 0:
         raise ValueError("a shifted drafter needs at least one context token to predict the first block position")
+    if is_canvas_decoder(model):
+        return canvas_logits(model, spec, context_ids, block_ids, state)
+    block_ids = model_input(model, spec, block_ids)
     if spec.attention == "block_causal" and state is not None:
         return _cached_block_logits(model, spec, context_ids, block_ids, state)
     ids = torch.cat([context_ids, block_ids], dim=1)
@@ -336,13 +415,15 @@ def shared_context_block_logits(
     batch the K blocks, each with its own copy of the context.
     """
     num_blocks, block_len = blocks.shape
+    if is_canvas_decoder(model):
+        return canvas_logits(model, spec, context_ids, blocks, state)  # one decoder forward, batch K
     if spec.attention != "block_causal" or state is None:
         return block_logits(model, spec, context_ids.expand(num_blocks, -1), blocks)
     if spec.logits_shift and state.last_logits is None and state.length == context_ids.shape[1]:
         crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
     encode_context(model, context_ids, state)
     n = state.length
-    ids = blocks.reshape(1, -1)
+    ids = model_input(model, spec, blocks).reshape(1, -1)
     positions = torch.arange(n, n + block_len, device=ids.device).repeat(num_blocks).unsqueeze(0)
     which = torch.arange(num_blocks, device=ids.device).repeat_interleave(block_len)  # block of each block token
     own_block = which[:, None] == which[None, :]
@@ -355,3 +436,39 @@ def shared_context_block_logits(
         return logits
     first = state.last_logits.expand(num_blocks, -1).unsqueeze(1)
     return torch.cat([first, logits[:, :-1]], dim=1)
+
+
+def canvas_logits(
+    model: PreTrainedModel,
+    spec: DrafterSpec,
+    context_ids: torch.Tensor,
+    canvas_ids: torch.Tensor,
+    state: Optional[DrafterContext] = None,
+) -> torch.Tensor:
+    """DiffusionGemma: the encoder brings the context cache up to `context_ids`, then the decoder denoises the canvas
+    reading that cache (read-only). (B, n) or (1, n), (K, γ) -> (K, γ, V); with a (1, n) context the K canvases
+    share its cache. Canvas position i predicts token n + i (no shift).
+
+    One denoising step, as a draft needs: no self-conditioning logits, which is what DiffusionGemma's own generate()
+    passes at the first step of every canvas. `state` None re-encodes the context in a fresh cache.
+    """
+    if state is None:
+        state = DrafterContext.empty(model)
+    encode_context(model, context_ids, state)
+    n, (num_canvases, canvas_len) = state.length, canvas_ids.shape
+    canvas = model_input(model, spec, canvas_ids)
+    positions = torch.arange(n, n + canvas_len, device=canvas.device).unsqueeze(0).expand(num_canvases, -1)
+    cache = state.cache if context_ids.shape[0] == num_canvases else _shared_cache(state.cache, num_canvases)
+    return model(decoder_input_ids=canvas, cache=cache, decoder_position_ids=positions).logits  # (K, γ, V)
+
+
+def _shared_cache(cache: DynamicCache, batch: int) -> DynamicCache:
+    """A view of a batch-1 cache as a batch of `batch` rows, for a decoder that only reads it (no copy is made here;
+    the decoder concatenates the canvas keys onto new tensors). The layers' bookkeeping (lengths, windows) is kept."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in view.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.expand(batch, -1, -1, -1)
+            layer.values = layer.values.expand(batch, -1, -1, -1)
+    return view

@@ -4,6 +4,8 @@ A window at offset s of `prompt ⊕ completion` is the input `prompt ⊕ complet
 `completion[s:s+γ]`. A block-causal drafter trains many windows of one sequence in one forward: the clean sequence
 (causal, as the cached context is at draft time) followed by W masked blocks, each attending to the clean tokens
 before its start and to itself, at the positions it replaces. A bidirectional drafter takes one window per row.
+DiffusionGemma (an encoder writes the context cache, a decoder reads the canvas) takes the block-causal windows and
+reads them as it drafts: see `canvas_window_logits`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from align.models import DrafterSpec, additive_mask, full_mask_kwargs
+from align.models import (DrafterContext, DrafterSpec, additive_mask, canvas_logits, config_vocab_size,
+                          full_mask_kwargs, is_canvas_decoder)
 
 
 @dataclass
@@ -140,6 +143,11 @@ WINDOW_BUILDERS = {"block_causal": block_causal_windows, "bidirectional": bidire
 
 def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Tensor:
     """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec."""
+    if is_canvas_decoder(model):
+        return canvas_window_logits(model, spec, batch)
+    if spec.noise != "mask":
+        raise ValueError(f"windows fill noised positions with the mask token; noise {spec.noise!r} is read only by "
+                         "the canvas-decoder families (DiffusionGemma)")
     mask = batch.attention_mask.to(model.dtype) if model.dtype != torch.float32 else batch.attention_mask
     decoder = model.get_decoder()
     if "position_ids" not in inspect.signature(decoder.forward).parameters:
@@ -154,6 +162,30 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Te
         before = hidden.gather(1, (batch.starts - 1).clamp_min(0)[..., None].expand(-1, -1, width))
         window_hidden = torch.cat([before.unsqueeze(2), window_hidden[:, :, :-1]], dim=2)
     return model.get_output_embeddings()(window_hidden)
+
+
+def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Tensor:
+    """(B, W, γ, V) for DiffusionGemma, with gradients, exactly as it drafts: per row, the encoder's context cache
+    grows from one window start to the next (each context token is encoded once) and the decoder denoises each
+    window's canvas (noised positions filled by `noise_fill`, no self-conditioning) reading that cache.
+
+    A window costs a decoder forward of γ tokens; the block-causal builder's one-forward layout does not apply, since
+    the encoder and the decoder are two passes. Unused window slots (padding) get zero logits, masked out of every
+    loss.
+    """
+    B, W, gamma = batch.targets.shape
+    canvas = torch.full((1, gamma), spec.mask_token_id, dtype=torch.long, device=batch.clean_ids.device)
+    rows = []
+    for b in range(B):
+        used = [w for w in range(W) if batch.target_mask[b, w, 0]]
+        state = DrafterContext.empty(model)
+        logits: dict[int, torch.Tensor] = {}
+        for w in sorted(used, key=lambda w: int(batch.starts[b, w])):
+            context = batch.clean_ids[b : b + 1, : int(batch.starts[b, w])]
+            logits[w] = canvas_logits(model, spec, context, canvas, state)[0]  # (γ, V)
+        zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
+        rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
+    return torch.stack(rows)
 
 
 def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, mask: torch.Tensor) -> torch.Tensor:
