@@ -552,6 +552,9 @@ KNOWN_DLLMS: dict[str, tuple[int, str]] = {
     "dream": (1, "bidirectional"),  # Dream and DiffuCoder are adapted from Qwen2.5, hence shifted
 }
 SPEC_FIELDS: tuple[str, ...] = ("mask_token_id", "logits_shift", "attention")
+# standalone: a diffusion LM reading the context tokens (SpecDiff-2); dflash: a block-diffusion drafter conditioned on
+# the verifier's hidden states, sharing its embeddings and LM head (align/dflash.py)
+DRAFTER_KINDS: tuple[str, ...] = ("standalone", "dflash")
 
 
 @dataclass(frozen=True)
@@ -559,8 +562,11 @@ class DrafterSpec:
     mask_token_id: int
     logits_shift: int
     attention: str
+    kind: str = "standalone"
 
     def __post_init__(self) -> None:
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.logits_shift not in (0, 1):
             raise ValueError(f"logits_shift must be 0 or 1, got {self.logits_shift}")
         if self.attention not in ATTENTION_MODES:
@@ -604,7 +610,8 @@ def drafter_spec_from_config(
             f"set {', '.join('drafter.' + k for k in missing)} in the recipe"
         )
     try:
-        return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]))
+        return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]),
+                           str(stored.get("kind", "standalone")))
     except (TypeError, ValueError) as e:  # a hand-edited drafter_spec in config.json
         raise RecipeError(f"drafter: invalid drafter_spec {stored} ({e})") from None
 

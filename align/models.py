@@ -24,6 +24,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from align.config import ModelSection, RecipeError
+# Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
+from align.dflash import is_dflash
 # The DrafterSpec and its checks need no torch, so that cli can check a drafter's config before loading anything; they
 # live in align/config.py and are part of this module's interface.
 from align.config import (ATTENTION_MODES, KNOWN_DLLMS, Attention, DrafterSpec,  # noqa: F401
@@ -111,6 +113,8 @@ def load_drafter(
 
 
 def vocab_size(model: PreTrainedModel) -> int:
+    if is_dflash(model):  # it has no LM head of its own: it uses the verifier's
+        return int(model.config.vocab_size)
     return model.get_output_embeddings().weight.shape[0]
 
 
