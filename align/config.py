@@ -105,6 +105,21 @@ class DrafterSection(ModelSection):
     attention: Optional[Literal["bidirectional", "block_causal"]] = None
 
 
+class DFlashSection(Section):
+    """A new DFlash drafter (target-conditioned block diffusion, align/dflash.py) shaped to the verifier: `align train`
+    starts from it, with random weights, instead of loading drafter.path."""
+
+    #: draft decoder layers
+    num_layers: int = Field(default=1, ge=1)
+    #: MLP width of a draft layer; None: the verifier's
+    intermediate_size: Optional[int] = Field(default=None, ge=8)
+    #: verifier layers whose hidden states condition the drafter (speculators' aux_hidden_state_layer_ids: id k is the
+    #: residual stream entering verifier layer k, 0 the embeddings); None: three spread over the verifier's layers
+    aux_layer_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
+    #: block size written for serving (anchor + drafted tokens: vLLM drafts block_size - 1); None: train.gamma + 1
+    block_size: Optional[int] = Field(default=None, ge=2)
+
+
 class ArDrafterSection(ModelSection):
     path: str = "checkpoints/tiny/ar-drafter"
 
@@ -338,6 +353,9 @@ class ExportSection(Section):
     eval: Optional[str] = None
     #: license in the model card's metadata
     license: str = "apache-2.0"
+    #: align: the drafter as align (and transformers) load it; speculators: a DFlash drafter in the speculators
+    #: format that `vllm serve --speculative-config` loads (config.json with speculators_config, vLLM's weight names)
+    format: Literal["align", "speculators"] = "align"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -429,6 +447,8 @@ class Recipe(Section):
     name: str = "recipe"
     verifier: VerifierSection = VerifierSection()
     drafter: DrafterSection = DrafterSection()
+    #: set: `align train` builds a new DFlash drafter on the verifier instead of loading drafter.path
+    dflash: Optional[DFlashSection] = None
     ar_drafter: ArDrafterSection = ArDrafterSection()
     data: DataSection = DataSection()
     trajectories: TrajectoriesSection = TrajectoriesSection()
@@ -762,6 +782,8 @@ def load_model_config(key: str, section: ModelSection) -> Any:
         check_weights(key, Path(section.path))
     from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
 
+    import align.dflash  # noqa: F401  registers the DFlash drafter's config with AutoConfig
+
     try:
         return AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
     except Exception as e:  # OSError, ValueError, JSONDecodeError, KeyError...: to the user all mean the same
@@ -849,6 +871,8 @@ def train_models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
     on-policy) and for the final real τ."""
     t = recipe.train
+    if recipe.dflash is not None:  # a new DFlash drafter is built on the verifier, which it reads in every step
+        return ("verifier.path",)
     return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
 
 

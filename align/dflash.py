@@ -64,7 +64,7 @@ class DFlashConfig(PretrainedConfig):
 def default_aux_layers(num_verifier_layers: int, count: int = 3) -> list[int]:
     """`count` layer ids spread from the first layer's output to the last layer's input (as DFlash picks them)."""
     if num_verifier_layers < 2:
-        return [num_verifier_layers]
+        return [0]  # a one-layer verifier: its embeddings are the only stream entering a layer
     last = num_verifier_layers - 1
     return sorted({1 + round(i * (last - 1) / max(count - 1, 1)) for i in range(count)})
 
@@ -291,11 +291,13 @@ def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch
     B, L = clean_ids.shape
     W = starts.shape[1]
     with torch.no_grad():
-        out = verifier(input_ids=clean_ids, output_hidden_states=True)
+        # The decoder alone: the LM head runs on the window positions only (over all L it costs as much as the rest).
+        out = verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True)
         aux = aux_hidden(out.hidden_states, drafter.config.aux_hidden_state_layer_ids)
         index = (starts[..., None] - 1 + torch.arange(gamma, device=starts.device)).clamp(0, L - 1)  # (B, W, γ)
-        vocab = out.logits.shape[-1]
-        verifier_logits = out.logits.gather(1, index.view(B, -1, 1).expand(-1, -1, vocab)).view(B, W, gamma, vocab)
+        last = out.last_hidden_state
+        at_windows = last.gather(1, index.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
+        verifier_logits = verifier.get_output_embeddings()(at_windows).view(B, W, gamma, -1)
     ctx_positions = torch.arange(L, device=clean_ids.device).expand(B, -1)
     context_kv = drafter.context_kv(drafter.project_context(aux), ctx_positions)
     anchors = (starts - 1).clamp_min(0)  # (B, W)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from align.dflash import dflash_window_logits
 from align.models import DrafterSpec, additive_mask
 
 
@@ -124,8 +125,12 @@ def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: 
 WINDOW_BUILDERS = {"block_causal": block_causal_windows, "bidirectional": bidirectional_windows}
 
 
-def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Tensor:
-    """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec."""
+def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: Any = None) -> torch.Tensor:
+    """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec.
+    verifier: a DFlash drafter's (it reads the verifier's hidden states; `dflash_window_logits` also returns the
+    verifier's logits from that same forward)."""
+    if spec.kind == "dflash":
+        return dflash_window_logits(model, verifier, batch.clean_ids, batch.starts, batch.targets.shape[-1])[0]
     mask = batch.attention_mask.to(model.dtype) if model.dtype != torch.float32 else batch.attention_mask
     hidden = model.get_decoder()(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                  attention_mask=mask).last_hidden_state
