@@ -92,7 +92,8 @@ STAGES: dict[str, Stage] = {
     "export": Stage(
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
         "align.export", ("drafter", "verifier", "calibrate", "export"),
-        models=lambda r: ("drafter.path",), file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
+        models=lambda r: ("drafter.path", *(("verifier.path",) if r.export.format == "speculators" else ())),
+        file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),

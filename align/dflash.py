@@ -317,3 +317,90 @@ def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch
     hidden = drafter(embeds, positions, context_kv, mask).view(B, W, gamma + 1, -1)
     draft_logits = verifier.get_output_embeddings()(hidden[:, :, 1:].to(verifier.dtype))
     return draft_logits, verifier_logits
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the speculators format (what `vllm serve --speculative-config` loads)
+# --------------------------------------------------------------------------------------------------------------------
+SPECULATORS_CONFIG_VERSION = "0.9.0"  # the speculators release whose DFlash config this matches
+
+
+def speculators_config(config: DFlashConfig, verifier_path: str, verifier_architectures: list[str],
+                       dtype: torch.dtype) -> dict[str, Any]:
+    """config.json of speculators' `DFlashSpeculatorConfig` for this drafter. The draft layers are described as a
+    Qwen3 config (vLLM's qwen3_dflash reads it: always q/k norms, no attention bias)."""
+    layer = {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": config.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}, "rope_theta": config.rope_theta,
+        "attention_bias": False, "tie_word_embeddings": False, "mask_token_id": config.mask_token_id,
+    }
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_CONFIG_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": config.target_hidden_size,
+        "aux_hidden_state_layer_ids": list(config.aux_hidden_state_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        # Full-attention draft layers attend bidirectionally within the block (as align trains them). vLLM reads
+        # `causal = not sliding_window_non_causal`, so true here keeps every layer non-causal there too.
+        "sliding_window_non_causal": True,
+        # The anchor is the verifier's bonus token: only the MASK slots draft (block_size - 1 tokens), as in DFlash.
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_path, "architectures": list(verifier_architectures)},
+        },
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def speculators_weights(drafter: DFlashDrafter, verifier: Any) -> dict[str, torch.Tensor]:
+    """The drafter's weights under the names speculators saves and vLLM's qwen3_dflash loads (its own modules keep
+    those names), plus copies of the verifier's `embed_tokens` and `lm_head`, which speculators checkpoints carry."""
+    dtype = drafter.fc.weight.dtype
+    weights = {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
+    weights["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().to(dtype).clone()
+    weights["lm_head.weight"] = verifier.get_output_embeddings().weight.detach().to(dtype).clone()
+    return weights
+
+
+def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) -> DFlashDrafter:
+    """A speculators-format DFlash folder (align's export, or speculators' own) as align's DFlash drafter. The
+    verifier's embeddings and LM head in it are not kept: align reads them from the verifier."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    if raw.get("speculators_model_type") != "dflash":
+        raise ValueError(f"{folder}: not a speculators DFlash drafter (speculators_model_type "
+                         f"{raw.get('speculators_model_type')!r})")
+    layer = raw["transformer_layer_config"]
+    rope = layer.get("rope_parameters") or {}
+    config = DFlashConfig(
+        vocab_size=layer["vocab_size"], hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+        num_hidden_layers=layer["num_hidden_layers"], num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        head_dim=layer.get("head_dim"), rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 1000000.0))),
+        max_position_embeddings=layer.get("max_position_embeddings", 2048),
+        target_hidden_size=raw.get("target_hidden_size"), aux_hidden_state_layer_ids=raw["aux_hidden_state_layer_ids"],
+        block_size=raw.get("block_size", 8), mask_token_id=raw["mask_token_id"])
+    weights = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    dtype = next(iter(weights.values())).dtype
+    drafter = DFlashDrafter(config).to(dtype)
+    drafter.load_state_dict({k: v for k, v in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")})
+    return drafter.to(device or torch.device("cpu")).eval()

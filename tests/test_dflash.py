@@ -135,3 +135,70 @@ def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp
     assert {"specdiff", "specdiff@dflash"} <= set(methods)
     assert methods["specdiff@dflash"]["exact_match"] == 1.0
     assert methods["specdiff@dflash"]["tau"] >= 1.0
+
+
+def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Weight names and shapes vLLM's qwen3_dflash `load_weights` takes from a speculators DFlash checkpoint (before
+    its own stacking of q/k/v into qkv_proj and gate/up into gate_up_proj), read off that model's modules:
+    `fc` over the concatenated aux hidden states, `hidden_norm`, per layer q/k/v/o projections with q/k RMS norms
+    over head_dim, a SiLU MLP and two layer norms, the final `norm`, and the optional embed_tokens/lm_head."""
+    H, hd, V = config.hidden_size, config.head_dim, config.vocab_size
+    q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    shapes = {"fc.weight": (H, len(config.aux_hidden_state_layer_ids) * config.target_hidden_size),
+              "hidden_norm.weight": (H,), "norm.weight": (H,), "embed_tokens.weight": (V, H), "lm_head.weight": (V, H)}
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                       p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                       p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
+    return shapes
+
+
+def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_logits(toy_family, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from align.checkpoint import save_merged
+    from align.cli import main as align
+    from align.config import DFlashSection, VerifierSection
+    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits, load_speculators_dflash
+    from align.models import load_tokenizer, load_verifier, new_dflash_drafter
+
+    root, _ = toy_family
+    verifier_path = str(root / "ck" / "verifier")
+    tokenizer = load_tokenizer(verifier_path)
+    torch.manual_seed(0)
+    drafter, _ = new_dflash_drafter(VerifierSection(path=verifier_path), DFlashSection(aux_layer_ids=[0]),
+                                    VerifierSection(path=verifier_path, device="cpu"), tokenizer, 4)
+    save_merged(drafter, tokenizer, tmp_path / "step_1", {})
+    out = tmp_path / "export"
+    assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={verifier_path}",
+                  f"drafter.path={tmp_path / 'step_1'}", "export.format=speculators", f"export.out={out}"]) in (0, None)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash"
+    assert config["speculators_config"]["algorithm"] == "dflash"
+    assert config["speculators_config"]["proposal_methods"][0] == {
+        "proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert config["speculators_config"]["verifier"]["name_or_path"] == verifier_path
+    assert (config["block_size"], config["mask_token_id"]) == (5, tokenizer.mask_token_id)
+    assert config["aux_hidden_state_layer_ids"] == [0]
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    weights = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in weights.items()} == vllm_expected_shapes(drafter.config)
+    assert "vllm serve" in (out / "README.md").read_text()
+
+    verifier = load_verifier(VerifierSection(path=verifier_path, device="cpu"))
+    reloaded = load_speculators_dflash(str(out))
+    ids = torch.tensor([tokenizer("def add(a, b):\n    return").input_ids])
+    hidden = aux_hidden(verifier(input_ids=ids, output_hidden_states=True).hidden_states, [0])
+    logits = []
+    for model in (drafter.eval(), reloaded):
+        context = DFlashContext()
+        context.extend(model, hidden[:, :-1])
+        logits.append(dflash_block_logits(model, verifier, ids[:, -1:], 4, context))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
