@@ -185,12 +185,14 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
         body += [f"align's real τ of SpecDiff greedy decoding on {meta.get('final_tau_prompts')} held-out prompts at "
                  f"the end of training: {meta['final_tau']:.2f}.", ""]
     body += ["## Serve with vLLM", "",
+             "`\"method\": \"dflash\"` is needed unless the drafter's path contains `dflash` (vLLM 0.32 guesses the "
+             "method from the path, and runs any other as a standalone draft model).", "",
              "```bash", f"vllm serve {recipe.verifier.path} --speculative-config "
-             f"'{{\"model\": \"{name}\", \"num_speculative_tokens\": {k}}}'", "```", "",
+             f"'{{\"method\": \"dflash\", \"model\": \"{name}\", \"num_speculative_tokens\": {k}}}'", "```", "",
              "```python", "from vllm import LLM, SamplingParams", "",
              'if __name__ == "__main__":  # the engine runs in a child process',
-             f"    llm = LLM(model=\"{recipe.verifier.path}\", speculative_config={{\"model\": \"{name}\", "
-             f"\"num_speculative_tokens\": {k}}})",
+             f"    llm = LLM(model=\"{recipe.verifier.path}\", speculative_config={{\"method\": \"dflash\", "
+             f"\"model\": \"{name}\", \"num_speculative_tokens\": {k}}})",
              "    print(llm.generate([\"def add(a, b):\"], SamplingParams(temperature=0, max_tokens=64)))", "```", "",
              "With align's lossless runtime instead: `align.dflash.load_speculators_dflash(folder)` gives the drafter "
              "back, and `align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes "
