@@ -202,3 +202,37 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
         context.extend(model, hidden[:, :-1])
         logits.append(dflash_block_logits(model, verifier, ids[:, -1:], 4, context))
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, temperature):
+    """Every draft the runtime makes must equal a draft made from scratch: the verifier's states of all tokens before
+    the anchor (recomputed in one forward over the final sequence) and the anchor at that position. Catches a context
+    that lags or runs ahead of the verifier, which stays lossless but silently costs acceptance."""
+    from align.decoding import specdiff
+    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits
+
+    verifier = tiny_verifier()
+    drafter = tiny_dflash(verifier)
+    spec = drafter_spec_from_config(drafter.config)
+    calls = []
+
+    def recorded(drafter, verifier, anchor_ids, num_draft, context):
+        logits = dflash_block_logits(drafter, verifier, anchor_ids, num_draft, context)
+        calls.append((context.length, int(anchor_ids[0, 0]), logits))
+        return logits
+
+    monkeypatch.setattr(specdiff, "dflash_block_logits", recorded)
+    prompt = torch.randint(0, MASK, (1, 6), generator=torch.Generator().manual_seed(3))
+    tokens, _ = specdiff_generate(verifier, drafter, spec, prompt, 3, 20, Sampling(temperature),
+                                  generator=torch.Generator().manual_seed(0))
+    sequence = torch.cat([prompt, torch.tensor([tokens])], dim=1)
+    hidden = aux_hidden(verifier(input_ids=sequence, output_hidden_states=True).hidden_states,
+                        drafter.config.aux_hidden_state_layer_ids)
+    assert len(calls) > 3
+    for length, anchor, logits in calls:
+        assert anchor == int(sequence[0, length])  # the anchor is the first token the context does not cover
+        context = DFlashContext()
+        context.extend(drafter, hidden[:, :length])
+        expected = dflash_block_logits(drafter, verifier, sequence[:, length: length + 1], logits.shape[1], context)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
