@@ -13,7 +13,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn, Optional, Union
+from typing import Callable, NoReturn, Optional, Union, get_args
 
 import yaml
 
@@ -72,7 +72,7 @@ STAGES: dict[str, Stage] = {
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.train", ("drafter", "verifier", "trajectories", "train"), models=train_models,
+        "align.train", ("drafter", "dflash", "verifier", "trajectories", "train"), models=train_models,
         outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(
@@ -97,7 +97,8 @@ STAGES: dict[str, Stage] = {
     "export": Stage(
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
         "align.export", ("drafter", "verifier", "calibrate", "export"),
-        models=lambda r: ("drafter.path",), file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
+        models=lambda r: ("drafter.path", *(("verifier.path",) if r.export.format == "speculators" else ())),
+        file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),
@@ -193,8 +194,15 @@ def _section_help(sections: tuple[str, ...]) -> str:
     defaults = Recipe().to_dict()
     lines = ["recipe sections (key: default):"]
     for name in sections:
-        lines.append(f"  {name}:")
-        for key, value in defaults[name].items():
+        section = defaults[name]
+        if section is None:  # an optional section (dflash): off until one of its keys is set; these are its defaults
+            kind = next(t for t in get_args(Recipe.model_fields[name].annotation) if t is not type(None))
+            section = kind().model_dump(mode="json")
+            name_shown = f"{name} (unset)"
+        else:
+            name_shown = name
+        lines.append(f"  {name_shown}:")
+        for key, value in section.items():
             shown = "{...}" if isinstance(value, dict) and len(str(value)) > 60 else value
             lines.append(f"    {name}.{key}: {shown}")
     return "\n".join(lines)

@@ -105,6 +105,21 @@ class DrafterSection(ModelSection):
     attention: Optional[Literal["bidirectional", "block_causal"]] = None
 
 
+class DFlashSection(Section):
+    """A new DFlash drafter (target-conditioned block diffusion, align/dflash.py) shaped to the verifier: `align train`
+    starts from it, with random weights, instead of loading drafter.path."""
+
+    #: draft decoder layers
+    num_layers: int = Field(default=1, ge=1)
+    #: MLP width of a draft layer; None: the verifier's
+    intermediate_size: Optional[int] = Field(default=None, ge=8)
+    #: verifier layers whose hidden states condition the drafter (speculators' aux_hidden_state_layer_ids: id k is the
+    #: residual stream entering verifier layer k, 0 the embeddings); None: three spread over the verifier's layers
+    aux_layer_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
+    #: block size written for serving (anchor + drafted tokens: vLLM drafts block_size - 1); None: train.gamma + 1
+    block_size: Optional[int] = Field(default=None, ge=2)
+
+
 class ArDrafterSection(ModelSection):
     path: str = "checkpoints/tiny/ar-drafter"
 
@@ -369,6 +384,9 @@ class ExportSection(Section):
     eval: Optional[str] = None
     #: license in the model card's metadata
     license: str = "apache-2.0"
+    #: align: the drafter as align (and transformers) load it; speculators: a DFlash drafter in the speculators
+    #: format that `vllm serve --speculative-config` loads (config.json with speculators_config, vLLM's weight names)
+    format: Literal["align", "speculators"] = "align"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -460,6 +478,8 @@ class Recipe(Section):
     name: str = "recipe"
     verifier: VerifierSection = VerifierSection()
     drafter: DrafterSection = DrafterSection()
+    #: set: `align train` builds a new DFlash drafter on the verifier instead of loading drafter.path
+    dflash: Optional[DFlashSection] = None
     ar_drafter: ArDrafterSection = ArDrafterSection()
     data: DataSection = DataSection()
     trajectories: TrajectoriesSection = TrajectoriesSection()
@@ -596,6 +616,9 @@ KNOWN_DLLMS: dict[str, tuple[int, str]] = {
 # Known families whose noise is not the mask token (the others are "mask").
 KNOWN_DLLM_NOISE: dict[str, str] = {"diffusion_gemma": "uniform"}
 SPEC_FIELDS: tuple[str, ...] = ("mask_token_id", "logits_shift", "attention")
+# standalone: a diffusion LM reading the context tokens (SpecDiff-2); dflash: a block-diffusion drafter conditioned on
+# the verifier's hidden states, sharing its embeddings and LM head (align/dflash.py)
+DRAFTER_KINDS: tuple[str, ...] = ("standalone", "dflash")
 
 
 @dataclass(frozen=True)
@@ -605,10 +628,13 @@ class DrafterSpec:
     attention: str
     noise: str = "mask"  # NOISE_KINDS: what the model reads at a noised position
     noise_seed: int = 0  # noise "uniform": the seed of the fixed draw that fills noised positions (noise_fill)
+    kind: str = "standalone"  # DRAFTER_KINDS
 
     def __post_init__(self) -> None:
         if self.noise not in NOISE_KINDS:
             raise ValueError(f"noise must be one of {NOISE_KINDS}, got {self.noise!r}")
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.logits_shift not in (0, 1):
             raise ValueError(f"logits_shift must be 0 or 1, got {self.logits_shift}")
         if self.attention not in ATTENTION_MODES:
@@ -656,7 +682,8 @@ def drafter_spec_from_config(
         )
     try:
         return DrafterSpec(int(stored["mask_token_id"]), int(stored["logits_shift"]), str(stored["attention"]),
-                           str(stored.get("noise", "mask")), int(stored.get("noise_seed", 0)))
+                           str(stored.get("noise", "mask")), int(stored.get("noise_seed", 0)),
+                           str(stored.get("kind", "standalone")))
     except (TypeError, ValueError) as e:  # a hand-edited drafter_spec in config.json
         raise RecipeError(f"drafter: invalid drafter_spec {stored} ({e})") from None
 
@@ -813,6 +840,8 @@ def load_model_config(key: str, section: ModelSection) -> Any:
         check_weights(key, Path(section.path))
     from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
 
+    import align.dflash  # noqa: F401  registers the DFlash drafter's config with AutoConfig
+
     try:
         return AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
     except Exception as e:  # OSError, ValueError, JSONDecodeError, KeyError...: to the user all mean the same
@@ -900,6 +929,8 @@ def train_models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
     on-policy) and for the final real τ."""
     t = recipe.train
+    if recipe.dflash is not None:  # a new DFlash drafter is built on the verifier, which it reads in every step
+        return ("verifier.path",)
     return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
 
 

@@ -131,6 +131,9 @@ def base_method(name: str) -> str:
     return name.split("@", 1)[0]
 
 
+# What a DFlash drafter runs: one block per draft (SpecDiff), with path search and adaptive length on top. Several
+# candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet.
+DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl")
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
@@ -385,10 +388,13 @@ def main(recipe: Recipe, command: str) -> None:
     proxy = trigram_proxy(source, recipe.data.dir, tokenizer) if source is not None else None
     setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
     setups = {name: setup for name in names}
+    if spec is not None and spec.kind == "dflash" and "specdiff2_select" in names:
+        raise RecipeError("eval.methods: specdiff2_select does not run a DFlash drafter (drafter.path); "
+                          f"its methods are {', '.join(DFLASH_METHODS)}")
     for label, section in compared.items():
         other, other_spec = load_drafter(section, tokenizer)
         for name in names:
-            if name.startswith("specdiff"):
+            if name.startswith("specdiff") and (other_spec.kind != "dflash" or name in DFLASH_METHODS):
                 setups[f"{name}@{label}"] = replace(setup, drafter=other, spec=other_spec)
     names = list(setups)
     out = Path(e.out)

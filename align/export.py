@@ -125,7 +125,80 @@ def build_folder(recipe: Recipe, command: str, out: Path) -> None:
     if (source / "adapter_config.json").is_file():
         raise RecipeError(f"drafter.path: {source} is a LoRA adapter; export a merged step_<N> folder from align train")
     with atomic_folder(out) as tmp:
-        fill_folder(recipe, command, source, tmp)
+        if recipe.export.format == "speculators":
+            fill_speculators_folder(recipe, command, source, tmp)
+        else:
+            fill_folder(recipe, command, source, tmp)
+
+
+def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
+    """A DFlash drafter as speculators saves one: config.json (speculators_config, aux_hidden_state_layer_ids,
+    mask_token_id, block_size), model.safetensors under vLLM's qwen3_dflash weight names with the verifier's
+    embeddings and LM head copied in, the tokenizer, and a card that says how to serve it."""
+    from safetensors.torch import save_file
+
+    from align.dflash import speculators_config, speculators_weights
+    from align.models import is_dflash, load_drafter, load_tokenizer, load_verifier
+
+    tokenizer = load_tokenizer(str(source))
+    drafter, _ = load_drafter(recipe.drafter, tokenizer)
+    if not is_dflash(drafter):
+        raise RecipeError(f"export.format: speculators takes a DFlash drafter; {source} is a standalone diffusion "
+                          "drafter (export.format=align)")
+    verifier = load_verifier(recipe.verifier)
+    dtype = drafter.fc.weight.dtype
+    config = speculators_config(drafter.config, recipe.verifier.path, list(verifier.config.architectures or []), dtype)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.cpu() for k, v in speculators_weights(drafter, verifier).items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    evaluation = None
+    if recipe.export.eval:
+        evaluation = json.loads(Path(recipe.export.eval).read_text())
+        shutil.copy2(recipe.export.eval, tmp / "eval.json")
+    meta = json.loads((source / "meta.json").read_text()) if (source / "meta.json").is_file() else {}
+    if meta.get("recipe"):
+        import yaml
+
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(meta["recipe"], sort_keys=False))
+    (tmp / "README.md").write_text(speculators_card(config, meta, evaluation, recipe, command))
+
+
+def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optional[dict[str, Any]],
+                     recipe: Recipe, command: str) -> str:
+    name = recipe.export.push_to_hub or "THIS_FOLDER"
+    k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    front = ["---", f"license: {recipe.export.license}", "library_name: speculators",
+             f"base_model: {recipe.verifier.path}", "tags:", "- speculative-decoding", "- dflash", "- speculators",
+             "- align", "---", ""]
+    body = [
+        f"# {recipe.export.push_to_hub or Path(recipe.export.out).name}", "",
+        f"A DFlash-style block-diffusion drafter for **{recipe.verifier.path}**, trained with align, in the "
+        "`speculators` format: one forward denoises `[anchor] ⊕ MASK×(block_size−1)` conditioned on the verifier's "
+        f"hidden states entering layers {config['aux_hidden_state_layer_ids']} (projected by `fc`), with the "
+        f"verifier's embeddings and LM head (copied in). Block size {config['block_size']}, mask token id "
+        f"{config['mask_token_id']}, {config['transformer_layer_config']['num_hidden_layers']} draft layer(s).", "",
+    ]
+    if evaluation:
+        body += measured_table(evaluation, recipe.drafter.path)
+    if meta.get("final_tau") is not None:
+        body += [f"align's real τ of SpecDiff greedy decoding on {meta.get('final_tau_prompts')} held-out prompts at "
+                 f"the end of training: {meta['final_tau']:.2f}.", ""]
+    body += ["## Serve with vLLM", "",
+             "`\"method\": \"dflash\"` is needed unless the drafter's path contains `dflash` (vLLM 0.32 guesses the "
+             "method from the path, and runs any other as a standalone draft model).", "",
+             "```bash", f"vllm serve {recipe.verifier.path} --speculative-config "
+             f"'{{\"method\": \"dflash\", \"model\": \"{name}\", \"num_speculative_tokens\": {k}}}'", "```", "",
+             "```python", "from vllm import LLM, SamplingParams", "",
+             'if __name__ == "__main__":  # the engine runs in a child process',
+             f"    llm = LLM(model=\"{recipe.verifier.path}\", speculative_config={{\"method\": \"dflash\", "
+             f"\"model\": \"{name}\", \"num_speculative_tokens\": {k}}})",
+             "    print(llm.generate([\"def add(a, b):\"], SamplingParams(temperature=0, max_tokens=64)))", "```", "",
+             "With align's lossless runtime instead: `align.dflash.load_speculators_dflash(folder)` gives the drafter "
+             "back, and `align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes "
+             "with it.", "", "## Reproduce", "", "```bash", *([meta["command"]] if meta.get("command") else []),
+             command, "```", ""]
+    return "\n".join(front + body)
 
 
 def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
@@ -171,7 +244,9 @@ def push(folder: Path, recipe: Recipe) -> None:
 
 
 def main(recipe: Recipe, command: str) -> None:
-    check_inputs(recipe, model_keys=("drafter.path",))
+    # The speculators format carries the verifier's embeddings and LM head, and names it as the drafter's verifier.
+    speculators = ("verifier.path",) if recipe.export.format == "speculators" else ()
+    check_inputs(recipe, model_keys=("drafter.path", *speculators))
     check_file("calibrate.graph", recipe.calibrate.graph)
     check_file("export.eval", recipe.export.eval)
     check_push(recipe)

@@ -35,6 +35,8 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from align.config import ModelSection, RecipeError
+# Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
+from align.dflash import DFlashDrafter, config_for_verifier, is_dflash
 # The DrafterSpec and its checks need no torch, so that cli can check a drafter's config before loading anything; they
 # live in align/config.py and are part of this module's interface.
 from align.config import (ATTENTION_MODES, KNOWN_DLLMS, Attention, DrafterSpec,  # noqa: F401
@@ -163,7 +165,27 @@ def load_drafter(
     return model, spec
 
 
+def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSection,
+                       tokenizer: PreTrainedTokenizerBase, gamma: int) -> tuple[PreTrainedModel, DrafterSpec]:
+    """A DFlash drafter with random weights, shaped to the verifier at `verifier.path` (settings: a DFlashSection),
+    on `drafter`'s device and dtype. Its mask token is the tokenizer's."""
+    verifier_config = AutoConfig.from_pretrained(verifier.path, trust_remote_code=verifier.trust_remote_code)
+    num_layers = verifier_config.get_text_config().num_hidden_layers
+    if settings.aux_layer_ids and max(settings.aux_layer_ids) >= num_layers:
+        raise RecipeError(f"dflash.aux_layer_ids: {settings.aux_layer_ids} must be below the verifier's {num_layers} "
+                          "layers (id k is the input of layer k)")
+    if tokenizer.mask_token_id is None:
+        raise RecipeError(f"dflash: the tokenizer of {verifier.path} has no mask token for the drafter's block")
+    config = config_for_verifier(verifier_config, tokenizer.mask_token_id, settings.num_layers,
+                                 settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1)
+    device = resolve_device(drafter.device)
+    model = DFlashDrafter(config).to(device=device, dtype=resolve_dtype(drafter.dtype, device))
+    return model, drafter_spec_from_config(config)
+
+
 def vocab_size(model: PreTrainedModel) -> int:
+    if is_dflash(model):  # it has no LM head of its own: it uses the verifier's
+        return int(model.config.vocab_size)
     return model.get_output_embeddings().weight.shape[0]
 
 

@@ -44,7 +44,9 @@ from align.data import check_trajectories_match, load_trajectories, read_traject
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
 from align.launch import strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
-from align.models import DrafterSpec, is_canvas_decoder, load_drafter, load_tokenizer, load_verifier  # noqa: E402
+from align.dflash import dflash_window_logits  # noqa: E402
+from align.models import (DrafterSpec, is_canvas_decoder, load_drafter, load_tokenizer, load_verifier,  # noqa: E402
+                          new_dflash_drafter)
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
                            verifier_window_logits, window_logits)
 
@@ -144,8 +146,12 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
 
     t = recipe.train
     torch.manual_seed(t.seed)
-    tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
-    model, spec = load_drafter(recipe.drafter, tokenizer)
+    if recipe.dflash is not None:  # a new DFlash drafter, shaped to the verifier whose tokenizer it shares
+        tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+        model, spec = new_dflash_drafter(recipe.verifier, recipe.dflash, recipe.drafter, tokenizer, t.gamma)
+    else:
+        tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
+        model, spec = load_drafter(recipe.drafter, tokenizer)
     model.train()
     if t.lora_r and is_canvas_decoder(model):
         # Its encoder and decoder are two modules sharing one set of weights: peft would give each its own adapter
@@ -165,7 +171,8 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         0.5 * (1 + math.cos(math.pi * min(1.0, s / t.max_steps)))))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=deepspeed_config(recipe))
-    verifier = load_verifier(recipe.verifier) if data.online else None
+    # A DFlash drafter reads the verifier's hidden states in every step.
+    verifier = load_verifier(recipe.verifier) if data.online or spec.kind == "dflash" else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
                    engine.device)
@@ -222,9 +229,16 @@ def rank_share(indices: list[int], rank: int, world: int) -> tuple[list[int], li
 def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recipe: Recipe, num_windows: int,
                    num_tokens: int) -> dict[str, torch.Tensor]:
     """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
-    draft_logits = window_logits(trainer.engine.module, trainer.spec, batch).float().flatten(0, 1)  # (B·W, γ, V)
     targets, mask = batch.targets.flatten(0, 1), batch.target_mask.flatten(0, 1)
     verifier_logits = None
+    if trainer.spec.kind == "dflash":
+        # One verifier forward over the windows' rows gives the drafter its hidden states and KD losses their
+        # distributions (exact, not the stored top-k).
+        draft_logits, verifier_logits = dflash_window_logits(trainer.engine.module, trainer.verifier, batch.clean_ids,
+                                                             batch.starts, recipe.train.gamma)
+        draft_logits, verifier_logits = draft_logits.float().flatten(0, 1), verifier_logits.float().flatten(0, 1)
+    else:
+        draft_logits = window_logits(trainer.engine.module, trainer.spec, batch).float().flatten(0, 1)  # (B·W, γ, V)
     if recipe.train.data_mode == "on_policy":
         # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
         # tokens there (what greedy verification would accept), distributions its distributions there.
@@ -316,7 +330,7 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
         rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                               np.random.default_rng([t.seed, start])).to(trainer.device)
-        logits = window_logits(trainer.engine.module, trainer.spec, batch).float()
+        logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier).float()
         log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
         log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
         hits = (logits.argmax(-1) == batch.targets) & batch.target_mask

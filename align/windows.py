@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from align.dflash import dflash_window_logits
 from align.models import (DrafterContext, DrafterSpec, additive_mask, canvas_logits, config_vocab_size,
                           full_mask_kwargs, is_canvas_decoder)
 
@@ -141,8 +142,12 @@ def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: 
 WINDOW_BUILDERS = {"block_causal": block_causal_windows, "bidirectional": bidirectional_windows}
 
 
-def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Tensor:
-    """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec."""
+def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: Any = None) -> torch.Tensor:
+    """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec.
+    verifier: a DFlash drafter's (it reads the verifier's hidden states; `dflash_window_logits` also returns the
+    verifier's logits from that same forward)."""
+    if spec.kind == "dflash":
+        return dflash_window_logits(model, verifier, batch.clean_ids, batch.starts, batch.targets.shape[-1])[0]
     if is_canvas_decoder(model):
         return canvas_window_logits(model, spec, batch)
     if spec.noise != "mask":

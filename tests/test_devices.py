@@ -148,3 +148,26 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
             assert {p.device.type for p in trainer.engine.module.parameters()} == {"cpu"}, drafter
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_dflash_drafting_and_training_windows_create_their_tensors_on_the_models_device(temperature):
+    from align.decoding.specdiff import specdiff_generate
+    from align.dflash import DFlashDrafter, config_for_verifier, dflash_window_logits
+
+    torch.manual_seed(0)
+    verifier = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                            max_position_embeddings=128)).eval()
+    drafter = DFlashDrafter(config_for_verifier(verifier.config, MASK, intermediate_size=24)).eval()
+    spec = DrafterSpec(MASK, 0, "block_causal", kind="dflash")
+    sampling = Sampling(temperature, top_k=5 if temperature else 0)
+    expected = specdiff_generate(verifier, drafter, spec, PROMPT, 3, 8, sampling,
+                                 generator=torch.Generator().manual_seed(0))[0]
+    clean, starts = torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), torch.tensor([[2, 4]])
+    with torch.device("meta"):
+        tokens = specdiff_generate(verifier, drafter, spec, PROMPT, 3, 8, sampling,
+                                   generator=torch.Generator().manual_seed(0))[0]
+        draft_logits, verifier_logits = dflash_window_logits(drafter, verifier, clean, starts, 3)
+    assert tokens == expected
+    assert {draft_logits.device.type, verifier_logits.device.type} == {"cpu"}

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from align.decoding.sampling import logits_to_probs, sample
+from align.dflash import HiddenTap, aux_hidden
 from align.models import rollback_cache
 
 
@@ -71,26 +72,33 @@ class GenerationStats:
 
 
 def verifier_forward(
-    verifier: PreTrainedModel, input_ids: torch.Tensor, cache: DynamicCache
+    verifier: PreTrainedModel, input_ids: torch.Tensor, cache: DynamicCache, tap: Optional[HiddenTap] = None
 ) -> torch.Tensor:
-    """Run (1, k) new tokens through the verifier, extending its cache. Returns (k, V) logits."""
+    """Run (1, k) new tokens through the verifier, extending its cache. Returns (k, V) logits.
+    tap: a DFlash drafter's request for hidden states; the same forward fills `tap.last` with them."""
     start = cache.get_seq_length()
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    return verifier(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True).logits[0]
+    out = verifier(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
+                   output_hidden_states=tap is not None)
+    if tap is not None:
+        tap.last = aux_hidden(out.hidden_states, tap.layer_ids)
+    return out.logits[0]
 
 
-def prefill(verifier: PreTrainedModel, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+def prefill(verifier: PreTrainedModel, prompt_ids: torch.Tensor,
+            tap: Optional[HiddenTap] = None) -> tuple[torch.Tensor, DynamicCache]:
     """Encode the prompt (1, n): a cache covering it, and the (V,) logits predicting the first new token."""
     cache = rollback_cache(verifier)
-    logits = verifier_forward(verifier, prompt_ids, cache)
+    logits = verifier_forward(verifier, prompt_ids, cache, tap)
     return logits[-1], cache
 
 
 def start(verifier: PreTrainedModel, prompt_ids: torch.Tensor, sampling: Sampling,
-          generator: Optional[torch.Generator]) -> tuple[GenerationStats, DynamicCache, list[int]]:
+          generator: Optional[torch.Generator], tap: Optional[HiddenTap] = None
+          ) -> tuple[GenerationStats, DynamicCache, list[int]]:
     """What every method begins with: the prompt's prefill and the first new token. Starts the stats' clock."""
     stats = GenerationStats(started=time.perf_counter())
-    logits, cache = prefill(verifier, prompt_ids)
+    logits, cache = prefill(verifier, prompt_ids, tap)
     stats.prefill_s = time.perf_counter() - stats.started
     return stats, cache, [sampling.pick(logits, generator)]
 

@@ -12,6 +12,7 @@ from align.decoding.acceptance import accept_draft
 from align.decoding.adl import AdaptiveLength
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
+from align.dflash import DFlashContext, HiddenTap, dflash_block_logits
 from align.models import DrafterContext, DrafterSpec, block_logits
 
 
@@ -40,10 +41,17 @@ def specdiff_generate(
     drafter then proposes `adaptive.max_len` tokens in its one pass and the first `adaptive.current` are the draft.
     """
     draft_sampling = draft_sampling or sampling
+    # A DFlash drafter reads the verifier's hidden states: every verifier forward below also hands them over.
+    tap = HiddenTap(drafter.config.aux_hidden_state_layer_ids) if spec.kind == "dflash" else None
     # Invariant: the verifier's cache covers every token but the newest one.
-    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator, tap)
     # A block-causal drafter keeps an exact context cache that only ever grows: drafts never enter it.
-    state: Optional[DrafterContext] = DrafterContext.empty(drafter) if spec.attention == "block_causal" else None
+    state: Optional[DrafterContext] = (DrafterContext.empty(drafter) if spec.attention == "block_causal" and tap is None
+                                       else None)
+    # A DFlash drafter's context is the verifier's states of the tokens the verifier has seen (all but the newest).
+    conditioned = DFlashContext()
+    if tap is not None:
+        conditioned.extend(drafter, tap.last)
     while not finished(tokens, max_new_tokens, eos_ids):
         # Never draft past max_new_tokens: those tokens would be thrown away.
         draft_len = min(adaptive.current if adaptive else gamma, max_new_tokens - len(tokens))
@@ -54,8 +62,11 @@ def specdiff_generate(
         proposal_len = min(adaptive.max_len, max_new_tokens - len(tokens)) if adaptive else draft_len
 
         t_draft = time.perf_counter()
-        block = prompt_ids.new_full((1, proposal_len), spec.mask_token_id)
-        proposal_logits = block_logits(drafter, spec, context, block, state)[0]  # (proposal_len, V)
+        if tap is not None:
+            proposal_logits = dflash_block_logits(drafter, verifier, context[:, -1:], proposal_len, conditioned)[0]
+        else:
+            block = prompt_ids.new_full((1, proposal_len), spec.mask_token_id)
+            proposal_logits = block_logits(drafter, spec, context, block, state)[0]  # (proposal_len, V)
         raw_draft = proposal_logits.argmax(-1)
         draft_logits = proposal_logits[:draft_len]  # (γ, V)
         draft_probs = None  # None: a deterministic draft
@@ -72,9 +83,11 @@ def specdiff_generate(
         stats.draft_s += time.perf_counter() - t_draft
 
         t_verify = time.perf_counter()
-        verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
+        verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache, tap)
         num_accepted, next_token = accept_draft(draft, draft_probs, verify_logits, sampling, generator)
         cache.crop(-(len(draft) - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
+        if tap is not None:  # the newest token and the accepted drafts are verified now: they join the context
+            conditioned.extend(drafter, tap.last[:, : num_accepted + 1])
         stats.verify_s += time.perf_counter() - t_verify
         stats.record(num_accepted, len(draft))
         tokens += [*draft[:num_accepted].tolist(), next_token]

@@ -1,0 +1,406 @@
+"""The target-conditioned block-diffusion drafter (DFlash kind, DESIGN §3), laid out as speculators'
+`DFlashDraftModel` and vLLM's `qwen3_dflash` define it, so that its weights load there unchanged.
+
+A few Qwen3-style decoder layers denoise the block `[anchor] ⊕ MASK×γ` in one forward. The anchor is the newest
+token (the verifier's last bonus/correction token, not yet run through the verifier); block slot i predicts the token
+at anchor position + i, so slots 1..γ are the draft. The block's queries attend bidirectionally to the block and to
+the *context*: the verifier's hidden states at `aux_hidden_state_layer_ids` for every position before the anchor,
+concatenated, projected by `fc` and normalised by `hidden_norm`. Context K/V are the draft layers' own k/v
+projections of that projected state (with q/k RMS norms and RoPE at the context positions), never the verifier's
+K/V. Token embeddings and the LM head are the verifier's: align reads them from the verifier (they are not stored in
+an align checkpoint); the speculators export writes copies, as speculators does.
+
+Layer ids follow speculators/vLLM: id k is the residual stream entering verifier layer k, which is
+`hidden_states[k]` of a transformers forward with `output_hidden_states=True` (0 is the embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+
+MODEL_TYPE = "align_dflash"
+
+
+class DFlashConfig(PretrainedConfig):
+    """The drafter's shape (a Qwen3 decoder layer's fields), where it reads the verifier, and its DrafterSpec."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, vocab_size: int = 32000, hidden_size: int = 512, intermediate_size: int = 1024,
+                 num_hidden_layers: int = 1, num_attention_heads: int = 8, num_key_value_heads: int = 8,
+                 head_dim: Optional[int] = None, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
+                 max_position_embeddings: int = 2048, hidden_act: str = "silu", initializer_range: float = 0.02,
+                 target_hidden_size: Optional[int] = None, aux_hidden_state_layer_ids: Optional[list[int]] = None,
+                 block_size: int = 8, mask_token_id: int = 0, **kwargs: Any) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.hidden_act = hidden_act
+        self.initializer_range = initializer_range
+        self.target_hidden_size = target_hidden_size or hidden_size
+        self.aux_hidden_state_layer_ids = list(aux_hidden_state_layer_ids or [1])
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        # The runtime reads every drafter through its DrafterSpec: anchor slot i predicts position anchor+i (no shift),
+        # the block attends to its context and to itself (block-causal), and the kind routes it to the code below.
+        kwargs["drafter_spec"] = {"mask_token_id": mask_token_id, "logits_shift": 0, "attention": "block_causal",
+                                  "kind": "dflash"}
+        super().__init__(**kwargs)
+
+
+def default_aux_layers(num_verifier_layers: int, count: int = 3) -> list[int]:
+    """`count` layer ids spread from the first layer's output to the last layer's input (as DFlash picks them)."""
+    if num_verifier_layers < 2:
+        return [0]  # a one-layer verifier: its embeddings are the only stream entering a layer
+    last = num_verifier_layers - 1
+    return sorted({1 + round(i * (last - 1) / max(count - 1, 1)) for i in range(count)})
+
+
+def config_for_verifier(verifier_config: Any, mask_token_id: int, num_layers: int = 1,
+                        intermediate_size: Optional[int] = None, aux_layer_ids: Optional[list[int]] = None,
+                        block_size: int = 8) -> DFlashConfig:
+    """A DFlash drafter shaped to share `verifier_config`'s embeddings and LM head (same width and vocabulary)."""
+    v = verifier_config.get_text_config() if hasattr(verifier_config, "get_text_config") else verifier_config
+    rope = getattr(v, "rope_parameters", None) or {}
+    heads = v.num_attention_heads
+    return DFlashConfig(
+        vocab_size=v.vocab_size, hidden_size=v.hidden_size, intermediate_size=intermediate_size or v.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=getattr(v, "num_key_value_heads", None) or heads,
+        head_dim=getattr(v, "head_dim", None) or v.hidden_size // heads, rms_norm_eps=v.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(v, "rope_theta", 10000.0))),
+        max_position_embeddings=v.max_position_embeddings, target_hidden_size=v.hidden_size,
+        aux_hidden_state_layer_ids=aux_layer_ids or default_aux_layers(v.num_hidden_layers), block_size=block_size,
+        mask_token_id=mask_token_id)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# modules (names and shapes are speculators'/vLLM's: layers.N.self_attn.{q,k,v,o}_proj, q_norm, k_norm, mlp.*, ...)
+# --------------------------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalised in fp32, scaled in the input's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE (neox layout, as vLLM's qwen3_dflash applies it). x: (B, heads, T, d); positions: (B, T)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, d)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return x * cos + half * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.theta = config.rope_theta
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, H), (B, T) -> K, V (B, kv_heads, T, d): normed and rotated K, plain V."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, positions, self.theta), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor],
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Block queries x (B, Q, H) over keys `context ⊕ block`. mask: (B, 1, Q, C+Q) additive, None: see all."""
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = rotate(q, positions, self.theta)
+        k, v = self.kv(x, positions)
+        k, v = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor],
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        # The context K/V skip input_layernorm: they come from hidden_norm(fc(aux)) directly (speculators, vLLM).
+        x = x + self.self_attn(self.input_layernorm(x), positions, context_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(PreTrainedModel):
+    """The drafter's own weights: `fc`, `hidden_norm`, the layers and the final `norm`. Embeddings and LM head are the
+    verifier's, passed in by the functions below."""
+
+    config_class = DFlashConfig
+    base_model_prefix = "dflash"
+    _supports_sdpa = True
+    _no_split_modules = ["DFlashLayer"]
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__(config)
+        width = len(config.aux_hidden_state_layer_ids) * config.target_hidden_size
+        self.fc = nn.Linear(width, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, self.config.initializer_range)
+        elif isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+
+    def project_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, C, n_aux·H_verifier) concatenated verifier states -> (B, C, H) the context every layer reads."""
+        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the K/V of projected context (B, C, H) at `positions` (B, C). They depend on the context only,
+        so the runtime computes them once per accepted token (vLLM precomputes them the same way)."""
+        return [layer.self_attn.kv(context, positions) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """Block embeddings (B, Q, H) at `positions` (B, Q) -> final normed hidden states (B, Q, H)."""
+        x = block_embeds.to(self.fc.weight.dtype)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, positions, kv, mask)
+        return self.norm(x)
+
+
+AutoConfig.register(MODEL_TYPE, DFlashConfig)
+AutoModel.register(DFlashConfig, DFlashDrafter)
+
+
+def is_dflash(model: Any) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) == MODEL_TYPE
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the verifier's side: which hidden states the drafter reads
+# --------------------------------------------------------------------------------------------------------------------
+def aux_hidden(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """transformers' `hidden_states` (embeddings, then each layer's output) -> (B, T, n_aux·H): the residual stream
+    entering each of `layer_ids`, concatenated in that order (vLLM's aux hidden states)."""
+    return torch.cat([hidden_states[k] for k in layer_ids], dim=-1)
+
+
+@dataclass
+class HiddenTap:
+    """Asks the runtime's verifier forwards for the drafter's hidden states: after each forward over k tokens,
+    `last` holds their (1, k, n_aux·H). No extra verifier pass: the same forward gives logits and these."""
+
+    layer_ids: list[int]
+    last: Optional[torch.Tensor] = None
+
+
+@dataclass
+class DFlashContext:
+    """A DFlash drafter's context: per layer the K/V of every verified position before the anchor. Only ever
+    extended with positions the verifier accepted, so it is exact and never cropped."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    length: int = 0
+
+    def extend(self, drafter: DFlashDrafter, aux: torch.Tensor) -> None:
+        """Append the verifier states (B, m, n_aux·H) of the next m positions."""
+        m = aux.shape[1]
+        if m == 0:
+            return
+        positions = torch.arange(self.length, self.length + m, device=aux.device).expand(aux.shape[0], -1)
+        new = drafter.context_kv(drafter.project_context(aux), positions)
+        self.kv = new if not self.kv else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                                           for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.length += m
+
+
+def dflash_block_logits(drafter: DFlashDrafter, verifier: Any, anchor_ids: torch.Tensor, num_draft: int,
+                        context: DFlashContext) -> torch.Tensor:
+    """Logits for the `num_draft` tokens after the anchor, in one drafter forward.
+
+    anchor_ids: (B, 1) the newest token, at position `context.length`. Returns (B, num_draft, V).
+    """
+    B = anchor_ids.shape[0]
+    mask_id = drafter.config.mask_token_id
+    block = torch.cat([anchor_ids, anchor_ids.new_full((B, num_draft), mask_id)], dim=1)  # (B, 1 + γ)
+    positions = torch.arange(context.length, context.length + 1 + num_draft, device=block.device).expand(B, -1)
+    embeds = verifier.get_input_embeddings()(block)
+    kv = context.kv or [(embeds.new_zeros(B, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim),) * 2
+                        for layer in drafter.layers]
+    hidden = drafter(embeds, positions, kv)  # no mask: the block sees the whole context and itself
+    return verifier.get_output_embeddings()(hidden[:, 1:].to(verifier.dtype))
+
+
+def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch.Tensor, starts: torch.Tensor,
+                         gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training: every window of every row in one drafter forward, from one verifier forward.
+
+    clean_ids: (B, L) prompt ⊕ completion; starts: (B, W) each window's first drafted position s (its anchor is s−1,
+    its context the positions before s−1, exactly what the runtime gives it). Returns the drafter's logits and the
+    verifier's (for KD losses, from the same forward), both (B, W, γ, V).
+    """
+    B, L = clean_ids.shape
+    W = starts.shape[1]
+    with torch.no_grad():
+        # The decoder alone: the LM head runs on the window positions only (over all L it costs as much as the rest).
+        out = verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True)
+        aux = aux_hidden(out.hidden_states, drafter.config.aux_hidden_state_layer_ids)
+        index = (starts[..., None] - 1 + torch.arange(gamma, device=starts.device)).clamp(0, L - 1)  # (B, W, γ)
+        last = out.last_hidden_state
+        at_windows = last.gather(1, index.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
+        verifier_logits = verifier.get_output_embeddings()(at_windows).view(B, W, gamma, -1)
+    ctx_positions = torch.arange(L, device=clean_ids.device).expand(B, -1)
+    context_kv = drafter.context_kv(drafter.project_context(aux), ctx_positions)
+    anchors = (starts - 1).clamp_min(0)  # (B, W)
+    offsets = torch.arange(gamma + 1, device=starts.device)
+    positions = (anchors[..., None] + offsets).view(B, -1)  # (B, W·(γ+1))
+    block = torch.full((B, W, gamma + 1), drafter.config.mask_token_id, dtype=torch.long, device=clean_ids.device)
+    block[..., 0] = clean_ids.gather(1, anchors)
+    # Block w sees the context strictly before its anchor (the anchor's own state is not computed yet when it
+    # drafts) and its own block, bidirectionally; never another block.
+    q_window = torch.arange(W, device=starts.device).repeat_interleave(gamma + 1)  # (Q,)
+    sees_context = torch.arange(L, device=starts.device)[None, None, :] < anchors[:, q_window, None]  # (B, Q, L)
+    sees_block = (q_window[:, None] == q_window[None, :]).expand(B, -1, -1)
+    allowed = torch.cat([sees_context, sees_block], dim=-1)
+    zero = torch.zeros((), dtype=drafter.fc.weight.dtype, device=allowed.device)
+    mask = torch.where(allowed, zero, torch.finfo(zero.dtype).min)[:, None]  # (B, 1, Q, L + Q)
+    embeds = verifier.get_input_embeddings()(block.view(B, -1))
+    hidden = drafter(embeds, positions, context_kv, mask).view(B, W, gamma + 1, -1)
+    draft_logits = verifier.get_output_embeddings()(hidden[:, :, 1:].to(verifier.dtype))
+    return draft_logits, verifier_logits
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the speculators format (what `vllm serve --speculative-config` loads)
+# --------------------------------------------------------------------------------------------------------------------
+SPECULATORS_CONFIG_VERSION = "0.9.0"  # the speculators release whose DFlash config this matches
+
+
+def speculators_config(config: DFlashConfig, verifier_path: str, verifier_architectures: list[str],
+                       dtype: torch.dtype) -> dict[str, Any]:
+    """config.json of speculators' `DFlashSpeculatorConfig` for this drafter. The draft layers are described as a
+    Qwen3 config (vLLM's qwen3_dflash reads it: always q/k norms, no attention bias)."""
+    layer = {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": config.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}, "rope_theta": config.rope_theta,
+        "attention_bias": False, "tie_word_embeddings": False, "mask_token_id": config.mask_token_id,
+    }
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_CONFIG_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.vocab_size,
+        "block_size": config.block_size,
+        "target_hidden_size": config.target_hidden_size,
+        "aux_hidden_state_layer_ids": list(config.aux_hidden_state_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        # Full-attention draft layers attend bidirectionally within the block (as align trains them). vLLM reads
+        # `causal = not sliding_window_non_causal`, so true here keeps every layer non-causal there too.
+        "sliding_window_non_causal": True,
+        # The anchor is the verifier's bonus token: only the MASK slots draft (block_size - 1 tokens), as in DFlash.
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_path, "architectures": list(verifier_architectures)},
+        },
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def speculators_weights(drafter: DFlashDrafter, verifier: Any) -> dict[str, torch.Tensor]:
+    """The drafter's weights under the names speculators saves and vLLM's qwen3_dflash loads (its own modules keep
+    those names), plus copies of the verifier's `embed_tokens` and `lm_head`, which speculators checkpoints carry."""
+    dtype = drafter.fc.weight.dtype
+    weights = {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
+    weights["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().to(dtype).clone()
+    weights["lm_head.weight"] = verifier.get_output_embeddings().weight.detach().to(dtype).clone()
+    return weights
+
+
+def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) -> DFlashDrafter:
+    """A speculators-format DFlash folder (align's export, or speculators' own) as align's DFlash drafter. The
+    verifier's embeddings and LM head in it are not kept: align reads them from the verifier."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    if raw.get("speculators_model_type") != "dflash":
+        raise ValueError(f"{folder}: not a speculators DFlash drafter (speculators_model_type "
+                         f"{raw.get('speculators_model_type')!r})")
+    layer = raw["transformer_layer_config"]
+    rope = layer.get("rope_parameters") or {}
+    config = DFlashConfig(
+        vocab_size=layer["vocab_size"], hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+        num_hidden_layers=layer["num_hidden_layers"], num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        head_dim=layer.get("head_dim"), rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 1000000.0))),
+        max_position_embeddings=layer.get("max_position_embeddings", 2048),
+        target_hidden_size=raw.get("target_hidden_size"), aux_hidden_state_layer_ids=raw["aux_hidden_state_layer_ids"],
+        block_size=raw.get("block_size", 8), mask_token_id=raw["mask_token_id"])
+    weights = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    dtype = next(iter(weights.values())).dtype
+    drafter = DFlashDrafter(config).to(dtype)
+    drafter.load_state_dict({k: v for k, v in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")})
+    return drafter.to(device or torch.device("cpu")).eval()

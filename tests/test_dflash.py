@@ -1,0 +1,238 @@
+"""The DFlash drafter kind (align/dflash.py): lossless in the runtime, trainable with every window loss, exported in
+the speculators format that vLLM's qwen3_dflash loads."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from align.decoding.ar import ar_generate
+from align.decoding.generation import Sampling
+from align.decoding.specdiff import specdiff_generate
+from align.dflash import DFlashDrafter, config_for_verifier
+from align.losses import WINDOW_LOSSES
+from align.models import drafter_spec_from_config
+
+VOCAB, MASK = 32, 31
+
+
+def tiny_verifier(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def tiny_dflash(verifier: LlamaForCausalLM, seed: int = 1) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    return DFlashDrafter(config_for_verifier(verifier.config, MASK, num_layers=2, intermediate_size=48)).eval()
+
+
+def test_spec_says_dflash():
+    verifier = tiny_verifier()
+    spec = drafter_spec_from_config(tiny_dflash(verifier).config)
+    assert (spec.kind, spec.mask_token_id, spec.logits_shift) == ("dflash", MASK, 0)
+
+
+def test_greedy_specdiff_with_a_dflash_drafter_is_token_identical_to_ar_greedy():
+    verifier = tiny_verifier()
+    drafter = tiny_dflash(verifier)
+    spec = drafter_spec_from_config(drafter.config)
+    for seed in range(3):
+        prompt = torch.randint(0, MASK, (1, 5), generator=torch.Generator().manual_seed(seed))
+        expected = ar_generate(verifier, prompt, 24, Sampling())[0]
+        for gamma in (1, 3, 6):
+            tokens, stats = specdiff_generate(verifier, drafter, spec, prompt, gamma, 24)
+            assert tokens == expected
+            assert stats.verifier_forwards < 24 or gamma == 1
+
+
+def test_training_windows_see_what_the_runtime_shows_the_drafter():
+    """A training window at start s must give the logits the runtime gets when it drafts after position s-1 with the
+    context grown token by token: same context (positions before the anchor), same anchor, same positions."""
+    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits, dflash_window_logits
+
+    verifier = tiny_verifier()
+    drafter = tiny_dflash(verifier)
+    ids = torch.randint(0, MASK, (1, 14), generator=torch.Generator().manual_seed(0))
+    hidden = aux_hidden(verifier(input_ids=ids, output_hidden_states=True).hidden_states,
+                        drafter.config.aux_hidden_state_layer_ids)
+    starts = torch.tensor([[3, 8, 10]])
+    windows, verifier_logits = dflash_window_logits(drafter, verifier, ids, starts, 4)
+    torch.testing.assert_close(verifier_logits[0, 1, 0], verifier(input_ids=ids).logits[0, 7])
+    for w, start in enumerate(starts[0].tolist()):
+        context = DFlashContext()
+        for i in range(0, start - 1, 3):  # grown in uneven steps, as accepted tokens arrive
+            context.extend(drafter, hidden[:, i: min(i + 3, start - 1)])
+        expected = dflash_block_logits(drafter, verifier, ids[:, start - 1: start], 4, context)
+        torch.testing.assert_close(windows[:, w], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("data_mode", ["offline", "on_policy"])
+@pytest.mark.parametrize("loss", sorted(WINDOW_LOSSES))
+def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(loss, data_mode):
+    from types import SimpleNamespace
+
+    from align.config import load_recipe
+    from align.train import compute_losses
+    from align.windows import block_causal_windows
+
+    verifier = tiny_verifier()
+    drafter = tiny_dflash(verifier).train()
+    spec = drafter_spec_from_config(drafter.config)
+    recipe = load_recipe("recipes/tiny/dflash.yaml", [f"train.losses={{{loss}: 1.0}}", "train.gamma=3",
+                                                      f"train.data_mode={data_mode}"])
+    rows = [{"prompt_ids": [1, 2, 3, 4], "completion_ids": [5, 6, 7, 8, 9, 10, 11]},
+            {"prompt_ids": [7, 3], "completion_ids": [12, 13, 14, 15]}]
+    batch = block_causal_windows(rows, spec, 3, 2, 0, np.random.default_rng(0))
+    # The loop's step holds the DeepSpeed engine; compute_losses reads only its module.
+    trainer = SimpleNamespace(engine=SimpleNamespace(module=drafter), spec=spec, verifier=verifier, pad_id=0)
+    parts = compute_losses(trainer, batch, rows, recipe, batch.num_windows, int(batch.target_mask.sum()))
+    total = sum(parts.values())
+    assert torch.isfinite(total)
+    total.backward()
+    grads = {name: p.grad for name, p in drafter.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"):
+        assert grads[name].abs().sum() > 0, name
+    assert all(p.grad is None for p in verifier.parameters())
+
+
+def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp_path):
+    """`align train` builds a new DFlash drafter on the (toy) verifier and trains it under DeepSpeed; `align eval`
+    runs it beside the standalone drafter, token-identical to AR greedy."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import TOY_TRAJECTORIES
+
+    from align.cli import main as align
+
+    root, traj = toy_trajectories
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    args = [f"verifier.path={root / 'ck' / 'verifier'}", f"trajectories.out={traj}", *TOY_TRAJECTORIES,
+            f"data.dir={root / 'data'}", f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=4",
+            "train.max_steps=3", "train.micro_batch_size=2", "train.eval_every=3", "train.save_every=3",
+            "train.final_eval_prompts=1", "train.losses={ce_streak: 1.0, fkl: 0.5}", "dflash.aux_layer_ids=[0]",
+            "dflash.intermediate_size=48"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "align/train.py", "recipes/tiny/dflash.yaml", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    config = json.loads((out / "step_3" / "config.json").read_text())
+    assert config["model_type"] == "align_dflash" and config["drafter_spec"]["kind"] == "dflash"
+    assert "final_tau" in json.loads((out / "step_3" / "meta.json").read_text())
+
+    assert align(["eval", "recipes/tiny/dflash.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
+                  f"drafter.path={root / 'ck' / 'drafter-base'}", f"data.dir={root / 'data'}",
+                  f"eval.compare_drafters={{dflash: {out / 'step_3'}}}", f"eval.out={tmp_path / 'eval'}",
+                  "eval.num_prompts=2", "eval.warmup=0", "decode.max_new_tokens=8", "decode.gamma=3"]) in (0, None)
+    methods = json.loads((tmp_path / "eval" / "eval.json").read_text())["methods"]
+    assert {"specdiff", "specdiff@dflash"} <= set(methods)
+    assert methods["specdiff@dflash"]["exact_match"] == 1.0
+    assert methods["specdiff@dflash"]["tau"] >= 1.0
+
+
+def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Weight names and shapes vLLM's qwen3_dflash `load_weights` takes from a speculators DFlash checkpoint (before
+    its own stacking of q/k/v into qkv_proj and gate/up into gate_up_proj), read off that model's modules:
+    `fc` over the concatenated aux hidden states, `hidden_norm`, per layer q/k/v/o projections with q/k RMS norms
+    over head_dim, a SiLU MLP and two layer norms, the final `norm`, and the optional embed_tokens/lm_head."""
+    H, hd, V = config.hidden_size, config.head_dim, config.vocab_size
+    q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    shapes = {"fc.weight": (H, len(config.aux_hidden_state_layer_ids) * config.target_hidden_size),
+              "hidden_norm.weight": (H,), "norm.weight": (H,), "embed_tokens.weight": (V, H), "lm_head.weight": (V, H)}
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                       p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                       p + "mlp.down_proj.weight": (H, inter), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
+    return shapes
+
+
+def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_logits(toy_family, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from align.checkpoint import save_merged
+    from align.cli import main as align
+    from align.config import DFlashSection, VerifierSection
+    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits, load_speculators_dflash
+    from align.models import load_tokenizer, load_verifier, new_dflash_drafter
+
+    root, _ = toy_family
+    verifier_path = str(root / "ck" / "verifier")
+    tokenizer = load_tokenizer(verifier_path)
+    torch.manual_seed(0)
+    drafter, _ = new_dflash_drafter(VerifierSection(path=verifier_path), DFlashSection(aux_layer_ids=[0]),
+                                    VerifierSection(path=verifier_path, device="cpu"), tokenizer, 4)
+    save_merged(drafter, tokenizer, tmp_path / "step_1", {})
+    out = tmp_path / "export"
+    assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={verifier_path}",
+                  f"drafter.path={tmp_path / 'step_1'}", "export.format=speculators", f"export.out={out}"]) in (0, None)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash"
+    assert config["speculators_config"]["algorithm"] == "dflash"
+    assert config["speculators_config"]["proposal_methods"][0] == {
+        "proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert config["speculators_config"]["verifier"]["name_or_path"] == verifier_path
+    assert (config["block_size"], config["mask_token_id"]) == (5, tokenizer.mask_token_id)
+    assert config["aux_hidden_state_layer_ids"] == [0]
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    weights = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in weights.items()} == vllm_expected_shapes(drafter.config)
+    assert "vllm serve" in (out / "README.md").read_text()
+
+    verifier = load_verifier(VerifierSection(path=verifier_path, device="cpu"))
+    reloaded = load_speculators_dflash(str(out))
+    ids = torch.tensor([tokenizer("def add(a, b):\n    return").input_ids])
+    hidden = aux_hidden(verifier(input_ids=ids, output_hidden_states=True).hidden_states, [0])
+    logits = []
+    for model in (drafter.eval(), reloaded):
+        context = DFlashContext()
+        context.extend(model, hidden[:, :-1])
+        logits.append(dflash_block_logits(model, verifier, ids[:, -1:], 4, context))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, temperature):
+    """Every draft the runtime makes must equal a draft made from scratch: the verifier's states of all tokens before
+    the anchor (recomputed in one forward over the final sequence) and the anchor at that position. Catches a context
+    that lags or runs ahead of the verifier, which stays lossless but silently costs acceptance."""
+    from align.decoding import specdiff
+    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits
+
+    verifier = tiny_verifier()
+    drafter = tiny_dflash(verifier)
+    spec = drafter_spec_from_config(drafter.config)
+    calls = []
+
+    def recorded(drafter, verifier, anchor_ids, num_draft, context):
+        logits = dflash_block_logits(drafter, verifier, anchor_ids, num_draft, context)
+        calls.append((context.length, int(anchor_ids[0, 0]), logits))
+        return logits
+
+    monkeypatch.setattr(specdiff, "dflash_block_logits", recorded)
+    prompt = torch.randint(0, MASK, (1, 6), generator=torch.Generator().manual_seed(3))
+    tokens, _ = specdiff_generate(verifier, drafter, spec, prompt, 3, 20, Sampling(temperature),
+                                  generator=torch.Generator().manual_seed(0))
+    sequence = torch.cat([prompt, torch.tensor([tokens])], dim=1)
+    hidden = aux_hidden(verifier(input_ids=sequence, output_hidden_states=True).hidden_states,
+                        drafter.config.aux_hidden_state_layer_ids)
+    assert len(calls) > 3
+    for length, anchor, logits in calls:
+        assert anchor == int(sequence[0, length])  # the anchor is the first token the context does not cover
+        context = DFlashContext()
+        context.extend(drafter, hidden[:, :length])
+        expected = dflash_block_logits(drafter, verifier, sequence[:, length: length + 1], logits.shape[1], context)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
