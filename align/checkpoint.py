@@ -115,10 +115,11 @@ def _tied_keys_as_mapping(model: Any) -> None:
     its tied weights, where transformers 5's save_pretrained reads a {tied: source} mapping and fails on a list.
     Untied models (the configs' `tie_word_embeddings: false`) tie nothing, so the mapping is empty; a tied one maps
     each listed key to the input embedding."""
+    listed = [m for m in model.modules() if isinstance(getattr(m, "_tied_weights_keys", None), (list, tuple))]
+    if not listed:
+        return  # transformers 5 models, and models without input embeddings of their own (DFlash drafters)
     embedding = model.get_input_embeddings()
     source = next((f"{name}.weight" for name, module in model.named_modules() if module is embedding), None)
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for module in model.modules():
-        keys = getattr(module, "_tied_weights_keys", None)
-        if isinstance(keys, (list, tuple)):
-            module._tied_weights_keys = {key: source for key in keys} if tied and source else {}
+    for module in listed:
+        module._tied_weights_keys = {key: source for key in module._tied_weights_keys} if tied and source else {}
