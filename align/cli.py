@@ -17,8 +17,8 @@ from typing import Callable, NoReturn, Optional, Union, get_args
 
 import yaml
 
-from align.config import (Recipe, RecipeError, check_inputs, check_models, check_output, eval_models, get_key,
-                          load_recipe, train_models)
+from align.config import (Recipe, RecipeError, check_inputs, check_models, check_output, check_train, eval_models,
+                          get_key, load_recipe, train_models)
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -53,6 +53,8 @@ class Stage:
     #: folders the stage writes only when something is missing (data.dir: the tiny data, built on first use): only a
     #: file in their way is refused, since a complete one may well be read-only
     folders: tuple[str, ...] = ()
+    #: the stage's own checks beyond the above (they read configs, never weights)
+    checks: Callable[[Recipe], None] = lambda recipe: None
     #: takes the DeepSpeed launcher's options (train, trajectories)
     launcher: bool = False
     #: command-line flags that are sugar for recipe overrides: flag -> recipe key
@@ -73,7 +75,7 @@ STAGES: dict[str, Stage] = {
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
         "align.train", ("drafter", "dflash", "verifier", "trajectories", "train"), models=train_models,
-        outputs=("train.out",), launcher=True,
+        checks=check_train, outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
@@ -262,6 +264,7 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
     """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
     check_inputs(recipe, file_keys=stage.file_keys)
     check_models(recipe, stage.models(recipe))
+    stage.checks(recipe)
     for key, model_key in stage.prompts(recipe):
         from align.data import check_prompts  # reads datasets and tokenizers: only for the stages that need them
 

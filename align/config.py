@@ -615,6 +615,9 @@ KNOWN_DLLMS: dict[str, tuple[int, str]] = {
 }
 # Known families whose noise is not the mask token (the others are "mask").
 KNOWN_DLLM_NOISE: dict[str, str] = {"diffusion_gemma": "uniform"}
+# Families whose causal encoder (context cache) and bidirectional decoder (canvas) are two modules sharing one set of
+# weights (DiffusionGemma).
+CANVAS_DECODER_FAMILIES: frozenset[str] = frozenset({"diffusion_gemma"})
 SPEC_FIELDS: tuple[str, ...] = ("mask_token_id", "logits_shift", "attention")
 # standalone: a diffusion LM reading the context tokens (SpecDiff-2); dflash: a block-diffusion drafter conditioned on
 # the verifier's hidden states, sharing its embeddings and LM head (align/dflash.py)
@@ -932,6 +935,18 @@ def train_models(recipe: Recipe) -> tuple[str, ...]:
     if recipe.dflash is not None:  # a new DFlash drafter is built on the verifier, which it reads in every step
         return ("verifier.path",)
     return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
+
+
+def check_train(recipe: Recipe) -> None:
+    """`align train`'s checks beyond its models' (only configs are read)."""
+    if recipe.train.lora_r and recipe.dflash is None:
+        model_type = getattr(load_model_config("drafter.path", recipe.drafter), "model_type", None)
+        if model_type in CANVAS_DECODER_FAMILIES:
+            # peft would give the encoder and the decoder each its own adapter on the weights they share (the context
+            # and the canvas would drift apart), and merging would add both adapters to those weights.
+            raise RecipeError(f"train.lora_r: {recipe.drafter.path} is a {model_type} model, whose encoder and "
+                              "decoder share their weights; LoRA would adapt them apart. Train it fully "
+                              "(train.lora_r=0)")
 
 
 def eval_models(recipe: Recipe) -> tuple[str, ...]:

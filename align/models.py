@@ -39,8 +39,8 @@ from align.config import ModelSection, RecipeError
 from align.dflash import DFlashDrafter, config_for_verifier, is_dflash
 # The DrafterSpec and its checks need no torch, so that cli can check a drafter's config before loading anything; they
 # live in align/config.py and are part of this module's interface.
-from align.config import (ATTENTION_MODES, KNOWN_DLLMS, Attention, DrafterSpec,  # noqa: F401
-                          check_vocab_compatible, drafter_spec_from_config)
+from align.config import (ATTENTION_MODES, CANVAS_DECODER_FAMILIES, KNOWN_DLLMS, Attention,  # noqa: F401
+                          DrafterSpec, check_vocab_compatible, drafter_spec_from_config)
 
 # --------------------------------------------------------------------------------------------------------------------
 # devices, dtypes
@@ -293,7 +293,6 @@ def model_input(model: PreTrainedModel, spec: DrafterSpec, block_ids: torch.Tens
 # --------------------------------------------------------------------------------------------------------------------
 # Families whose context goes through an encoder that writes the KV cache and whose block goes through a decoder that
 # reads it (`model.get_encoder()`, then `model(decoder_input_ids=..., cache=...)`).
-CANVAS_DECODER_FAMILIES: frozenset[str] = frozenset({"diffusion_gemma"})
 
 
 def is_canvas_decoder(model: PreTrainedModel) -> bool:

@@ -39,14 +39,14 @@ import torch.distributed as dist  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from align.checkpoint import merged_model, save_merged, step_folders, write_text_atomic  # noqa: E402
-from align.config import Recipe, RecipeError, check_models, check_output, load_recipe, train_models  # noqa: E402
+from align.config import (Recipe, RecipeError, check_models, check_output, check_train, load_recipe,  # noqa: E402
+                          train_models)
 from align.data import check_trajectories_match, load_trajectories, read_trajectory_manifest  # noqa: E402
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
 from align.launch import strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
 from align.dflash import dflash_window_logits  # noqa: E402
-from align.models import (DrafterSpec, is_canvas_decoder, load_drafter, load_tokenizer, load_verifier,  # noqa: E402
-                          new_dflash_drafter)
+from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)  # noqa: E402
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
                            verifier_window_logits, window_logits)
 
@@ -153,11 +153,6 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
         model, spec = load_drafter(recipe.drafter, tokenizer)
     model.train()
-    if t.lora_r and is_canvas_decoder(model):
-        # Its encoder and decoder are two modules sharing one set of weights: peft would give each its own adapter
-        # (the context and the canvas would drift apart) and merging would add both to the shared weights.
-        raise RecipeError(f"train.lora_r: {recipe.drafter.path} is a DiffusionGemma model, whose encoder and decoder "
-                          "share their weights; LoRA would adapt them apart. Train it fully (train.lora_r=0)")
     if t.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -457,6 +452,7 @@ def script(argv: list[str]) -> int:
             raise RecipeError("usage: deepspeed align/train.py recipe.yaml [key=value ...]")
         recipe = load_recipe(args[0], args[1:])
         check_models(recipe, train_models(recipe))
+        check_train(recipe)
         check_output("train.out", recipe.train.out)
         return main(recipe, shlex.join(["align/train.py", *args]))
     except RecipeError as e:

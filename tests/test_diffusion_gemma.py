@@ -345,3 +345,6 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     lora = subprocess.run([*train, "train.lora_r=8", f"train.out={tmp_path / 'lora'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert lora.returncode == 2 and "train.lora_r" in lora.stderr, lora.stderr[-2000:]
+    assert not (tmp_path / "lora").exists()  # refused from the drafter's config, before any model loads
+    assert align(["train", RECIPE, *tiny, "train.lora_r=8",
+                  f"train.out={tmp_path / 'lora'}"]) == 2
