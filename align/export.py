@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from align.checkpoint import atomic_folder
-from align.config import Recipe, RecipeError, check_file, check_inputs, hub_offline
+from align.config import CANVAS_DECODER_FAMILIES, Recipe, RecipeError, check_file, check_inputs, hub_offline
 
 EXIT_UPLOAD_FAILED = 1
 
@@ -68,19 +68,20 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
                      + (f"; real τ of SpecDiff greedy decoding on {meta['final_tau_prompts']} held-out prompts "
                         f"{meta['final_tau']:.2f}." if "final_tau" in meta else "."), ""]
     name = recipe.export.push_to_hub or "THIS_FOLDER"
+    kind = spec.get("kind", "standalone")
+    auto_class = drafter_auto_class(config)
+    remote = ", trust_remote_code=True" if config.get("auto_map") else ""
     body += ["## Reproduce", "",
              "`recipe.yaml` in this folder is the resolved recipe that trained the drafter (every default filled in):",
              "", "```bash", "align trajectories recipe.yaml --num_gpus N",
              "align train recipe.yaml --num_gpus N        # or: deepspeed --num_gpus N align/train.py recipe.yaml",
              *([evaluation["meta"]["command"]] if evaluation and evaluation.get("meta", {}).get("command") else []),
              command, "```", "",
-             "## Use", "",
-             "With `transformers` alone the drafter is a plain causal LM whose `config.drafter_spec` says how to "
-             "draft: fill γ positions after the context with `mask_token_id` and read their logits (shifted by "
-             "`logits_shift`). With align's lossless runtime:", "",
-             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+             "## Use", "", how_to_read(config, spec), "With align's lossless runtime:", "",
+             "```python", f"from transformers import AutoModelForCausalLM, AutoTokenizer, {auto_class}",
+             *(["import align.dflash  # registers the DFlash drafter with AutoModel"] if kind == "dflash" else []),
              "from align.decoding.specdiff import specdiff_generate", "from align.models import DrafterSpec", "",
-             f"drafter = AutoModelForCausalLM.from_pretrained(\"{name}\")",
+             f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote})",
              "spec = DrafterSpec(**drafter.config.drafter_spec)",
              f"verifier = AutoModelForCausalLM.from_pretrained(\"{recipe.verifier.path}\")",
              f"ids = AutoTokenizer.from_pretrained(\"{name}\")(\"def add(a, b):\", return_tensors=\"pt\").input_ids",
@@ -88,6 +89,28 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              "print(stats.tau)  # tokens per verifier forward; tokens are exactly the verifier's greedy output", "```",
              ""]
     return "\n".join(front + body)
+
+
+def drafter_auto_class(config: dict[str, Any]) -> str:
+    """The transformers Auto class that loads the drafter with its LM head (align/models.py `_load` tries the same)."""
+    if config.get("model_type") in CANVAS_DECODER_FAMILIES:
+        return "AutoModelForImageTextToText"  # DiffusionGemma: AutoModel would build it without its LM head
+    auto_map = config.get("auto_map") or {}
+    if config.get("drafter_spec", {}).get("kind") == "dflash" or (auto_map and "AutoModelForCausalLM" not in auto_map):
+        return "AutoModel"  # DFlash drafters; Dream/DiffuCoder register their LM under AutoModel only
+    return "AutoModelForCausalLM"
+
+
+def how_to_read(config: dict[str, Any], spec: dict[str, Any]) -> str:
+    """One paragraph: how the drafter proposes a block, for its kind (the card's "Use" section)."""
+    if spec.get("kind") == "dflash":
+        return ("A DFlash-style drafter: it denoises `[last accepted token] ⊕ mask×(b−1)` in one forward, conditioned "
+                "on the verifier's hidden states at `aux_hidden_state_layer_ids`, with the verifier's embeddings and "
+                "LM head. To serve it in vLLM, export it with `export.format=speculators`.")
+    fill = ("one fixed uniform random draw (`noise_fill`, seed `noise_seed`), the noise it was trained to denoise"
+            if spec.get("noise") == "uniform" else "`mask_token_id`")
+    return (f"`config.drafter_spec` says how to draft: fill γ positions after the context with {fill} and read their "
+            "logits (shifted by `logits_shift`).")
 
 
 def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:

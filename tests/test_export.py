@@ -145,3 +145,21 @@ def test_card_describes_the_training_run():
     assert "with `streak` × 1.0 (γ = 8, 2 DeepSpeed processes, ZeRO 0, full fine-tuning)" in card
     assert "greedy streak 1.54" in card and "on 8 held-out prompts 2.26" in card
     assert "align train recipe.yaml --num_gpus N" in card and "align export x" in card
+
+
+@pytest.mark.parametrize("config, loader, fill", [
+    ({"model_type": "llama", "drafter_spec": {"mask_token_id": 2}}, "AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")",
+     "with `mask_token_id`"),
+    ({"model_type": "Dream", "auto_map": {"AutoModel": "modeling_dream.DreamModel"}, "drafter_spec": {}},
+     "AutoModel.from_pretrained(\"THIS_FOLDER\", trust_remote_code=True)", "with `mask_token_id`"),
+    ({"model_type": "diffusion_gemma", "drafter_spec": {"noise": "uniform"}},
+     "AutoModelForImageTextToText.from_pretrained(\"THIS_FOLDER\")", "one fixed uniform random draw"),
+    ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, "AutoModel.from_pretrained(\"THIS_FOLDER\")",
+     "export.format=speculators"),
+])
+def test_card_loads_each_family_with_the_class_that_has_its_lm_head(config, loader, fill):
+    from align.config import load_recipe
+    from align.export import model_card
+
+    card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")
+    assert f"drafter = {loader}" in card and fill in card
