@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The check to run wherever a GPU is (DESIGN §11), a few minutes on one: a tiny random-initialised family of real
 # architectures (Llama verifier, block-causal Llama drafter, Llama AR drafter; a few seconds of pretraining) through
-# every stage on this machine's devices. It stops non-zero unless every stage succeeds, training losses stay finite
-# (align train exits 3 otherwise) and every greedy output is identical to its reference.
+# every stage on this machine's devices, then (on a GPU) the real pairings' recipes at tiny random size. It stops
+# non-zero unless every stage succeeds, training losses stay finite (align train exits 3 otherwise) and every greedy
+# output is identical to its reference.
 #   bash launch/gpu_check.sh                 # OUT=<a fresh temporary folder> by default
 # With 2 or more GPUs trajectories and training run on 2 ranks; training is ZeRO-3 (bf16 on GPUs). Evaluation runs in
 # float32, where greedy outputs are comparable token for token. Without a GPU it runs the same stages on the CPU.
@@ -48,4 +49,12 @@ $A calibrate recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.out="$out/spiffy"
 $A eval recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.graph="$out/spiffy/draft_graph.json" \
   eval.out="$out/spiffy/eval" eval.num_prompts=3 eval.warmup=0 "eval.spiffy_budgets=[2,4]"
 $A exact "$out/eval/eval.json" "$out/spiffy/eval/eval.json"
+# The real pairings' recipes (Qwen2.5 + a Dream/DiffuCoder-style remote-code drafter: bf16, ZeRO-2, LoRA; LLaDA-style
+# Spiffy; Gemma 4 + DiffusionGemma: ZeRO-3 bf16; a DFlash drafter trained from scratch), with their Hub ids swapped
+# for tiny random models of the same architectures, through their stages on the recipes' own devices (auto: this GPU).
+# On a CPU the test suite runs the same tests.
+if [ "$gpus" -ge 1 ]; then
+  .venv/bin/python -m pytest -q -x -p no:cacheprovider tests/test_recipes.py tests/test_diffusion_gemma.py \
+    tests/test_dflash.py -k "recipe or train_from_scratch"
+fi
 echo "gpu_check: passed ($out)"
