@@ -241,6 +241,11 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if recipe.calibrate.graph:
         shutil.copy2(recipe.calibrate.graph, tmp / "draft_graph.json")
+    if config.get("drafter_spec", {}).get("kind", "standalone") == "standalone" and \
+            config.get("drafter_spec", {}).get("noise", "mask") == "mask":
+        # transformers' Hub mechanism for decoding loops: SpecDiff from this folder with transformers alone.
+        (tmp / "custom_generate").mkdir()
+        shutil.copy2(Path(__file__).with_name("custom_generate.py"), tmp / "custom_generate" / "generate.py")
     evaluation = None
     if recipe.export.eval:
         evaluation = json.loads(Path(recipe.export.eval).read_text())
