@@ -144,3 +144,20 @@ def test_sampling_is_the_verifiers_distribution(tmp_path):
     assert all(len(s) == NEW_TOKENS for s in samples)
     assert chi_square_pvalue(samples, exact_joint(verifier, PROMPT, Sampling(SAMPLING.temperature,
                                                                              SAMPLING.top_k))) > 1e-3
+
+
+@pytest.mark.parametrize("config, ships", [
+    ({"model_type": "llama", "drafter_spec": {"mask_token_id": 2}}, True),
+    ({"model_type": "Dream", "auto_map": {"AutoModel": "modeling_dream.DreamModel"}, "drafter_spec": {}}, True),
+    ({"model_type": "diffusion_gemma", "drafter_spec": {"noise": "uniform"}}, False),
+    ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, False),
+])
+def test_card_shows_transformers_alone_first_and_never_pip_install_align(config, ships):
+    from align.config import load_recipe
+    from align.export import model_card
+
+    card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")
+    assert "pip install align" not in card and "from its repository" in card
+    assert ("custom_generate=\"THIS_FOLDER\"" in card) == ships
+    if ships:
+        assert card.index("custom_generate=") < card.index("specdiff_generate")
