@@ -161,3 +161,26 @@ def test_card_shows_transformers_alone_first_and_never_pip_install_align(config,
     assert ("custom_generate=\"THIS_FOLDER\"" in card) == ships
     if ships:
         assert card.index("custom_generate=") < card.index("specdiff_generate")
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
+    # Each way of reading a drafter (context cache or re-encoding, shifted or not) against align's runtime: the same
+    # tokens and the same accepted lengths, iteration by iteration. The drafter is the verifier's own weights, so that
+    # drafts read at the right positions are often accepted (a shifted drafter's first token always is).
+    verifier, drafter = peaky(0), peaky(0)
+    verifier.generation_config.eos_token_id = None
+    spec = DrafterSpec(7, shift, attention)
+    drafter.config.drafter_spec = spec.to_dict()
+    drafter.save_pretrained(tmp_path)
+    (tmp_path / "custom_generate").mkdir()
+    shutil.copy2(ROOT / "align" / "custom_generate.py", tmp_path / "custom_generate" / "generate.py")
+    prompt = torch.tensor([[1, 5, 2, 3, 6]])
+    out = verifier.generate(prompt, assistant_model=drafter, custom_generate=str(tmp_path), trust_remote_code=True,
+                            max_new_tokens=20, gamma=3, return_dict_in_generate=True)
+    tokens, stats = specdiff_generate(verifier, drafter, spec, prompt, 3, 20)
+    assert out.sequences[0].tolist() == prompt[0].tolist() + tokens
+    assert out.sequences[0].tolist() == verifier.generate(prompt, max_new_tokens=20, do_sample=False)[0].tolist()
+    assert out.accept_counts == stats.accept_counts and out.tau == pytest.approx(stats.tau)
+    assert shift == 0 or min(out.accept_counts[:-1]) >= 1
