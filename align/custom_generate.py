@@ -237,6 +237,15 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
     config = copy.deepcopy(generation_config or model.generation_config)
     config.update(**{k: v for k, v in kwargs.items() if k not in ("synced_gpus", "negative_prompt_ids",
                                                                   "negative_prompt_attention_mask")})
+    # Settings that change the verifier's distribution through logits processors, or decode several sequences: the
+    # acceptance rule above would not see them, so the output would silently differ from generate()'s.
+    unsupported = {name: getattr(config, name, None) for name, plain in (
+        ("num_beams", 1), ("num_return_sequences", 1), ("repetition_penalty", 1.0), ("min_new_tokens", 0),
+        ("no_repeat_ngram_size", 0), ("bad_words_ids", None), ("suppress_tokens", None)) if getattr(
+        config, name, None) not in (None, plain)}
+    if unsupported:
+        raise ValueError(f"SpecDiff's custom_generate does not support {unsupported}: it samples the verifier's "
+                         "plain distribution after temperature, top_k and top_p")
     prompt = prompt.to(model.device)
     max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt.shape[1]
     eos = config.eos_token_id

@@ -114,6 +114,9 @@ def test_refuses_what_it_cannot_decode(exported):
     drafter = AutoModelForCausalLM.from_pretrained(exported / "out", dtype=torch.float32)
     with pytest.raises(ValueError, match="one prompt at a time"):
         generate(verifier, torch.ones(2, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        generate(verifier, torch.ones(1, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4,
+                 repetition_penalty=1.2)
     drafter.config.drafter_spec = {**drafter.config.drafter_spec, "kind": "dflash"}
     with pytest.raises(ValueError, match="align's runtime"):
         generate(verifier, torch.ones(1, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
