@@ -187,3 +187,18 @@ def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
     assert out.sequences[0].tolist() == verifier.generate(prompt, max_new_tokens=20, do_sample=False)[0].tolist()
     assert out.accept_counts == stats.accept_counts and out.tau == pytest.approx(stats.tau)
     assert shift == 0 or min(out.accept_counts[:-1]) >= 1
+
+
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_tensors_follow_the_models_device(attention):
+    # As tests/test_devices.py: with `meta` as the default device, a factory call without device= makes a meta tensor
+    # that fails next to the CPU models, as a CPU tensor would fail next to models on a GPU.
+    from align.custom_generate import generate
+
+    verifier, drafter = peaky(0), peaky(0)
+    drafter.config.drafter_spec = DrafterSpec(7, 1, attention).to_dict()
+    for sample in (False, True):
+        with torch.device("meta"):
+            out = generate(verifier, PROMPT, assistant_model=drafter, max_new_tokens=6, gamma=2, do_sample=sample,
+                           eos_token_id=None)
+        assert out.device.type == "cpu" and out.shape == (1, PROMPT.shape[1] + 6)
