@@ -140,7 +140,8 @@ class Drafter:
         if not spec:
             raise ValueError("assistant_model has no config.drafter_spec: pass the diffusion drafter exported by "
                              "align (its config.json carries the spec)")
-        if spec.get("kind", "standalone") != "standalone" or spec.get("noise", "mask") != "mask":
+        if spec.get("kind", "standalone") != "standalone" or spec.get("noise", "mask") != "mask" or \
+                getattr(model.config, "is_encoder_decoder", False) or model.config.model_type == "diffusion_gemma":
             raise ValueError(f"this custom_generate decodes standalone masked drafters; drafter_spec kind "
                              f"{spec.get('kind')!r} with noise {spec.get('noise', 'mask')!r} (DFlash, DiffusionGemma) "
                              "needs align's runtime: align.decoding.specdiff.specdiff_generate")

@@ -78,7 +78,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              *([evaluation["meta"]["command"]] if evaluation and evaluation.get("meta", {}).get("command") else []),
              command, "```", "",
              "## Use", "", how_to_read(config, spec), "",
-             *(custom_generate_usage(name, auto_class, remote, recipe) if ships_custom_generate(spec) else []),
+             *(custom_generate_usage(name, auto_class, remote, recipe) if ships_custom_generate(config) else []),
              "With align's lossless runtime (install align from its repository: `pip install -e <align checkout>`; "
              "the PyPI package named `align` is an unrelated project):", "",
              "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer"
@@ -95,10 +95,12 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
     return "\n".join(front + body)
 
 
-def ships_custom_generate(spec: dict[str, Any]) -> bool:
+def ships_custom_generate(config: dict[str, Any]) -> bool:
     """Whether the folder carries custom_generate/generate.py: it decodes standalone drafters that read masks (not
-    DFlash drafters, which read the verifier's hidden states, nor DiffusionGemma's uniform-noise canvas)."""
-    return spec.get("kind", "standalone") == "standalone" and spec.get("noise", "mask") == "mask"
+    DFlash drafters, which read the verifier's hidden states, nor DiffusionGemma's encoder-decoder noise canvas)."""
+    spec = config.get("drafter_spec", {})
+    return (spec.get("kind", "standalone") == "standalone" and spec.get("noise", "mask") == "mask"
+            and config.get("model_type") not in CANVAS_DECODER_FAMILIES)
 
 
 def custom_generate_usage(name: str, auto_class: str, remote: str, recipe: Recipe) -> list[str]:
@@ -269,7 +271,7 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if recipe.calibrate.graph:
         shutil.copy2(recipe.calibrate.graph, tmp / "draft_graph.json")
-    if ships_custom_generate(config.get("drafter_spec", {})):
+    if ships_custom_generate(config):
         # transformers' Hub mechanism for decoding loops: SpecDiff from this folder with transformers alone.
         (tmp / "custom_generate").mkdir()
         shutil.copy2(Path(__file__).with_name("custom_generate.py"), tmp / "custom_generate" / "generate.py")

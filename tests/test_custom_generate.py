@@ -153,6 +153,7 @@ def test_sampling_is_the_verifiers_distribution(tmp_path):
     ({"model_type": "llama", "drafter_spec": {"mask_token_id": 2}}, True),
     ({"model_type": "Dream", "auto_map": {"AutoModel": "modeling_dream.DreamModel"}, "drafter_spec": {}}, True),
     ({"model_type": "diffusion_gemma", "drafter_spec": {"noise": "uniform"}}, False),
+    ({"model_type": "diffusion_gemma", "drafter_spec": {"mask_token_id": 4}}, False),
     ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, False),
 ])
 def test_card_shows_transformers_alone_first_and_never_pip_install_align(config, ships):
