@@ -77,8 +77,12 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              "align train recipe.yaml --num_gpus N        # or: deepspeed --num_gpus N align/train.py recipe.yaml",
              *([evaluation["meta"]["command"]] if evaluation and evaluation.get("meta", {}).get("command") else []),
              command, "```", "",
-             "## Use", "", how_to_read(config, spec), "With align's lossless runtime:", "",
-             "```python", f"from transformers import AutoModelForCausalLM, AutoTokenizer, {auto_class}",
+             "## Use", "", how_to_read(config, spec), "",
+             *(custom_generate_usage(name, auto_class, remote, recipe) if ships_custom_generate(config) else []),
+             "With align's lossless runtime (install align from its repository: `pip install -e <align checkout>`; "
+             "the PyPI package named `align` is an unrelated project):", "",
+             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer"
+             + (f", {auto_class}" if auto_class != "AutoModelForCausalLM" else ""),
              *(["import align.dflash  # registers the DFlash drafter with AutoModel"] if kind == "dflash" else []),
              "from align.decoding.specdiff import specdiff_generate", "from align.models import DrafterSpec", "",
              f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote})",
@@ -89,6 +93,32 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              "print(stats.tau)  # tokens per verifier forward; tokens are exactly the verifier's greedy output", "```",
              ""]
     return "\n".join(front + body)
+
+
+def ships_custom_generate(config: dict[str, Any]) -> bool:
+    """Whether the folder carries custom_generate/generate.py: it decodes standalone drafters that read masks (not
+    DFlash drafters, which read the verifier's hidden states, nor DiffusionGemma's encoder-decoder noise canvas)."""
+    spec = config.get("drafter_spec", {})
+    return (spec.get("kind", "standalone") == "standalone" and spec.get("noise", "mask") == "mask"
+            and config.get("model_type") not in CANVAS_DECODER_FAMILIES)
+
+
+def custom_generate_usage(name: str, auto_class: str, remote: str, recipe: Recipe) -> list[str]:
+    """The card's first snippet: SpecDiff decoding with transformers alone, through this folder's custom_generate."""
+    return ["With `transformers` alone (this folder's `custom_generate/generate.py` runs SpecDiff decoding: greedy "
+            "output identical to the verifier's `generate()`, sampling by speculative sampling, so lossless either "
+            "way; one prompt at a time):", "",
+            "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer"
+            + (f", {auto_class}" if auto_class != "AutoModelForCausalLM" else ""), "",
+            f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote})",
+            f"verifier = AutoModelForCausalLM.from_pretrained(\"{recipe.verifier.path}\")",
+            f"ids = AutoTokenizer.from_pretrained(\"{name}\")(\"def add(a, b):\", return_tensors=\"pt\").input_ids",
+            f"out = verifier.generate(ids, assistant_model=drafter, custom_generate=\"{name}\", trust_remote_code=True,",
+            f"                        max_new_tokens=64, gamma={recipe.decode.gamma}, return_dict_in_generate=True)",
+            "print(out.sequences, out.tau)  # τ: tokens per verifier forward", "```", "",
+            "`trust_remote_code=True` lets transformers run `custom_generate/generate.py` (torch and transformers "
+            "only; read it first). `gamma` is the number of draft tokens per verifier forward; `do_sample=True` "
+            "with `temperature`, `top_k`, `top_p` samples.", ""]
 
 
 def drafter_auto_class(config: dict[str, Any]) -> str:
@@ -241,6 +271,10 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if recipe.calibrate.graph:
         shutil.copy2(recipe.calibrate.graph, tmp / "draft_graph.json")
+    if ships_custom_generate(config):
+        # transformers' Hub mechanism for decoding loops: SpecDiff from this folder with transformers alone.
+        (tmp / "custom_generate").mkdir()
+        shutil.copy2(Path(__file__).with_name("custom_generate.py"), tmp / "custom_generate" / "generate.py")
     evaluation = None
     if recipe.export.eval:
         evaluation = json.loads(Path(recipe.export.eval).read_text())
