@@ -102,6 +102,13 @@ STAGES: dict[str, Stage] = {
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),
+    "serve-check": Stage(
+        "serve the verifier in vLLM without and with a DFlash drafter, beside align's runtime: identical outputs, "
+        "acceptance within serve_check.max_acceptance_gap of align's tau, tokens/s (exit 3 when not)",
+        "align.serve_check", ("verifier", "serve_check", "decode", "eval", "data"),
+        models=lambda r: ("verifier.path",), prompts=lambda r: (("eval.prompts", "verifier.path"),),
+        outputs=("serve_check.out",), folders=("data.dir",),
+    ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
         None, tuple(name for name in Recipe.model_fields if name != "name"),
