@@ -28,44 +28,9 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.models import context_length, load_drafter, load_tokenizer, load_verifier
-from align.vllm_engine import ServeResult, serve, vllm_python
+from align.vllm_engine import ServeResult, serve, served_drafter_kind
 
 EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed
-
-
-def drafter_kind(folder: Path) -> str:
-    """"speculators" (a folder vLLM serves) or "align" (an align DFlash checkpoint); anything else is refused."""
-    key = "serve_check.drafter"
-    config_path = folder / "config.json"
-    if not folder.is_dir() or not config_path.is_file():
-        raise RecipeError(f"{key}: {folder} is not a drafter folder (no config.json); export one with "
-                          "`align export RECIPE drafter.path=STEP export.format=speculators`")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as e:
-        raise RecipeError(f"{key}: {config_path} is not JSON ({e})") from None
-    if config.get("speculators_model_type") is not None:
-        if config["speculators_model_type"] != "dflash":
-            raise RecipeError(f"{key}: {folder} is a speculators {config['speculators_model_type']!r} drafter; "
-                              "align serve-check checks DFlash drafters")
-        return "speculators"
-    if config.get("model_type") == "align_dflash":
-        return "align"
-    raise RecipeError(f"{key}: {folder} is a standalone diffusion drafter, which vLLM cannot serve (it serves "
-                      "target-conditioned DFlash drafters: train one with recipes/tiny/dflash.yaml)")
-
-
-def check(recipe: Recipe) -> str:
-    """Everything refused before any work: vLLM's environment, the drafter folder and its kind, γ."""
-    vllm_python("serve_check")
-    folder = Path(recipe.serve_check.drafter)
-    kind = drafter_kind(folder)
-    config = json.loads((folder / "config.json").read_text())
-    block_size = config.get("block_size", 0)
-    if recipe.decode.gamma > block_size - 1:
-        raise RecipeError(f"decode.gamma: {recipe.decode.gamma} draft tokens, but the drafter's blocks hold "
-                          f"{block_size - 1} (block_size {block_size}); set decode.gamma={block_size - 1} or less")
-    return kind
 
 
 def export_speculators(drafter: Any, verifier: Any, verifier_path: str, tokenizer: Any, folder: Path) -> None:
@@ -122,7 +87,7 @@ def served(result: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
 
 
 def main(recipe: Recipe, command: str) -> Optional[int]:
-    kind = check(recipe)
+    kind = served_drafter_kind(recipe)  # cli checked it before the stage; the kind says how to load it
     s, d = recipe.serve_check, recipe.decode
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
