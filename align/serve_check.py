@@ -22,11 +22,12 @@ from typing import Any, Optional
 import torch
 
 from align.checkpoint import write_text_atomic
-from align.config import Recipe, RecipeError
+from align.config import Recipe, RecipeError, drafter_spec_from_config
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
+from align.dflash import load_speculators_dflash
 from align.models import context_length, load_drafter, load_tokenizer, load_verifier
 from align.vllm_engine import ServeResult, serve, served_drafter_kind
 
@@ -103,9 +104,6 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
             folder = Path(tmp)
             export_speculators(drafter, verifier, recipe.verifier.path, tokenizer, folder)
         else:
-            from align.config import drafter_spec_from_config
-            from align.dflash import load_speculators_dflash
-
             folder = Path(s.drafter)
             drafter = load_speculators_dflash(str(folder), verifier.device).to(verifier.dtype)
             spec = drafter_spec_from_config(drafter.config)
@@ -137,6 +135,8 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
         common = dict(max_new_tokens=d.max_new_tokens, dtype=vllm_dtype(verifier), kv_cache_gib=s.vllm_cpu_kv_cache_gib,
                       stop_token_ids=sorted(eos_ids), key="serve_check")
         plain = serve(recipe.verifier.path, prompt_ids, **common)
+        # "method" said outright: without it vLLM 0.32 guesses the method from the folder's path and serves any
+        # folder not named *dflash* as a standalone draft model (lossless still, but it accepts far less).
         drafted = serve(recipe.verifier.path, prompt_ids, speculative_config={
             "method": "dflash", "model": str(folder.resolve()), "num_speculative_tokens": d.gamma}, **common)
 
