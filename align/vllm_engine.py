@@ -209,7 +209,8 @@ def serve(model: str, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: in
 
 
 def drafter_kind(folder: Path) -> str:
-    """"speculators" (a folder vLLM serves) or "align" (an align DFlash checkpoint); anything else is refused."""
+    """The kind of drafter folder `align serve-check` takes: "speculators" (a DFlash folder vLLM serves) or "align" (an
+    align DFlash checkpoint, exported first); anything else is a one-line RecipeError."""
     key = "serve_check.drafter"
     config_path = folder / "config.json"
     if not folder.is_dir() or not config_path.is_file():
@@ -226,8 +227,10 @@ def drafter_kind(folder: Path) -> str:
         return "speculators"
     if config.get("model_type") == "align_dflash":
         return "align"
-    raise RecipeError(f"{key}: {folder} is a standalone diffusion drafter, which vLLM cannot serve (it serves "
-                      "target-conditioned DFlash drafters: train one with recipes/tiny/dflash.yaml)")
+    what = ("a standalone diffusion drafter" if "drafter_spec" in config else
+            f"not a drafter (model_type {config.get('model_type')!r})")
+    raise RecipeError(f"{key}: {folder} is {what}, which vLLM cannot serve (it serves target-conditioned DFlash "
+                      "drafters: train one with recipes/tiny/dflash.yaml)")
 
 
 def served_drafter_kind(recipe: Any) -> str:
