@@ -28,6 +28,12 @@ def _none(recipe: Recipe) -> tuple[str, ...]:
     return ()
 
 
+def _served_drafter(recipe: Recipe) -> str:
+    from align.vllm_engine import served_drafter_kind  # vLLM's environment, serve_check.drafter, decode.gamma
+
+    return served_drafter_kind(recipe)
+
+
 # eval.mode -> the module that evaluates in that mode (speculative decoding methods, or the drafter as a dLLM).
 EVAL_MODULES = {"speculative": "align.evaluate", "dllm": "align.evaluate_dllm"}
 
@@ -59,6 +65,8 @@ class Stage:
     launcher: bool = False
     #: command-line flags that are sugar for recipe overrides: flag -> recipe key
     flags: tuple[tuple[str, str], ...] = ()
+    #: the stage's own input checks (raise RecipeError), run last, before the stage starts
+    check: Callable[[Recipe], object] = _none
 
 
 STAGES: dict[str, Stage] = {
@@ -103,6 +111,13 @@ STAGES: dict[str, Stage] = {
         file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
+    ),
+    "serve-check": Stage(
+        "serve the verifier in vLLM without and with a DFlash drafter, beside align's runtime: identical outputs, "
+        "acceptance within serve_check.max_acceptance_gap of align's tau, tokens/s (exit 3 when not)",
+        "align.serve_check", ("verifier", "serve_check", "decode", "eval", "data"),
+        models=lambda r: ("verifier.path",), prompts=lambda r: (("eval.prompts", "verifier.path"),),
+        outputs=("serve_check.out",), folders=("data.dir",), check=_served_drafter,
     ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
@@ -273,6 +288,7 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
         check_output(key, str(get_key(recipe, key)))
     for key in stage.folders:
         check_output(key, str(get_key(recipe, key)), writable=False)
+    stage.check(recipe)
 
 
 def _run(argv: list[str]) -> int:

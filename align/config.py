@@ -389,6 +389,23 @@ class ExportSection(Section):
     format: Literal["align", "speculators"] = "align"
 
 
+class ServeCheckSection(Section):
+    """`align serve-check`: the verifier served by vLLM without and with a DFlash drafter, beside align's runtime with
+    the same drafter, on the eval prompts (eval.prompts, eval.split, eval.num_prompts), greedily, decode.max_new_tokens
+    new tokens, decode.gamma draft tokens per step in both engines."""
+
+    #: the drafter to serve: a speculators-format DFlash folder (`align export ... export.format=speculators`), or an
+    #: align DFlash checkpoint (step_<N>), exported to a temporary folder first
+    drafter: str = "checkpoints/tiny-dflash-export"
+    #: output folder: serve_check.json and report.md
+    out: str = "checkpoints/tiny-serve-check"
+    #: the largest relative gap between vLLM's mean acceptance length and align's τ that passes (the issue: a larger
+    #: one is a bug in one of the two engines)
+    max_acceptance_gap: float = Field(default=0.10, gt=0.0)
+    #: memory vLLM reserves for its KV cache on a CPU (on a GPU it sizes the cache itself)
+    vllm_cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # bootstrap: the tiny embedded family (DESIGN §4)
 # --------------------------------------------------------------------------------------------------------------------
@@ -489,6 +506,7 @@ class Recipe(Section):
     calibrate: CalibrateSection = CalibrateSection()
     eval: EvalSection = EvalSection()
     export: ExportSection = ExportSection()
+    serve_check: ServeCheckSection = ServeCheckSection()
     bootstrap: BootstrapSection = BootstrapSection()
 
     def to_dict(self) -> dict[str, Any]:

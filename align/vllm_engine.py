@@ -206,3 +206,42 @@ def serve(model: str, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: in
         accepted_per_position=counters["num_accepted_tokens_per_pos"],
         mean_acceptance_length=1.0 + counters["num_accepted_tokens"] / drafts if drafts else 1.0,
         vllm_version=runner.version)
+
+
+def drafter_kind(folder: Path) -> str:
+    """The kind of drafter folder `align serve-check` takes: "speculators" (a DFlash folder vLLM serves) or "align" (an
+    align DFlash checkpoint, exported first); anything else is a one-line RecipeError."""
+    key = "serve_check.drafter"
+    config_path = folder / "config.json"
+    if not folder.is_dir() or not config_path.is_file():
+        raise RecipeError(f"{key}: {folder} is not a drafter folder (no config.json); export one with "
+                          "`align export RECIPE drafter.path=STEP export.format=speculators`")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise RecipeError(f"{key}: {config_path} is not JSON ({e})") from None
+    if config.get("speculators_model_type") is not None:
+        if config["speculators_model_type"] != "dflash":
+            raise RecipeError(f"{key}: {folder} is a speculators {config['speculators_model_type']!r} drafter; "
+                              "align serve-check checks DFlash drafters")
+        return "speculators"
+    if config.get("model_type") == "align_dflash":
+        return "align"
+    what = ("a standalone diffusion drafter" if "drafter_spec" in config else
+            f"not a drafter (model_type {config.get('model_type')!r})")
+    raise RecipeError(f"{key}: {folder} is {what}, which vLLM cannot serve (it serves target-conditioned DFlash "
+                      "drafters: train one with recipes/tiny/dflash.yaml)")
+
+
+def served_drafter_kind(recipe: Any) -> str:
+    """`align serve-check`'s input, checked before the stage starts (cli): vLLM's environment, serve_check.drafter
+    (a folder vLLM can serve, or an align DFlash checkpoint) and decode.gamma against its block. Returns its kind."""
+    vllm_python("serve_check")
+    folder = Path(recipe.serve_check.drafter)
+    kind = drafter_kind(folder)
+    config = json.loads((folder / "config.json").read_text())
+    block_size = config.get("block_size", 0)
+    if recipe.decode.gamma > block_size - 1:
+        raise RecipeError(f"decode.gamma: {recipe.decode.gamma} draft tokens, but the drafter's blocks hold "
+                          f"{block_size - 1} (block_size {block_size}); set decode.gamma={block_size - 1} or less")
+    return kind

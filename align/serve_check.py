@@ -1,0 +1,178 @@
+"""`align serve-check`: does the drafter align trained do in vLLM what it does in align? (issue #13, item 3)
+
+The verifier decodes the eval prompts greedily at batch 1 in three engines: vLLM without a drafter, vLLM with the
+DFlash drafter as its `speculative_config` (the speculators folder `align export ... export.format=speculators`
+writes; an align DFlash checkpoint is exported to a temporary folder first), and align's own runtime (AR greedy and
+specdiff with the same drafter, γ = decode.gamma in both engines). Writes `serve_check.json` and `report.md` to
+`serve_check.out`. Exit 3, with one line, when the outputs differ or vLLM's mean acceptance length is more than
+`serve_check.max_acceptance_gap` (10%) off align's τ: both engines run the same greedy acceptance on the same
+weights, so a larger gap is a bug in one of the two.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from align.checkpoint import write_text_atomic
+from align.config import Recipe, RecipeError, drafter_spec_from_config
+from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
+from align.decoding.ar import ar_generate
+from align.decoding.generation import Sampling
+from align.decoding.specdiff import specdiff_generate
+from align.dflash import load_speculators_dflash
+from align.models import context_length, load_drafter, load_tokenizer, load_verifier
+from align.vllm_engine import ServeResult, serve, served_drafter_kind
+
+EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed
+
+
+def export_speculators(drafter: Any, verifier: Any, verifier_path: str, tokenizer: Any, folder: Path) -> None:
+    """The speculators folder vLLM loads (config.json, model.safetensors, tokenizer), as `align export` writes it."""
+    from safetensors.torch import save_file
+
+    from align.dflash import speculators_config, speculators_weights
+
+    dtype = drafter.fc.weight.dtype
+    config = speculators_config(drafter.config, verifier_path, list(verifier.config.architectures or []), dtype)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.cpu() for k, v in speculators_weights(drafter, verifier).items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+
+
+def vllm_dtype(verifier: Any) -> str:
+    """vLLM's name for the dtype align loaded the verifier in (never vLLM's "auto", the checkpoint's dtype)."""
+    return str(verifier.dtype).removeprefix("torch.")
+
+
+def relative_gap(served: float, reference: float) -> float:
+    return abs(served - reference) / reference
+
+
+def report(result: dict[str, Any]) -> str:
+    a, p, s, c = result["align"], result["vllm_plain"], result["vllm_drafter"], result["check"]
+    rows = [
+        "| engine | outputs identical to align AR greedy | mean acceptance length | tokens/s |",
+        "|---|---|---|---|",
+        f"| align AR greedy | (reference) | 1.00 | {a['ar_tokens_per_second']:.1f} |",
+        f"| align specdiff + drafter | {a['specdiff_identical']} | {a['tau']:.2f} (τ) | "
+        f"{a['specdiff_tokens_per_second']:.1f} |",
+        f"| vLLM {result['meta']['vllm']} | {p['identical']} | 1.00 | {p['tokens_per_second']:.1f} |",
+        f"| vLLM {result['meta']['vllm']} + drafter | {s['identical']} | {s['mean_acceptance_length']:.2f} | "
+        f"{s['tokens_per_second']:.1f} |",
+    ]
+    m = result["meta"]
+    lines = [f"# Serving check: {m['drafter']}", "",
+             f"{m['num_prompts']} prompts, greedy, {m['max_new_tokens']} new tokens, γ={m['gamma']}, batch 1, "
+             f"{m['dtype']}, {m['machine']}, {m['date']}.", "", *rows, "",
+             f"vLLM mean acceptance length / align τ = {c['acceptance_ratio']:.3f} (allowed gap "
+             f"{c['max_acceptance_gap']:.0%}); vLLM speedup from the drafter {c['vllm_speedup']:.2f}×.", "",
+             f"**{'PASS' if c['passed'] else 'FAIL'}**" + ("" if c["passed"] else f": {c['reason']}"), ""]
+    return "\n".join(lines)
+
+
+def served(result: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
+    differ = [i for i, (got, want) in enumerate(zip(result.outputs, reference)) if got != want]
+    return {"identical": not differ, "differing_prompts": differ, "tokens_per_second": result.tokens_per_second,
+            "seconds": result.seconds, "mean_acceptance_length": result.mean_acceptance_length,
+            "num_drafts": result.num_drafts, "num_draft_tokens": result.num_draft_tokens,
+            "num_accepted_tokens": result.num_accepted_tokens, "accepted_per_position": result.accepted_per_position}
+
+
+def main(recipe: Recipe, command: str) -> Optional[int]:
+    kind = served_drafter_kind(recipe)  # cli checked it before the stage; the kind says how to load it
+    s, d = recipe.serve_check, recipe.decode
+    tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+    template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
+    verifier = load_verifier(recipe.verifier)
+    prompts = encode_prompts(tokenizer, eval_prompts(recipe), template, d.max_new_tokens,
+                             context_length(verifier.config))
+    eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    with tempfile.TemporaryDirectory(prefix="align-serve-check-") as tmp:
+        if kind == "align":
+            drafter, spec = load_drafter(recipe.drafter.model_copy(update={"path": s.drafter}), tokenizer)
+            if spec.kind != "dflash":  # drafter_kind read model_type; the spec is what the runtime goes by
+                raise RecipeError(f"serve_check.drafter: {s.drafter} is not a DFlash drafter ({spec.kind})")
+            folder = Path(tmp)
+            export_speculators(drafter, verifier, recipe.verifier.path, tokenizer, folder)
+        else:
+            folder = Path(s.drafter)
+            drafter = load_speculators_dflash(str(folder), verifier.device).to(verifier.dtype)
+            spec = drafter_spec_from_config(drafter.config)
+        prompts = [ids.to(verifier.device) for ids in prompts]
+        print(f"serve-check: {len(prompts)} prompts, {d.max_new_tokens} new tokens, γ={d.gamma}, drafter {s.drafter}")
+
+        # align's runtime: AR greedy (the reference) and specdiff with the drafter, one warm-up prompt first.
+        ar_generate(verifier, prompts[0], min(d.max_new_tokens, 8), Sampling(), eos_ids=eos_ids)
+        specdiff_generate(verifier, drafter, spec, prompts[0], d.gamma, min(d.max_new_tokens, 8), Sampling(),
+                          eos_ids=eos_ids)
+        reference, ar_seconds, spec_outputs, spec_seconds, accepted, steps = [], 0.0, [], 0.0, 0, 0
+        for ids in prompts:
+            start = time.perf_counter()
+            tokens, _ = ar_generate(verifier, ids, d.max_new_tokens, Sampling(), eos_ids=eos_ids)
+            ar_seconds += time.perf_counter() - start
+            reference.append(list(tokens))
+            start = time.perf_counter()
+            tokens, stats = specdiff_generate(verifier, drafter, spec, ids, d.gamma, d.max_new_tokens, Sampling(),
+                                              eos_ids=eos_ids)
+            spec_seconds += time.perf_counter() - start
+            spec_outputs.append(list(tokens))
+            accepted += sum(n + 1 for n in stats.accept_counts)
+            steps += len(stats.accept_counts)
+        tau = accepted / steps if steps else 1.0  # pooled over prompts, as vLLM's counters are
+        num_tokens = sum(map(len, reference))
+
+        # vLLM: the same token ids, without and with the drafter (two engines: a drafter is fixed at start-up).
+        prompt_ids = [ids[0].tolist() for ids in prompts]
+        common = dict(max_new_tokens=d.max_new_tokens, dtype=vllm_dtype(verifier), kv_cache_gib=s.vllm_cpu_kv_cache_gib,
+                      stop_token_ids=sorted(eos_ids), key="serve_check")
+        plain = serve(recipe.verifier.path, prompt_ids, **common)
+        # "method" said outright: without it vLLM 0.32 guesses the method from the folder's path and serves any
+        # folder not named *dflash* as a standalone draft model (lossless still, but it accepts far less).
+        drafted = serve(recipe.verifier.path, prompt_ids, speculative_config={
+            "method": "dflash", "model": str(folder.resolve()), "num_speculative_tokens": d.gamma}, **common)
+
+    align_result = {"tau": tau, "specdiff_identical": spec_outputs == reference,
+                    "ar_tokens_per_second": num_tokens / ar_seconds,
+                    "specdiff_tokens_per_second": sum(map(len, spec_outputs)) / spec_seconds}
+    plain_result, drafted_result = served(plain, reference), served(drafted, reference)
+    ratio = drafted.mean_acceptance_length / tau
+    problems = []
+    for name, ok in (("align specdiff", align_result["specdiff_identical"]), ("vLLM", plain_result["identical"]),
+                     ("vLLM with the drafter", drafted_result["identical"])):
+        if not ok:
+            problems.append(f"{name} output differs from align AR greedy")
+    if relative_gap(drafted.mean_acceptance_length, tau) > s.max_acceptance_gap:
+        problems.append(f"vLLM mean acceptance length {drafted.mean_acceptance_length:.2f} is "
+                        f"{relative_gap(drafted.mean_acceptance_length, tau):.0%} off align's τ {tau:.2f} "
+                        f"(allowed {s.max_acceptance_gap:.0%})")
+    result = {
+        "align": align_result, "vllm_plain": plain_result, "vllm_drafter": drafted_result,
+        "check": {"passed": not problems, "reason": "; ".join(problems), "acceptance_ratio": ratio,
+                  "max_acceptance_gap": s.max_acceptance_gap,
+                  "vllm_speedup": drafted.tokens_per_second / plain.tokens_per_second},
+        "meta": {"command": command, "recipe": recipe.to_dict(), "drafter": s.drafter, "drafter_format": kind,
+                 "num_prompts": len(prompts), "max_new_tokens": d.max_new_tokens, "gamma": d.gamma,
+                 "prompts_sha256": prompt_ids_sha256(prompt_ids), "dtype": vllm_dtype(verifier),
+                 "vllm": plain.vllm_version, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"},
+    }
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "serve_check.json", json.dumps(result, indent=2))
+    text = report(result)
+    write_text_atomic(out / "report.md", text)
+    print(text)
+    print(f"wrote {out / 'serve_check.json'} and {out / 'report.md'}")
+    if problems:
+        print(f"align serve-check: failed: {result['check']['reason']}", file=sys.stderr)
+        return EXIT_MISMATCH
+    return None

@@ -1,0 +1,125 @@
+"""`align serve-check` (issue #13, item 3): a tiny DFlash drafter on the shipped tiny verifier, exported in the
+speculators format and served by vLLM, decodes exactly what vLLM without it and align's AR greedy decode, with vLLM's
+mean acceptance length within 10% of align's τ; and what it refuses before any work.
+
+Needs vLLM's environment (.venv-vllm, or ALIGN_VLLM_PYTHON); skipped without it except in CI, as tests/test_vllm.py.
+One serve-check run starts two vLLM engines (without and with the drafter): about a minute on a CPU.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from align.cli import main as align
+
+ROOT = Path(__file__).resolve().parents[1]
+VERIFIER = ROOT / "checkpoints" / "tiny" / "verifier"
+HAVE_VLLM = (ROOT / ".venv-vllm" / "bin" / "python").is_file() or bool(os.environ.get("ALIGN_VLLM_PYTHON"))
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("CI"),
+                                reason="no .venv-vllm (bash launch/setup_vllm.sh builds it; CI always does)")
+PROMPTS = [
+    'def add(a, b):\n    """Return the sum of a and b."""\n',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\n\n\ndef walk_files(root):\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number (fibonacci(0) == 0)."""\n    if n < 2:\n',
+]
+GAMMA = 4
+MAX_NEW_TOKENS = 32
+TRAIN_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def dflash_checkpoint(folder: Path, train_steps: int) -> Path:
+    """A DFlash drafter (blocks of GAMMA + 1) on the shipped tiny verifier, trained `train_steps` passes over the
+    verifier's greedy continuations of the test's own prompts, so that its acceptance is far from trivial (a random
+    one accepts almost nothing, and any two engines agree on that); saved as align train saves one."""
+    from align.checkpoint import save_merged
+    from align.config import DFlashSection, VerifierSection
+    from align.decoding.ar import ar_generate
+    from align.dflash import dflash_window_logits
+    from align.models import load_tokenizer, load_verifier, new_dflash_drafter
+
+    tokenizer = load_tokenizer(str(VERIFIER))
+    section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")
+    verifier = load_verifier(section)
+    torch.manual_seed(0)
+    drafter, _ = new_dflash_drafter(section, DFlashSection(aux_layer_ids=[1, 3, 6], intermediate_size=256),
+                                    section, tokenizer, GAMMA)
+    sequences = []
+    for text in PROMPTS:
+        prompt_ids = tokenizer(text, return_tensors="pt").input_ids
+        completion, _ = ar_generate(verifier, prompt_ids, MAX_NEW_TOKENS)
+        sequences.append((torch.cat([prompt_ids, torch.tensor([completion])], dim=1), prompt_ids.shape[1]))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(train_steps):
+        for clean_ids, prompt_len in sequences:
+            # every window whose drafted tokens are all completion tokens
+            starts = torch.arange(prompt_len, clean_ids.shape[1] - GAMMA + 1)[None]
+            draft_logits, _ = dflash_window_logits(drafter, verifier, clean_ids, starts, GAMMA)
+            targets = clean_ids[0, starts[0, :, None] + torch.arange(GAMMA)]  # (W, γ): slot j drafts start + j
+            loss = torch.nn.functional.cross_entropy(draft_logits[0].flatten(0, 1), targets.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    drafter.eval()
+    save_merged(drafter, tokenizer, folder, {})
+    return folder
+
+
+def serve_check(prompt_file, drafter, out, *extra):
+    return align(["serve-check", "recipes/tiny/dflash.yaml", f"verifier.path={VERIFIER}", "verifier.dtype=float32",
+                  f"serve_check.drafter={drafter}", f"serve_check.out={out}", f"eval.prompts={prompt_file}",
+                  f"decode.gamma={GAMMA}", f"decode.max_new_tokens={MAX_NEW_TOKENS}", *extra])
+
+
+@needs_vllm
+def test_served_drafter_decodes_identically_with_acceptance_within_10_percent(prompt_file, tmp_path):
+    checkpoint = dflash_checkpoint(tmp_path / "step_1", TRAIN_STEPS)
+    export = tmp_path / "export"
+    assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={VERIFIER}", "verifier.dtype=float32",
+                  f"drafter.path={checkpoint}", "export.format=speculators",
+                  f"export.out={export}"]) in (0, None)
+    assert serve_check(prompt_file, export, tmp_path / "check") in (0, None)
+    result = json.loads((tmp_path / "check" / "serve_check.json").read_text())
+    assert result["check"]["passed"], result["check"]["reason"]
+    assert result["align"]["specdiff_identical"]
+    assert result["vllm_plain"]["identical"] and result["vllm_drafter"]["identical"]
+    drafted = result["vllm_drafter"]
+    assert drafted["num_drafts"] > 0 and drafted["num_draft_tokens"] == GAMMA * drafted["num_drafts"]
+    assert abs(result["check"]["acceptance_ratio"] - 1.0) <= 0.10
+    assert result["align"]["tau"] > 1.25  # the trained drafter's acceptance is not trivial: the 10% means something
+    assert (tmp_path / "check" / "report.md").is_file()
+
+
+def test_refusals_are_one_line_before_any_work(prompt_file, tmp_path, capsys, monkeypatch):
+    import align.serve_check
+
+    checkpoint = dflash_checkpoint(tmp_path / "step_0", 0)
+    capsys.readouterr()  # the loading bars of making it
+
+    started = []
+    monkeypatch.setattr(align.serve_check, "main", lambda *_: started.append(1))
+    monkeypatch.setenv("ALIGN_VLLM_PYTHON", str(Path(__import__("sys").executable)))  # any python: never started
+    cases = [
+        (ROOT / "checkpoints" / "tiny" / "drafter-base", [], "standalone diffusion drafter, which vLLM cannot serve"),
+        (tmp_path / "missing", [], "is not a drafter folder"),
+        (checkpoint, [f"decode.gamma={GAMMA + 1}"], "decode.gamma"),
+    ]
+    for drafter, extra, said in cases:
+        assert serve_check(prompt_file, drafter, tmp_path / "out", *extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+    monkeypatch.setenv("ALIGN_VLLM_PYTHON", str(tmp_path / "no-python"))
+    assert serve_check(prompt_file, checkpoint, tmp_path / "out") == 2
+    assert "vllm needs vLLM's own environment" in capsys.readouterr().err
+    assert not started and not (tmp_path / "out").exists()
