@@ -59,13 +59,12 @@ class Stage:
     #: folders the stage writes only when something is missing (data.dir: the tiny data, built on first use): only a
     #: file in their way is refused, since a complete one may well be read-only
     folders: tuple[str, ...] = ()
-    #: the stage's own checks beyond the above (they read configs, never weights)
-    checks: Callable[[Recipe], None] = lambda recipe: None
     #: takes the DeepSpeed launcher's options (train, trajectories)
     launcher: bool = False
     #: command-line flags that are sugar for recipe overrides: flag -> recipe key
     flags: tuple[tuple[str, str], ...] = ()
-    #: the stage's own input checks (raise RecipeError), run last, before the stage starts
+    #: the stage's own input checks (raise RecipeError; they read configs, never weights), run last, before the stage
+    #: starts
     check: Callable[[Recipe], object] = _none
 
 
@@ -83,7 +82,7 @@ STAGES: dict[str, Stage] = {
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
         "align.train", ("drafter", "dflash", "verifier", "trajectories", "train"), models=train_models,
-        checks=check_train, outputs=("train.out",), launcher=True,
+        check=check_train, outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
@@ -279,7 +278,6 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
     """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
     check_inputs(recipe, file_keys=stage.file_keys)
     check_models(recipe, stage.models(recipe))
-    stage.checks(recipe)
     for key, model_key in stage.prompts(recipe):
         from align.data import check_prompts  # reads datasets and tokenizers: only for the stages that need them
 
