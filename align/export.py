@@ -172,6 +172,21 @@ def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:
     return lines + [""]
 
 
+def copy_run_records(recipe: Recipe, source: Path, tmp: Path) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
+    """Copy export.eval (as eval.json) and the training run's resolved recipe (as recipe.yaml) into the folder;
+    return the evaluation and the checkpoint's meta.json (empty when the drafter was not trained by align)."""
+    evaluation = None
+    if recipe.export.eval:
+        evaluation = json.loads(Path(recipe.export.eval).read_text())
+        shutil.copy2(recipe.export.eval, tmp / "eval.json")
+    meta = json.loads((source / "meta.json").read_text()) if (source / "meta.json").is_file() else {}
+    if meta.get("recipe"):
+        import yaml
+
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(meta["recipe"], sort_keys=False))
+    return evaluation, meta
+
+
 def build_folder(recipe: Recipe, command: str, out: Path) -> None:
     """Write the export folder atomically: a previous export stays until the new one is complete."""
     source = Path(recipe.drafter.path)
@@ -205,15 +220,7 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     save_file({k: v.cpu() for k, v in speculators_weights(drafter, verifier).items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
-    evaluation = None
-    if recipe.export.eval:
-        evaluation = json.loads(Path(recipe.export.eval).read_text())
-        shutil.copy2(recipe.export.eval, tmp / "eval.json")
-    meta = json.loads((source / "meta.json").read_text()) if (source / "meta.json").is_file() else {}
-    if meta.get("recipe"):
-        import yaml
-
-        (tmp / "recipe.yaml").write_text(yaml.safe_dump(meta["recipe"], sort_keys=False))
+    evaluation, meta = copy_run_records(recipe, source, tmp)
     (tmp / "README.md").write_text(speculators_card(config, meta, evaluation, recipe, command))
 
 
@@ -275,15 +282,7 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
         # transformers' Hub mechanism for decoding loops: SpecDiff from this folder with transformers alone.
         (tmp / "custom_generate").mkdir()
         shutil.copy2(Path(__file__).with_name("custom_generate.py"), tmp / "custom_generate" / "generate.py")
-    evaluation = None
-    if recipe.export.eval:
-        evaluation = json.loads(Path(recipe.export.eval).read_text())
-        shutil.copy2(recipe.export.eval, tmp / "eval.json")
-    meta = json.loads((source / "meta.json").read_text()) if (source / "meta.json").is_file() else {}
-    if meta.get("recipe"):
-        import yaml
-
-        (tmp / "recipe.yaml").write_text(yaml.safe_dump(meta["recipe"], sort_keys=False))
+    evaluation, meta = copy_run_records(recipe, source, tmp)
     base_model = meta.get("drafter_base") or str(source)
     (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
 

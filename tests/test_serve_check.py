@@ -7,19 +7,14 @@ One serve-check run starts two vLLM engines (without and with the drafter): abou
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from align.cli import main as align
+from test_vllm import ROOT, VERIFIER, needs_vllm
 
-ROOT = Path(__file__).resolve().parents[1]
-VERIFIER = ROOT / "checkpoints" / "tiny" / "verifier"
-HAVE_VLLM = (ROOT / ".venv-vllm" / "bin" / "python").is_file() or bool(os.environ.get("ALIGN_VLLM_PYTHON"))
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("CI"),
-                                reason="no .venv-vllm (bash launch/setup_vllm.sh builds it; CI always does)")
 PROMPTS = [
     'def add(a, b):\n    """Return the sum of a and b."""\n',
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
