@@ -374,6 +374,25 @@ def speculators_weights(drafter: DFlashDrafter, verifier: Any) -> dict[str, torc
     return weights
 
 
+def write_speculators_folder(drafter: DFlashDrafter, verifier: Any, verifier_path: str, tokenizer: Any,
+                             folder: Any) -> dict[str, Any]:
+    """The files vLLM loads, as speculators saves them: config.json, model.safetensors (`speculators_weights`) and the
+    tokenizer, into the existing `folder`. Returns the config (`align export` and `align serve-check` both write it)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    config = speculators_config(drafter.config, verifier_path, list(verifier.config.architectures or []),
+                                drafter.fc.weight.dtype)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.cpu() for k, v in speculators_weights(drafter, verifier).items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    return config
+
+
 def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) -> DFlashDrafter:
     """A speculators-format DFlash folder (align's export, or speculators' own) as align's DFlash drafter. The
     verifier's embeddings and LM head in it are not kept: align reads them from the verifier."""

@@ -203,9 +203,7 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     """A DFlash drafter as speculators saves one: config.json (speculators_config, aux_hidden_state_layer_ids,
     mask_token_id, block_size), model.safetensors under vLLM's qwen3_dflash weight names with the verifier's
     embeddings and LM head copied in, the tokenizer, and a card that says how to serve it."""
-    from safetensors.torch import save_file
-
-    from align.dflash import speculators_config, speculators_weights
+    from align.dflash import write_speculators_folder
     from align.models import is_dflash, load_drafter, load_tokenizer, load_verifier
 
     tokenizer = load_tokenizer(str(source))
@@ -213,13 +211,7 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     if not is_dflash(drafter):
         raise RecipeError(f"export.format: speculators takes a DFlash drafter; {source} is a standalone diffusion "
                           "drafter (export.format=align)")
-    verifier = load_verifier(recipe.verifier)
-    dtype = drafter.fc.weight.dtype
-    config = speculators_config(drafter.config, recipe.verifier.path, list(verifier.config.architectures or []), dtype)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.cpu() for k, v in speculators_weights(drafter, verifier).items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
+    config = write_speculators_folder(drafter, load_verifier(recipe.verifier), recipe.verifier.path, tokenizer, tmp)
     evaluation, meta = copy_run_records(recipe, source, tmp)
     (tmp / "README.md").write_text(speculators_card(config, meta, evaluation, recipe, command))
 

@@ -27,25 +27,11 @@ from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_s
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
-from align.dflash import load_speculators_dflash
+from align.dflash import load_speculators_dflash, write_speculators_folder
 from align.models import context_length, load_drafter, load_tokenizer, load_verifier
 from align.vllm_engine import ServeResult, serve, served_drafter_kind
 
 EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed
-
-
-def export_speculators(drafter: Any, verifier: Any, verifier_path: str, tokenizer: Any, folder: Path) -> None:
-    """The speculators folder vLLM loads (config.json, model.safetensors, tokenizer), as `align export` writes it."""
-    from safetensors.torch import save_file
-
-    from align.dflash import speculators_config, speculators_weights
-
-    dtype = drafter.fc.weight.dtype
-    config = speculators_config(drafter.config, verifier_path, list(verifier.config.architectures or []), dtype)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.cpu() for k, v in speculators_weights(drafter, verifier).items()},
-              str(folder / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(folder)
 
 
 def vllm_dtype(verifier: Any) -> str:
@@ -102,7 +88,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
             if spec.kind != "dflash":  # drafter_kind read model_type; the spec is what the runtime goes by
                 raise RecipeError(f"serve_check.drafter: {s.drafter} is not a DFlash drafter ({spec.kind})")
             folder = Path(tmp)
-            export_speculators(drafter, verifier, recipe.verifier.path, tokenizer, folder)
+            write_speculators_folder(drafter, verifier, recipe.verifier.path, tokenizer, folder)
         else:
             folder = Path(s.drafter)
             drafter = load_speculators_dflash(str(folder), verifier.device).to(verifier.dtype)
