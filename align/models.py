@@ -205,7 +205,8 @@ def context_length(config: Any) -> int:
     return int(length)
 
 
-def _forward_parameters(model: Any) -> set[str]:
+def forward_parameters(model: Any) -> set[str]:
+    """The keyword arguments `model`'s forward takes (through a peft wrapper): remote code takes other ones."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
     return set(inspect.signature(base.forward).parameters)
 
@@ -214,7 +215,7 @@ def full_mask_kwargs(model: Any, mask: Optional[torch.Tensor]) -> dict[str, Opti
     """The keyword that carries a 4-D additive mask (B, 1, q, k) into `model`'s forward: `attention_mask` for
     transformers models and Dream; LLaDA reads `attention_mask` as a 2-D padding mask and takes 4-D masks as
     `attention_bias`."""
-    key = "attention_bias" if "attention_bias" in _forward_parameters(model) else "attention_mask"
+    key = "attention_bias" if "attention_bias" in forward_parameters(model) else "attention_mask"
     return {key: mask}
 
 
@@ -291,12 +292,10 @@ def model_input(model: PreTrainedModel, spec: DrafterSpec, block_ids: torch.Tens
 # --------------------------------------------------------------------------------------------------------------------
 # reading a diffusion drafter
 # --------------------------------------------------------------------------------------------------------------------
-# Families whose context goes through an encoder that writes the KV cache and whose block goes through a decoder that
-# reads it (`model.get_encoder()`, then `model(decoder_input_ids=..., cache=...)`).
-
-
 def is_canvas_decoder(model: PreTrainedModel) -> bool:
-    """DiffusionGemma-style: a causal encoder writes the context cache, a bidirectional decoder reads the canvas."""
+    """DiffusionGemma-style (config.CANVAS_DECODER_FAMILIES): a causal encoder writes the context cache
+    (`model.get_encoder()`), a bidirectional decoder reads it to denoise the canvas (`model(decoder_input_ids=...,
+    cache=...)`)."""
     return getattr(model.config, "model_type", None) in CANVAS_DECODER_FAMILIES
 
 

@@ -142,6 +142,7 @@ def main(recipe: Recipe, command: str) -> None:
                           "choose another folder or delete it")
     rank, world = rank_and_world()
     verifier = start_vllm(recipe) if t.backend == "vllm" else load_verifier(recipe.verifier)
+    produce = sample_chunk_vllm if t.backend == "vllm" else sample_chunk
     starts = list(range(0, len(prompts), t.batch_size))
     mine = [c for c in range(len(starts)) if c % world == rank]
     todo = [c for c in mine if not chunk_done(out / "chunks" / f"chunk-{c:05d}", settings_hash)]
@@ -149,7 +150,6 @@ def main(recipe: Recipe, command: str) -> None:
     for c in tqdm(todo, desc=f"trajectories (rank {rank})", unit="chunk", disable=rank != 0, dynamic_ncols=True,
                   initial=len(mine) - len(todo), total=len(mine)):
         chunk_prompts = prompts[starts[c] : starts[c] + t.batch_size]
-        produce = sample_chunk_vllm if t.backend == "vllm" else sample_chunk
         rows = produce(verifier, tokenizer, chunk_prompts, recipe, seed=recipe.train.seed * 1_000_003 + c)
         for k, row in enumerate(rows):
             row["prompt_index"] = starts[c] + k // t.completions_per_prompt

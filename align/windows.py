@@ -11,7 +11,6 @@ reads them as it drafts: see `canvas_window_logits`.
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,7 +19,7 @@ import torch
 
 from align.dflash import dflash_window_logits
 from align.models import (DrafterContext, DrafterSpec, additive_mask, canvas_logits, config_vocab_size,
-                          full_mask_kwargs, is_canvas_decoder)
+                          forward_parameters, full_mask_kwargs, is_canvas_decoder)
 
 
 @dataclass
@@ -155,7 +154,7 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: A
                          "the canvas-decoder families (DiffusionGemma)")
     mask = batch.attention_mask.to(model.dtype) if model.dtype != torch.float32 else batch.attention_mask
     decoder = model.get_decoder()
-    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+    if "position_ids" not in forward_parameters(decoder):
         return _whole_model_window_logits(model, spec, batch, mask)
     hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask).last_hidden_state
     B, W, gamma = batch.targets.shape
