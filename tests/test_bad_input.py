@@ -266,9 +266,12 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
         "raise SystemExit(cli.main(sys.argv[1:]))\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    # The child starts with Ctrl-C's default disposition, as from a terminal: an ignored SIGINT in this process (which
+    # a library may set) would be inherited, and Python then installs no KeyboardInterrupt handler at all.
     proc = subprocess.Popen([sys.executable, str(script), "eval", "recipes/tiny/eval.yaml",
                              f"eval.out={tmp_path / 'out'}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline() == "ready\n"
         proc.send_signal(signal.SIGINT)
