@@ -199,7 +199,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("align")
+        return version("align-drafters")  # the distribution name; the import name is align
     except PackageNotFoundError:  # run from a checkout that was never installed
         from align import __version__
 
