@@ -48,7 +48,7 @@ class Section(BaseModel):
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-# The evaluation methods (align/evaluate.py's METHODS must have exactly these keys; a test checks it). Listed here so
+# The evaluation methods (align/methods.py's METHODS must have exactly these keys; a test checks it). Listed here so
 # that a bad name is refused when the recipe loads, before torch is imported.
 METHOD_NAMES: tuple[str, ...] = (
     "ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps",
@@ -352,7 +352,7 @@ class EvalSection(Section):
     num_prompts: Optional[int] = Field(default=None, ge=1)
     #: untimed generations before timing starts
     warmup: int = Field(default=2, ge=0)
-    #: methods compared (names of align/evaluate.py's METHODS); the AR baseline always runs
+    #: methods compared (names of align/methods.py's METHODS); the AR baseline always runs
     methods: list[MethodName] = Field(default_factory=lambda: list(METHOD_NAMES))
     #: temperature of the sampled run (reported under `sampling`); 0: greedy run only
     sampling_temperature: float = Field(default=1.0, ge=0.0)

@@ -13,130 +13,23 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from transformers import AutoConfig
 
-from align.bench import Run, count_forwards, interleaved, verifier_latency
+from align.bench import Run, interleaved, verifier_latency
 from align.checkpoint import atomic_folder, write_text_atomic
-from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError, eval_models
+from align.config import Recipe, RecipeError, eval_models
 from align.corpus import ensure_data
 from align.data import (chat_template, encode_prompts, eval_prompts, load_trajectories, prompt_ids_sha256,
                         template_sha256)
-from align.decoding.adl import AdaptiveLength
-from align.decoding.ar import ar_generate
-from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.cps import TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
-from align.decoding.sd_ar import sd_ar_generate
-from align.decoding.specdiff import specdiff_generate
-from align.decoding.specdiff2 import specdiff2_select_generate
-from align.models import (DrafterSpec, context_length, load_ar_drafter, load_drafter, load_tokenizer,
-                          load_verifier)
-
-
-@dataclass
-class Setup:
-    """Everything a method needs besides the prompt."""
-
-    verifier: Any
-    drafter: Any
-    spec: DrafterSpec
-    ar_drafter: Any
-    tokenizer: Any
-    eos_ids: frozenset[int]
-    decode: DecodeSection
-    proxy: Optional[TrigramModel] = None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# methods: name -> fn(setup, prompt_ids (1, n), sampling, generator) -> (new tokens, stats)
-# --------------------------------------------------------------------------------------------------------------------
-def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: Optional[torch.Generator],
-        **extra: Any) -> tuple[list[int], GenerationStats]:
-    if sampling.temperature > 0:
-        # HF samples from the global RNG: seed it from our generator so runs are reproducible.
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
-                                            device=generator.device if generator is not None else None)))
-        mode = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-    else:
-        mode = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
-    assistant = extra.get("assistant_model") or torch.nn.Identity()
-    with count_forwards(setup.verifier) as verifier_calls, count_forwards(assistant) as drafts:
-        out = setup.verifier.generate(
-            prompt_ids, max_new_tokens=setup.decode.max_new_tokens, eos_token_id=sorted(setup.eos_ids) or None,
-            pad_token_id=setup.tokenizer.pad_token_id, **mode, **extra,
-        )
-    tokens = out[0, prompt_ids.shape[1]:].tolist()
-    stats = GenerationStats(new_tokens=len(tokens), verifier_forwards=verifier_calls[0] - 1,
-                            drafter_forwards=drafts[0])
-    return tokens, stats
-
-
-def run_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return ar_generate(s.verifier, ids, s.decode.max_new_tokens, sampling, s.eos_ids, gen)
-
-
-def run_hf_generate(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return _hf(s, ids, sampling, gen)
-
-
-def run_hf_assisted(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return _hf(s, ids, sampling, gen, assistant_model=s.ar_drafter)
-
-
-def run_prompt_lookup(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return _hf(s, ids, sampling, gen, prompt_lookup_num_tokens=s.decode.prompt_lookup_tokens)
-
-
-def run_sd_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return sd_ar_generate(s.verifier, s.ar_drafter, ids, s.decode.gamma, s.decode.max_new_tokens, sampling,
-                          eos_ids=s.eos_ids, generator=gen)
-
-
-def _specdiff(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator], cps: bool, adl: bool):
-    d = s.decode
-    search = (PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight), s.proxy) if cps else None
-    adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if adl else None
-    return specdiff_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens, sampling,
-                             eos_ids=s.eos_ids, generator=gen, path_search=search, adaptive=adaptive)
-
-
-def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    d = s.decode
-    return specdiff2_select_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens,
-                                     d.num_candidates, d.draft_temperature, sampling, s.eos_ids, gen)
-
-
-MethodFn = Callable[[Setup, torch.Tensor, Sampling, Optional[torch.Generator]], tuple[list[int], GenerationStats]]
-METHODS: dict[str, MethodFn] = {
-    "ar": run_ar,
-    "hf_generate": run_hf_generate,
-    "hf_assisted": run_hf_assisted,
-    "prompt_lookup": run_prompt_lookup,
-    "sd_ar": run_sd_ar,
-    "specdiff": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=False),
-    "specdiff2_select": run_specdiff2_select,
-    "specdiff_cps": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=False),
-    "specdiff_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=True),
-    "specdiff_cps_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=True),
-}
-assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
-
-
-def base_method(name: str) -> str:
-    """`specdiff@aligned` (a method run with one of eval.compare_drafters) -> `specdiff`."""
-    return name.split("@", 1)[0]
-
-
-# What a DFlash drafter runs: one block per draft (SpecDiff), with path search and adaptive length on top. Several
-# candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet.
-DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl")
-BASELINES = ("ar", "hf_generate")
-# HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
-OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
+from align.methods import BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method
+from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
 
 
 # --------------------------------------------------------------------------------------------------------------------

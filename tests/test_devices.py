@@ -16,7 +16,7 @@ from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.evaluate import METHODS, Setup
+from align.methods import METHODS, Setup
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions
 from align.models import DrafterSpec
 from align.windows import (WINDOW_BUILDERS, topk_window_logits, verifier_path_logits, verifier_window_logits,

@@ -31,7 +31,7 @@ from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.evaluate import METHODS, Setup
+from align.methods import METHODS, Setup
 from align.losses import streak
 from align.models import (DrafterContext, DrafterSpec, block_logits, load_drafter, load_tokenizer,
                           noise_fill, shared_context_block_logits)

@@ -27,7 +27,7 @@ from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.evaluate import METHODS, Setup
+from align.methods import METHODS, Setup
 from align.models import DrafterSpec, block_logits, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
 from remote_code_families import write_family, write_prompts, write_qwen2
 

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
 from align.config import METHOD_NAMES
-from align.evaluate import METHODS
+from align.methods import METHODS
 
 FIELDS = {"tau", "speedup", "tokens_per_s", "exact_match", "per_position_acceptance", "verifier_forwards",
           "drafter_forwards", "new_tokens", "wall_s", "ideal_speedup"}

@@ -19,7 +19,7 @@ from align.decoding.acceptance import accept_sampled
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
 from align.decoding.sd_ar import sd_ar_generate
-from align.evaluate import METHODS, Setup
+from align.methods import METHODS, Setup
 from align.models import DrafterSpec
 
 VOCAB, MASK, NEW_TOKENS, TRIALS = 8, 7, 4, 600
