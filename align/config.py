@@ -12,6 +12,7 @@ Each field is documented once, in the comment above it.
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
 import os
 import re
@@ -402,8 +403,9 @@ class ServeCheckSection(Section):
     #: the largest relative gap between vLLM's mean acceptance length and align's τ that passes (the issue: a larger
     #: one is a bug in one of the two engines)
     max_acceptance_gap: float = Field(default=0.10, gt=0.0)
-    #: memory vLLM reserves for its KV cache on a CPU (on a GPU it sizes the cache itself)
-    vllm_cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
+    #: memory vLLM reserves for its KV cache on a CPU, in GiB (on a GPU it sizes the cache itself); unset: the same as
+    #: trajectories.vllm_cpu_kv_cache_gib
+    vllm_cpu_kv_cache_gib: Optional[float] = Field(default=None, gt=0.0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -861,7 +863,7 @@ def load_model_config(key: str, section: ModelSection) -> Any:
         check_weights(key, Path(section.path))
     from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
 
-    import align.dflash  # noqa: F401  registers the DFlash drafter's config with AutoConfig
+    importlib.import_module("align.dflash")  # registers the DFlash drafter's config with AutoConfig
 
     try:
         return AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)

@@ -29,14 +29,9 @@ from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.dflash import load_speculators_dflash, write_speculators_folder
 from align.models import context_length, load_drafter, load_tokenizer, load_verifier
-from align.vllm_engine import ServeResult, serve, served_drafter_kind
+from align.vllm_engine import ServeResult, serve, served_drafter_kind, vllm_dtype
 
 EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed
-
-
-def vllm_dtype(verifier: Any) -> str:
-    """vLLM's name for the dtype align loaded the verifier in (never vLLM's "auto", the checkpoint's dtype)."""
-    return str(verifier.dtype).removeprefix("torch.")
 
 
 def relative_gap(served: float, reference: float) -> float:
@@ -118,7 +113,8 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
 
         # vLLM: the same token ids, without and with the drafter (two engines: a drafter is fixed at start-up).
         prompt_ids = [ids[0].tolist() for ids in prompts]
-        common = dict(max_new_tokens=d.max_new_tokens, dtype=vllm_dtype(verifier), kv_cache_gib=s.vllm_cpu_kv_cache_gib,
+        kv_cache_gib = s.vllm_cpu_kv_cache_gib or recipe.trajectories.vllm_cpu_kv_cache_gib
+        common = dict(max_new_tokens=d.max_new_tokens, dtype=vllm_dtype(verifier.dtype), kv_cache_gib=kv_cache_gib,
                       stop_token_ids=sorted(eos_ids), key="serve_check")
         plain = serve(recipe.verifier.path, prompt_ids, **common)
         # "method" said outright: without it vLLM 0.32 guesses the method from the folder's path and serves any
@@ -147,7 +143,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                   "vllm_speedup": drafted.tokens_per_second / plain.tokens_per_second},
         "meta": {"command": command, "recipe": recipe.to_dict(), "drafter": s.drafter, "drafter_format": kind,
                  "num_prompts": len(prompts), "max_new_tokens": d.max_new_tokens, "gamma": d.gamma,
-                 "prompts_sha256": prompt_ids_sha256(prompt_ids), "dtype": vllm_dtype(verifier),
+                 "prompts_sha256": prompt_ids_sha256(prompt_ids), "dtype": vllm_dtype(verifier.dtype),
                  "vllm": plain.vllm_version, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"},
     }

@@ -23,7 +23,7 @@ from align.config import Recipe, RecipeError, check_inputs, get_key
 from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, file_sha256, load_prompts,
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path)
 from align.models import load_tokenizer, load_verifier, resolve_device, resolve_dtype
-from align.vllm_engine import VllmRunner, vllm_python
+from align.vllm_engine import VllmRunner, vllm_dtype, vllm_python
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -82,7 +82,7 @@ def sample_chunk(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], rec
 def start_vllm(recipe: Recipe) -> VllmRunner:
     """The verifier in a vLLM worker, in the dtype and on the device align would load it with."""
     device = resolve_device(recipe.verifier.device)
-    dtype = str(resolve_dtype(recipe.verifier.dtype, device)).removeprefix("torch.")
+    dtype = vllm_dtype(resolve_dtype(recipe.verifier.dtype, device))
     return VllmRunner(recipe.verifier.path, dtype=dtype, kv_cache_gib=recipe.trajectories.vllm_cpu_kv_cache_gib,
                       seed=recipe.train.seed, cuda_device=device.index if device.type == "cuda" else None)
 

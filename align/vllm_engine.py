@@ -67,6 +67,12 @@ class Generation:
         return sum(len(c.token_ids) for row in self.completions for c in row)
 
 
+def vllm_dtype(dtype: Any) -> str:
+    """vLLM's name for a resolved torch dtype (torch.bfloat16 -> "bfloat16"): what align loaded the model in, never
+    vLLM's "auto" (the checkpoint's dtype)."""
+    return str(dtype).removeprefix("torch.")
+
+
 class VllmRunner:
     """A vLLM engine for one model in a worker process; a context manager (closing it ends the worker).
 
