@@ -57,7 +57,8 @@ METHOD_NAMES: tuple[str, ...] = (
 )
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 # align/losses.py's WINDOW_LOSSES keys, likewise.
-LOSS_NAMES: tuple[str, ...] = ("streak", "ce_streak", "streak_tv", "fkl", "rkl", "tvd", "jsd")
+LOSS_NAMES: tuple[str, ...] = ("streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal",
+                              "chain", "streak_tv", "fkl", "rkl", "tvd", "jsd")
 LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
 

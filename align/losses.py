@@ -83,6 +83,78 @@ def streak_tv(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: t
     return -torch.exp(prefix).sum() / num_windows
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# newer per-position weightings of the cross-entropy (2026): each is −Σ_j w_j log q(x_j) / num_windows with weights
+# w_j that do not carry gradient, so they train every position from the start as ce_streak does and differ only in
+# where they put the weight. Their constants are the published defaults, part of each loss's definition.
+# --------------------------------------------------------------------------------------------------------------------
+# speculators' defaults for its DFlash trainer (speculators/train/config/schema.py: dflash_decay_gamma, dpace_alpha).
+DFLASH_DECAY = 4.0
+DPACE_SMOOTHING = 0.5
+FOCAL_FOCUSING = 2.0  # focal loss's usual focusing exponent (Lin et al. 2017)
+
+
+def _weighted_ce(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor,
+                 num_windows: int) -> torch.Tensor:
+    """−Σ w_j log q(x_j) / num_windows over the valid positions; weights (B, γ) or (γ,) are treated as constants."""
+    log_q = _target_log_probs(draft_logits, targets, mask).masked_fill(~mask, 0.0)
+    return -(weights.detach() * log_q).sum() / num_windows
+
+
+def position_decay_ce(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *,
+                      num_windows: int) -> torch.Tensor:
+    """DFlash's position-decay cross-entropy: w_j = exp(−j / 4) for window position j = 0, 1, … (position 0 is the
+    first drafted token, as in speculators' `dflash_loss_decay` with `sample_from_anchor`)."""
+    positions = torch.arange(draft_logits.shape[1], device=draft_logits.device, dtype=torch.float32)
+    return _weighted_ce(draft_logits, targets, mask, torch.exp(-positions / DFLASH_DECAY), num_windows)
+
+
+def dpace(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, num_windows: int) -> torch.Tensor:
+    """D-PACE (the default DFlash loss in speculators): w_j = Σ_{k≥j} Π_{i≤k} s_i with s_i = ½ q(x_i) + ½.
+
+    w_j is how many accepted-length terms position j sits in, with the drafter's own confidence smoothed toward 1 so
+    that early in training far positions still get weight; it is the streak objective's gradient weighting with
+    smoothed confidences (speculators' `dpace_loss_decay`).
+    """
+    with torch.no_grad():
+        q = _target_log_probs(draft_logits, targets, mask).exp()  # 0 at padding
+        smooth = torch.where(mask, (1.0 - DPACE_SMOOTHING) * q + DPACE_SMOOTHING, torch.ones_like(q))
+        reach = torch.cumprod(smooth, dim=-1) * mask
+        weights = torch.flip(torch.cumsum(torch.flip(reach, dims=[-1]), dim=-1), dims=[-1]) * mask
+    return _weighted_ce(draft_logits, targets, mask, weights, num_windows)
+
+
+def positional_ce(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *,
+                  num_windows: int) -> torch.Tensor:
+    """Left-to-Right's token positional weighting (arXiv 2606.11552): earlier positions weigh more, because a
+    verifier reads left to right and a position is only worth what reaching it is worth. Our form: w_j = 1 − j/γ
+    (linear, 1 at the first position, 1/γ at the last); the paper's exact schedule was not available to us."""
+    gamma = draft_logits.shape[1]
+    positions = torch.arange(gamma, device=draft_logits.device, dtype=torch.float32)
+    return _weighted_ce(draft_logits, targets, mask, 1.0 - positions / gamma, num_windows)
+
+
+def first_error_focal(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *,
+                      num_windows: int) -> torch.Tensor:
+    """Left-to-Right's first-error focal loss (arXiv 2606.11552): in each window, only the first position where the
+    drafter's argmax differs from the verifier's token (the one that ends greedy acceptance) is trained, by focal
+    cross-entropy −(1 − q(x))² log q(x). Windows the drafter already gets right contribute nothing."""
+    log_q = _target_log_probs(draft_logits, targets, mask)
+    wrong = (draft_logits.argmax(-1) != targets) & mask
+    first = wrong & (torch.cumsum(wrong.int(), dim=-1) == 1)  # (B, γ): at most one True per window
+    focus = (1.0 - log_q.exp()).pow(FOCAL_FOCUSING)
+    return -(focus * log_q).masked_fill(~first, 0.0).sum() / num_windows
+
+
+def chain(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, num_windows: int) -> torch.Tensor:
+    """Left-to-Right's chain loss (arXiv 2606.11552), a differentiable surrogate of the expected accepted length,
+    in our form −log(1 + Σ_j Π_{i≤j} q(x_i)) per window: the log of τ under greedy verification, so windows with a
+    short expected streak are not drowned out by long ones as in the plain streak sum."""
+    prefix = torch.cumsum(_target_log_probs(draft_logits, targets, mask), dim=-1)
+    expected = torch.exp(prefix).sum(-1)  # (B,)
+    return -torch.log1p(expected).sum() / num_windows
+
+
 def _per_position(values: torch.Tensor, mask: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return (values * mask).sum() / num_tokens
 
@@ -139,6 +211,11 @@ def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.T
 WINDOW_LOSSES: dict[str, tuple] = {
     "streak": (streak, "targets"),
     "ce_streak": (ce_streak, "targets"),
+    "position_decay_ce": (position_decay_ce, "targets"),
+    "dpace": (dpace, "targets"),
+    "positional_ce": (positional_ce, "targets"),
+    "first_error_focal": (first_error_focal, "targets"),
+    "chain": (chain, "targets"),
     "streak_tv": (streak_tv, "verifier_logits"),
     "fkl": (fkl, "verifier_logits"),
     "rkl": (rkl, "verifier_logits"),

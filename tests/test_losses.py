@@ -7,7 +7,8 @@ import torch
 
 from align.config import LOSS_NAMES
 from align import losses
-from align.losses import WINDOW_LOSSES, ce_streak, fkl, jsd, mdlm, rkl, streak, streak_tv, tvd
+from align.losses import (WINDOW_LOSSES, ce_streak, chain, dpace, first_error_focal, fkl, jsd, mdlm, position_decay_ce,
+                          positional_ce, rkl, streak, streak_tv, tvd)
 
 
 def logits_for(probs):
@@ -30,7 +31,8 @@ def test_which_losses_need_verifier_distributions_is_read_from_the_table():
     for name, (_, against) in WINDOW_LOSSES.items():
         assert losses.needs_verifier_distributions(name) == (against == "verifier_logits"), name
     # Only the streak losses get by with the verifier's tokens.
-    assert [n for n in losses.LOSS_NAMES if not losses.needs_verifier_distributions(n)] == ["streak", "ce_streak"]
+    assert [n for n in losses.LOSS_NAMES if not losses.needs_verifier_distributions(n)] == [
+        "streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal", "chain"]
     with pytest.raises(ValueError, match="unknown loss"):
         losses.needs_verifier_distributions("kl")
 
@@ -74,6 +76,64 @@ def test_ce_streak_by_hand():
     grad_pos0 = logits.grad[0, 0]
     q0 = torch.tensor(Q[0][0])
     assert torch.allclose(grad_pos0, -(torch.tensor([1.0, 0, 0]) - q0), atol=1e-5)  # only position 0's own CE term
+
+
+LOG_Q = [math.log(0.5), math.log(0.4), math.log(0.9)]
+
+
+def test_position_decay_ce_by_hand():
+    expected = -sum(math.exp(-j / 4.0) * LOG_Q[j] for j in range(3))
+    assert position_decay_ce(logits_for(Q), TARGETS, ALL, num_windows=1).item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_dpace_by_hand():
+    # smoothed confidences s = ½q + ½ = 0.75, 0.7, 0.95; reach = 0.75, 0.525, 0.49875; weights = suffix sums.
+    reach = [0.75, 0.75 * 0.7, 0.75 * 0.7 * 0.95]
+    weights = [sum(reach[j:]) for j in range(3)]
+    expected = -sum(w * lq for w, lq in zip(weights, LOG_Q))
+    assert dpace(logits_for(Q), TARGETS, ALL, num_windows=1).item() == pytest.approx(expected, abs=1e-5)
+    # Padding: the last position is neither trained nor counted in the earlier positions' weights.
+    mask = torch.tensor([[True, True, False]])
+    expected = -((0.75 + 0.525) * LOG_Q[0] + 0.525 * LOG_Q[1])
+    assert dpace(logits_for(Q), TARGETS, mask, num_windows=1).item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_positional_ce_by_hand():
+    expected = -(1.0 * LOG_Q[0] + (2 / 3) * LOG_Q[1] + (1 / 3) * LOG_Q[2])
+    assert positional_ce(logits_for(Q), TARGETS, ALL, num_windows=2).item() == pytest.approx(expected / 2, abs=1e-5)
+
+
+def test_first_error_focal_trains_only_the_first_wrong_position():
+    # Every argmax of Q is right: nothing to train.
+    assert first_error_focal(logits_for(Q), TARGETS, ALL, num_windows=1).item() == 0.0
+    # Targets 0, 2, 0: position 1 is the first wrong argmax (q = 0.3); position 2 is wrong too but never reached.
+    targets = torch.tensor([[0, 2, 0]])
+    expected = -((1 - 0.3) ** 2) * math.log(0.3)
+    logits = logits_for(Q).requires_grad_()
+    loss = first_error_focal(logits, targets, ALL, num_windows=1)
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    loss.backward()
+    assert logits.grad[0, 0].abs().sum() == 0 and logits.grad[0, 2].abs().sum() == 0 and logits.grad[0, 1].abs().sum() > 0
+    # A wrong position in the padding is not an error.
+    assert first_error_focal(logits_for(Q), torch.tensor([[0, 1, 0]]), torch.tensor([[True, True, False]]),
+                             num_windows=1).item() == 0.0
+
+
+def test_chain_by_hand():
+    assert chain(logits_for(Q), TARGETS, ALL, num_windows=1).item() == pytest.approx(-math.log(1.88), abs=1e-6)
+    mask = torch.tensor([[True, True, False]])
+    assert chain(logits_for(Q), TARGETS, mask, num_windows=1).item() == pytest.approx(-math.log(1.7), abs=1e-6)
+
+
+def test_weighted_losses_point_every_position_toward_its_target():
+    """Their weights are constants: the gradient at each valid position is w_j · (q − onehot), never zero while
+    q(x_j) < 1 (unlike streak's far positions)."""
+    for fn in (position_decay_ce, dpace, positional_ce):
+        logits = logits_for(Q).requires_grad_()
+        fn(logits, TARGETS, ALL, num_windows=1).backward()
+        for j in range(3):
+            grad = logits.grad[0, j]
+            assert grad[TARGETS[0, j]] < 0 and (grad.sum().abs() < 1e-5), (fn.__name__, j)
 
 
 def test_streak_tv_by_hand():

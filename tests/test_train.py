@@ -1,6 +1,7 @@
 """`deepspeed align/train.py`: 1 and 2 processes, ZeRO 0 and 3, exact resume after SIGKILL, NaN guard, LoRA/full."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -214,3 +215,16 @@ def test_on_policy_mode_trains(trajectories, tmp_path):
     assert rc == 0, log[-3000:]
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 2 and record["tvd"] > 0 and record["ce_streak"] > 0
+
+
+def test_the_newer_losses_train_together(trajectories, tmp_path):
+    """D-PACE, DFlash's position decay and the Left-to-Right losses in one real step: each is logged, finite and
+    non-zero (the drafter-base's argmax drafts are wrong somewhere, so the first-error term has a position to train;
+    chain, a negative log expected length, is negative)."""
+    out = tmp_path / "newer"
+    names = ("position_decay_ce", "dpace", "positional_ce", "first_error_focal", "chain")
+    rc, log = launch(1, overrides(trajectories, out, "train.max_steps=1", "train.micro_batch_size=2",
+                                  "train.losses={" + ", ".join(f"{n}: 1.0" for n in names) + "}"))
+    assert rc == 0, log[-3000:]
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert all(math.isfinite(record[n]) and record[n] != 0 for n in names) and record["chain"] < 0, record
