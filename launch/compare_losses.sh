@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compare alignment losses on the same trajectories (a benchmark, not a test), with the DistillSpec-style GKD AR
 # drafter beside them:
-#   bash launch/compare_losses.sh [key=value ...]     # LOSSES="streak ce_streak streak_tv fkl" by default
+#   bash launch/compare_losses.sh [key=value ...]     # LOSSES="streak ce_streak streak_tv fkl" by default;
+#                                                     # LOSSES="ce_streak dpace ce_streak+first_error_focal" combines
 # Trains one drafter per loss from recipes/tiny/align.yaml (2 processes; KD losses read the verifier online), distils
 # the AR drafter with `align gkd`, then evaluates every drafter at temperature 0 in one interleaved `align eval` run
 # (the drafter-base as `specdiff`, each loss as `specdiff@<loss>`) and the GKD drafter in a second one.
@@ -19,7 +20,8 @@ compare=()
 for loss in $losses; do
   # online: losses that read the verifier's distributions get them from a verifier forward in the step; the others
   # train on the trajectories' tokens as offline. A finished run is left as it is (it resumes at its final step).
-  .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$loss: 1.0}" train.data_mode=online \
+  weights=$(echo "$loss" | sed 's/+/: 1.0, /g'): 1.0   # a+b: both losses, weight 1 each
+  .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$weights}" train.data_mode=online \
     train.out="$root/$loss" train.final_eval_prompts=0 "$@"
   compare+=("$loss: $(.venv/bin/align latest "$root/$loss")")
 done
