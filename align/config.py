@@ -192,8 +192,9 @@ class TrajectoriesSection(Section):
 class TrainSection(Section):
     #: run folder: step_<N>/ merged HF folders, ds_state/, metrics.jsonl
     out: str = "checkpoints/tiny-align"
-    #: loss name -> weight; names are those of align/losses.py
-    losses: dict[LossName, float] = Field(default_factory=lambda: {"streak": 1.0})
+    #: loss name -> weight (> 0); names are those of align/losses.py
+    losses: dict[LossName, Annotated[float, Field(gt=0.0, allow_inf_nan=False)]] = Field(
+        default_factory=lambda: {"streak": 1.0}, min_length=1)
     #: draft length of a training window
     gamma: int = Field(default=16, ge=1)
     #: windows drawn from each trajectory per step (a block-causal drafter trains them in one forward)

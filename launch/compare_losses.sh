@@ -20,7 +20,7 @@ compare=()
 for loss in $losses; do
   # online: losses that read the verifier's distributions get them from a verifier forward in the step; the others
   # train on the trajectories' tokens as offline. A finished run is left as it is (it resumes at its final step).
-  weights=$(echo "$loss" | sed 's/+/: 1.0, /g'): 1.0   # a+b: both losses, weight 1 each
+  weights="$(echo "$loss" | sed 's/+/: 1.0, /g'): 1.0"  # a+b: both losses, weight 1 each
   .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$weights}" train.data_mode=online \
     train.out="$root/$loss" train.final_eval_prompts=0 "$@"
   compare+=("$loss: $(.venv/bin/align latest "$root/$loss")")

@@ -330,6 +330,9 @@ NEW_USER_CASES = [
     ("eval", "recipes/tiny/eval.yaml", [f"drafter.path={TINY / 'tokenizer'}"], "has no config.json"),
     ("eval", "recipes/tiny/eval.yaml", ["eval.out={file}"], "eval.out: "),
     ("train", "recipes/tiny/align.yaml", ["train.lr=1e6"], "train.lr: "),
+    # An empty mapping once passed and the first step crashed on every rank with a traceback.
+    ("train", "recipes/tiny/align.yaml", ["train.losses={{}}"], "train.losses: "),
+    ("train", "recipes/tiny/align.yaml", ["train.losses={{ce_streak: 0}}"], "train.losses.ce_streak: "),
     ("evl", "recipes/tiny/eval.yaml", [], "invalid choice"),
     ("eval", None, [], "the following arguments are required: recipe"),
     ("eval", "recipes/tiny/eval.yaml", ["--num_gpus", "2"], "unrecognized arguments: --num_gpus"),
