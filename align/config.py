@@ -264,6 +264,10 @@ class DecodeSection(Section):
     top_k: int = Field(default=0, ge=0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(default=64, ge=1)
+    #: at temperature > 0, what a SpecDiff draft is: sample (tokens drawn from the drafter's distribution, accepted
+    #: with probability min(1, p/q)) or argmax (its most likely tokens, accepted by the point-mass rule); both are
+    #: lossless, and which keeps more tokens depends on the drafter (the README's sampling table)
+    draft_choice: Literal["sample", "argmax"] = "sample"
     #: SpecDiff-2 self-selection: drafts drawn from one drafter pass and verified together
     num_candidates: int = Field(default=4, ge=1)
     #: drafter temperature for self-selection (SpecDiff-2 samples hot, ~1.5-2, for diverse candidates)

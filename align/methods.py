@@ -88,7 +88,8 @@ def _specdiff(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[tor
     search = (PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight), s.proxy) if cps else None
     adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if adl else None
     return specdiff_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens, sampling,
-                             eos_ids=s.eos_ids, generator=gen, path_search=search, adaptive=adaptive)
+                             eos_ids=s.eos_ids, generator=gen, path_search=search, adaptive=adaptive,
+                             argmax_draft=d.draft_choice == "argmax")
 
 
 def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):

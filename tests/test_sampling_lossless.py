@@ -9,6 +9,8 @@ t1 comes from the prefill. With γ = 1 the first iteration drafts t2 and, when i
 ADL starts at its maximum length, 2, so there t4 is the bonus. The bonus, the correction after a rejection and the
 next iteration all land in the table: a bonus drawn from the wrong position fails (see the last test)"""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -109,6 +111,14 @@ def test_sd_ar_with_a_greedy_draft_and_a_sampling_verifier_is_lossless(setup):
     # The draft is the drafter's argmax (a point mass), whatever the verifier samples at.
     samples = first_tokens(lambda g: sd_ar_generate(setup.verifier, setup.ar_drafter, PROMPT, 1, NEW_TOKENS,
                                                     SAMPLING, draft_sampling=Sampling(), generator=g))
+    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["specdiff", "specdiff_adl"])
+def test_argmax_diffusion_drafts_are_lossless_when_sampling(setup, method):
+    # decode.draft_choice=argmax: the drafter's most likely tokens, a point mass, accepted by the point-mass rule.
+    argmax = replace(setup, decode=setup.decode.model_copy(update={"draft_choice": "argmax"}))
+    samples = first_tokens(lambda g: METHODS[method](argmax, PROMPT, SAMPLING, g))
     assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
 
 

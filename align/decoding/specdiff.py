@@ -30,12 +30,14 @@ def specdiff_generate(
     generator: Optional[torch.Generator] = None,
     path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
     adaptive: Optional[AdaptiveLength] = None,
+    argmax_draft: bool = False,
 ) -> tuple[list[int], GenerationStats]:
     """Speculative decoding with a one-pass diffusion draft. prompt_ids: (1, n). Lossless for any drafter.
 
     Temperature 0: the draft is the drafter's argmax and the output equals AR greedy decoding token for token.
     Temperature > 0: the draft is sampled from `draft_sampling` (default: the verifier's settings) applied to the
-    drafter's logits, and accepted by speculative sampling against that very distribution.
+    drafter's logits, and accepted by speculative sampling against that very distribution; with `argmax_draft` it is
+    the drafter's argmax, a point mass, accepted by the point-mass rule.
     path_search (DiffuSpec CPS): the draft is the beam-searched path instead; being deterministic, it is accepted by
     the point-mass rule when sampling. adaptive (DiffuSpec ADL): the draft length follows `adaptive` instead of γ; the
     drafter then proposes `adaptive.max_len` tokens in its one pass and the first `adaptive.current` are the draft.
@@ -74,7 +76,7 @@ def specdiff_generate(
             settings, proxy = path_search
             draft = raw_draft.new_tensor(causal_path_search(
                 torch.log_softmax(draft_logits.float(), -1), context[0, -2:].tolist(), proxy, settings, eos_ids))
-        elif sampling.temperature == 0:
+        elif sampling.temperature == 0 or argmax_draft:
             draft = raw_draft[:draft_len]
         else:
             draft_probs = draft_sampling.probs(draft_logits)
