@@ -118,6 +118,17 @@ def test_seeded_sampling_is_reproducible(pair):
     assert [r.token_ids for r in first] != [r.token_ids for r in other]
 
 
+@pytest.mark.parametrize("method", ["sd_ar", "specdiff_cps_adl"])
+def test_generate_creates_its_tensors_on_the_models_device(pair, method):
+    """As tests/test_devices.py checks the methods: with the default device set to `meta`, a tensor or generator made
+    without the model's device would be a meta one and fail next to the CPU model."""
+    settings = dict(method=method, max_new_tokens=8, temperature=0.8, top_k=20)
+    expected = pair.generate(PROMPTS, **settings)
+    with torch.device("meta"):
+        results = pair.generate(PROMPTS, **settings)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+
+
 @pytest.fixture(scope="module")
 def end_token(pair) -> tuple[int, int]:
     """A token of the first prompt's greedy continuation, first seen at position k >= 3: (token, k)."""
