@@ -21,61 +21,13 @@ import torch
 from transformers import AutoConfig
 
 from align.bench import Run, interleaved, verifier_latency
-from align.checkpoint import atomic_folder, write_text_atomic
+from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError, eval_models
-from align.corpus import ensure_data
-from align.data import (chat_template, encode_prompts, eval_prompts, load_trajectories, prompt_ids_sha256,
-                        template_sha256)
-from align.decoding.cps import TrigramModel
+from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256, template_sha256
 from align.decoding.generation import GenerationStats, Sampling
-from align.methods import BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method
+from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, proxy_source,
+                           trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# inputs
-# --------------------------------------------------------------------------------------------------------------------
-def proxy_source(recipe: Recipe) -> Path:
-    """What the CPS proxy is fitted on: decode.cps_proxy_corpus, a JSONL text corpus (`text` field) or a trajectories
-    folder, or by default the tiny corpus's train split. Checked before any model is loaded."""
-    source = Path(recipe.decode.cps_proxy_corpus or
-                  ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction) / "corpus" / "train.jsonl")
-    if not (source.is_file() or (source / "manifest.json").is_file()):
-        raise RecipeError(f"decode.cps_proxy_corpus: {source} is neither a JSONL file nor a trajectories folder")
-    return source
-
-
-def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
-    """The CPS causal proxy, fitted once on `source` (from proxy_source) with the verifier's tokenizer and cached under
-    data_dir/trigram/.
-
-    Fitted on a trajectories folder, it models the verifier's own continuations rather than the corpus: the right
-    proxy for a drafter aligned to that verifier, whose drafts a corpus n-gram would pull back toward the corpus.
-    """
-    import hashlib
-
-    import numpy as np
-
-    stamp = (json.loads((source / "manifest.json").read_text())["settings_hash"] if source.is_dir()
-             else os.path.getsize(source))
-    key = f"{source.resolve()}:{stamp}:{len(tokenizer)}:{tokenizer.name_or_path}"
-    folder = Path(data_dir) / "trigram" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if (folder / "manifest.json").is_file():
-        return TrigramModel.load(folder)
-    eos = tokenizer.eos_token_id
-    if source.is_dir():
-        rows = load_trajectories(source)
-        docs = [p + c for p, c in zip(rows["prompt_ids"], rows["completion_ids"])]
-    else:
-        from datasets import load_dataset
-
-        docs = tokenizer(list(load_dataset("json", data_files=str(source), split="train")["text"]),
-                         add_special_tokens=False)["input_ids"]
-    stream = np.fromiter((t for doc in docs for t in (doc if doc and doc[-1] == eos else [*doc, eos])), dtype=np.int64)
-    model = TrigramModel.fit(stream, len(tokenizer))
-    with atomic_folder(folder) as tmp:
-        model.save(tmp, source=str(source))
-    return model
 
 
 # --------------------------------------------------------------------------------------------------------------------

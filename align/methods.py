@@ -2,18 +2,25 @@
 
 Each method is `fn(setup, prompt_ids (1, n), sampling, generator) -> (new tokens, stats)`; a `Setup` holds the models
 and the decode settings. HF's own methods (`hf_generate`, `hf_assisted`, `prompt_lookup`) call `verifier.generate()`
-and count forwards from the outside.
+and count forwards from the outside. Also here, shared by both callers: the tokens that end a generation, each
+prompt's random stream, and the causal proxy the CPS methods search with.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from align.bench import count_forwards
-from align.config import METHOD_NAMES, DecodeSection
+from align.checkpoint import atomic_folder
+from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError
+from align.corpus import ensure_data
+from align.data import load_trajectories
 from align.decoding.adl import AdaptiveLength
 from align.decoding.ar import ar_generate
 from align.decoding.cps import PathSearch, TrigramModel
@@ -114,6 +121,22 @@ METHODS: dict[str, MethodFn] = {
 assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
 
 
+def eos_token_ids(verifier: Any, tokenizer: Any) -> frozenset[int]:
+    """The tokens that end a generation: the verifier's generation_config.eos_token_id (an int or a list: instruct
+    models list their end-of-turn token there, which the tokenizer's single eos_token may not be) and the tokenizer's
+    eos_token_id."""
+    configured = getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    own = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return frozenset(int(t) for t in (*configured, *own))
+
+
+def prompt_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """Prompt `index`'s random stream: its own seed, so a prompt samples the same tokens whatever runs before it, on
+    the prompt's device (a CPU generator cannot drive sampling on a GPU)."""
+    return torch.Generator(device=device).manual_seed(seed * 100_003 + index)
+
+
 def base_method(name: str) -> str:
     """`specdiff@aligned` (a method run with one of eval.compare_drafters) -> `specdiff`."""
     return name.split("@", 1)[0]
@@ -125,3 +148,49 @@ DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl"
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the CPS causal proxy (specdiff_cps*)
+# --------------------------------------------------------------------------------------------------------------------
+def proxy_source(recipe: Recipe) -> Path:
+    """What the CPS proxy is fitted on: decode.cps_proxy_corpus, a JSONL text corpus (`text` field) or a trajectories
+    folder, or by default the tiny corpus's train split. Checked before any model is loaded."""
+    source = Path(recipe.decode.cps_proxy_corpus or
+                  ensure_data(recipe.data.dir, recipe.bootstrap.corpus_fraction) / "corpus" / "train.jsonl")
+    if not (source.is_file() or (source / "manifest.json").is_file()):
+        raise RecipeError(f"decode.cps_proxy_corpus: {source} is neither a JSONL file nor a trajectories folder")
+    return source
+
+
+def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
+    """The CPS causal proxy, fitted once on `source` (from proxy_source) with the verifier's tokenizer and cached under
+    data_dir/trigram/.
+
+    Fitted on a trajectories folder, it models the verifier's own continuations rather than the corpus: the right
+    proxy for a drafter aligned to that verifier, whose drafts a corpus n-gram would pull back toward the corpus.
+    """
+    import hashlib
+
+    import numpy as np
+
+    stamp = (json.loads((source / "manifest.json").read_text())["settings_hash"] if source.is_dir()
+             else os.path.getsize(source))
+    key = f"{source.resolve()}:{stamp}:{len(tokenizer)}:{tokenizer.name_or_path}"
+    folder = Path(data_dir) / "trigram" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (folder / "manifest.json").is_file():
+        return TrigramModel.load(folder)
+    eos = tokenizer.eos_token_id
+    if source.is_dir():
+        rows = load_trajectories(source)
+        docs = [p + c for p, c in zip(rows["prompt_ids"], rows["completion_ids"])]
+    else:
+        from datasets import load_dataset
+
+        docs = tokenizer(list(load_dataset("json", data_files=str(source), split="train")["text"]),
+                         add_special_tokens=False)["input_ids"]
+    stream = np.fromiter((t for doc in docs for t in (doc if doc and doc[-1] == eos else [*doc, eos])), dtype=np.int64)
+    model = TrigramModel.fit(stream, len(tokenizer))
+    with atomic_folder(folder) as tmp:
+        model.save(tmp, source=str(source))
+    return model

@@ -1,0 +1,282 @@
+"""The Python API (align/api.py, #14 item 4): `align.load(...)` then `pair.generate(prompts, method=...)`, on the
+shipped tiny family. Greedy results are the verifier's own with every method; generations end at the verifier's end
+tokens by default; the README's example runs as written."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import align
+from align.config import RecipeError
+from align.data import render_prompt
+from align.methods import DFLASH_METHODS, METHODS
+from test_chat_data import TEMPLATE, with_template
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "checkpoints" / "tiny"
+VERIFIER, DRAFTER, AR_DRAFTER = (str(TINY / name) for name in ("verifier", "drafter-base", "ar-drafter"))
+PROMPTS = ["def add(a, b):", "class Stack:\n    def"]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def proxy_corpus(tmp_path_factory) -> dict[str, str]:
+    """A small JSONL text corpus for the CPS proxy, and a data_dir to cache it in: nothing is written in the repo."""
+    folder = tmp_path_factory.mktemp("proxy")
+    texts = [path.read_text() for path in sorted((ROOT / "align" / "decoding").glob("*.py"))]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return {"cps_proxy_corpus": str(folder / "corpus.jsonl"), "data_dir": str(folder / "data")}
+
+
+@pytest.fixture(scope="module")
+def pair(proxy_corpus):
+    return align.load(verifier=VERIFIER, drafter=DRAFTER, ar_drafter=AR_DRAFTER, **proxy_corpus)
+
+
+def linked_copy(source: Path, dest: Path) -> Path:
+    """A copy of a model folder whose weights are linked, not copied."""
+    dest.mkdir(parents=True)
+    for f in source.iterdir():
+        (dest / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def verifier_greedy(pair, prompt_ids: list[int], eos: list[int]) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = pair.verifier.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos or None,
+                                 pad_token_id=pair.tokenizer.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_import_align_stays_cheap():
+    code = ("import sys, align\nassert 'torch' not in sys.modules, 'import align imported torch'\n"
+            "assert callable(align.load) and 'torch' in sys.modules\nprint(sorted(set(dir(align)) & {'load', 'Pair'}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['Pair', 'load']"
+
+
+def test_greedy_results_of_every_method_are_the_verifiers_own(pair):
+    assert pair.methods == tuple(METHODS)  # all three models loaded: every method runs
+    reference = pair.generate(PROMPTS, method="ar", max_new_tokens=NEW_TOKENS)
+    for result in reference:
+        assert result.token_ids == verifier_greedy(pair, result.prompt_token_ids, sorted(pair.eos_token_ids))
+        assert len(result.token_ids) == NEW_TOKENS and result.finish_reason == "length"
+        assert result.text == pair.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    for method in METHODS:
+        results = pair.generate(PROMPTS, method=method, max_new_tokens=NEW_TOKENS)
+        assert [r.token_ids for r in results] == [r.token_ids for r in reference], method
+        assert [r.text for r in results] == [r.text for r in reference], method
+        assert [r.prompt for r in results] == PROMPTS
+        if method.startswith("specdiff") or method == "sd_ar":
+            assert all(r.stats.tau > 1 for r in results), (method, [r.stats.tau for r in results])
+
+
+def test_settings_come_from_the_schema_and_are_checked(pair):
+    from align.config import DecodeSection
+
+    assert pair.recipe.decode == DecodeSection(cps_proxy_corpus=pair.recipe.decode.cps_proxy_corpus)
+    assert pair.verifier.dtype == torch.float32  # dtype "auto" on a CPU
+    default = pair.generate("def add(a, b):", method="ar")
+    assert len(default) == 1 and len(default[0].token_ids) == DecodeSection().max_new_tokens
+    with pytest.raises(RecipeError, match=r"^unknown setting 'max_new_token' \(did you mean 'max_new_tokens'\?\)$"):
+        pair.generate(PROMPTS, max_new_token=8)
+    with pytest.raises(RecipeError, match=r"^decode\.gamma: Input should be greater than or equal to 1 \(got 0\)$"):
+        pair.generate(PROMPTS, gamma=0)
+
+
+def test_a_batch_gives_each_prompt_what_it_gives_alone(pair):
+    # text, token ids and a single prompt given bare all read the same
+    ids = pair.generate("def add(a, b):", method="ar", max_new_tokens=4)[0].prompt_token_ids
+    batch = pair.generate(["import os\n", ids, "def fib(n):"], method="specdiff", max_new_tokens=12)
+    alone = [pair.generate(p, method="specdiff", max_new_tokens=12)[0] for p in (["import os\n"], ids, "def fib(n):")]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    assert batch[1].prompt_token_ids == ids and batch[1].prompt == ids
+
+
+def test_seeded_sampling_is_reproducible(pair):
+    first = pair.generate(PROMPTS, method="specdiff", max_new_tokens=12, temperature=1.0, seed=3)
+    again = pair.generate(PROMPTS, method="specdiff", max_new_tokens=12, temperature=1.0, seed=3)
+    other = pair.generate(PROMPTS, method="specdiff", max_new_tokens=12, temperature=1.0, seed=4)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert [r.token_ids for r in first] != [r.token_ids for r in other]
+
+
+@pytest.mark.parametrize("method", ["sd_ar", "specdiff_cps_adl"])
+def test_generate_creates_its_tensors_on_the_models_device(pair, method):
+    """As tests/test_devices.py checks the methods: with the default device set to `meta`, a tensor or generator made
+    without the model's device would be a meta one and fail next to the CPU model."""
+    settings = dict(method=method, max_new_tokens=8, temperature=0.8, top_k=20)
+    expected = pair.generate(PROMPTS, **settings)
+    with torch.device("meta"):
+        results = pair.generate(PROMPTS, **settings)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+
+
+@pytest.fixture(scope="module")
+def end_token(pair) -> tuple[int, int]:
+    """A token of the first prompt's greedy continuation, first seen at position k >= 3: (token, k)."""
+    tokens = pair.generate(PROMPTS[0], method="ar", max_new_tokens=NEW_TOKENS, eos_token_id=[])[0].token_ids
+    k = next(k for k in range(3, len(tokens)) if tokens[k] not in tokens[:k])
+    return tokens[k], k
+
+
+def test_generation_stops_at_the_verifiers_end_tokens_by_default(pair, end_token, tmp_path):
+    """Instruct models list their end-of-turn token in generation_config.eos_token_id (a list), beside the tokenizer's
+    eos_token: both end a generation unless the caller says otherwise."""
+    token, k = end_token
+    verifier = linked_copy(Path(VERIFIER), tmp_path / "verifier")
+    config = json.loads((verifier / "generation_config.json").read_text())
+    config["eos_token_id"] = [pair.tokenizer.eos_token_id, token]
+    (verifier / "generation_config.json").write_text(json.dumps(config))
+    stopping = align.load(verifier=str(verifier), drafter=DRAFTER)
+    assert stopping.eos_token_ids == {pair.tokenizer.eos_token_id, token}
+    full = pair.generate(PROMPTS[0], method="ar", max_new_tokens=NEW_TOKENS, eos_token_id=[])[0].token_ids
+    for method in ("ar", "specdiff", "specdiff_adl", "hf_generate"):
+        result = stopping.generate(PROMPTS[0], method=method, max_new_tokens=NEW_TOKENS)[0]
+        assert result.token_ids == full[:k + 1] and result.finish_reason == "stop", method
+        assert result.stats.new_tokens == k + 1
+        assert result.token_ids == verifier_greedy(stopping, result.prompt_token_ids, sorted(stopping.eos_token_ids))
+        # The caller overrides the end tokens: none at all, or others.
+        assert stopping.generate(PROMPTS[0], method=method, max_new_tokens=NEW_TOKENS,
+                                 eos_token_id=[])[0].token_ids == full
+    assert pair.generate(PROMPTS[0], method="specdiff", max_new_tokens=NEW_TOKENS,
+                         eos_token_id=token)[0].token_ids == full[:k + 1]
+    assert align.load(verifier=str(verifier), eos_token_id=[]).generate(
+        PROMPTS[0], method="ar", max_new_tokens=NEW_TOKENS)[0].token_ids == full
+
+
+def test_chat_messages_are_rendered_with_the_verifiers_template(tmp_path):
+    verifier = with_template(Path(VERIFIER), tmp_path / "verifier")
+    chat = align.load(verifier=str(verifier), drafter=DRAFTER)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    results = chat.generate([messages, "def add(a, b):"], method="specdiff", max_new_tokens=12)
+    rendered = chat.tokenizer.decode(results[0].prompt_token_ids)
+    assert rendered == "<|system|>You write Python.\n<|user|>def add(a, b):\n<|assistant|>"
+    assert results[0].prompt_token_ids == render_prompt(chat.tokenizer, messages, TEMPLATE)
+    assert chat.tokenizer.decode(results[1].prompt_token_ids) == "<|user|>def add(a, b):\n<|assistant|>"
+    for result in results:
+        ar = chat.generate([result.prompt_token_ids], method="ar", max_new_tokens=12)[0]
+        assert result.token_ids == ar.token_ids
+    # chat_template="off": text as it is, and messages refused
+    plain = align.load(verifier=str(verifier), chat_template="off")
+    assert plain.generate("def add(a, b):", method="ar", max_new_tokens=1)[0].prompt_token_ids == \
+        plain.tokenizer("def add(a, b):", add_special_tokens=False).input_ids
+    with pytest.raises(RecipeError, match=r"^prompt 0: chat messages need a chat template \(chat_template='off'\)"):
+        plain.generate([messages], method="ar")
+
+
+@pytest.fixture(scope="module")
+def dflash_drafter(tmp_path_factory) -> str:
+    """A DFlash drafter with random weights, shaped to the tiny verifier and saved as training saves one."""
+    from align.checkpoint import save_merged
+    from align.config import DFlashSection, VerifierSection
+    from align.models import load_tokenizer, new_dflash_drafter
+
+    folder = tmp_path_factory.mktemp("dflash") / "drafter"
+    tokenizer = load_tokenizer(VERIFIER)
+    torch.manual_seed(0)
+    drafter, _ = new_dflash_drafter(VerifierSection(path=VERIFIER), DFlashSection(aux_layer_ids=[0]),
+                                    VerifierSection(path=VERIFIER, device="cpu"), tokenizer, 4)
+    save_merged(drafter, tokenizer, folder, {})
+    return str(folder)
+
+
+def test_a_dflash_drafter_runs_its_methods_and_refuses_the_others(dflash_drafter, pair):
+    dflash = align.load(verifier=VERIFIER, drafter=dflash_drafter)
+    assert dflash.spec.kind == "dflash"
+    reference = pair.generate(PROMPTS, method="ar", max_new_tokens=12)
+    results = dflash.generate(PROMPTS, method="specdiff", max_new_tokens=12)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    with pytest.raises(RecipeError, match=r"^method 'specdiff2_select' does not run a DFlash drafter .*; its methods "
+                                          f"are {', '.join(DFLASH_METHODS)}$"):
+        dflash.generate(PROMPTS, method="specdiff2_select")
+
+
+@pytest.fixture(scope="module")
+def verifier_only():
+    return align.load(verifier=VERIFIER)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p: p.generate(PROMPTS, method="medusa"),
+     rf"^method 'medusa': unknown; the methods are {', '.join(METHODS)}$"),
+    (lambda p: p.generate([], method="ar"), r"^prompts: the list is empty; give at least one prompt$"),
+    (lambda p: p.generate("", method="ar"), r"^prompt 0: empty; the verifier needs at least one token to continue$"),
+    (lambda p: p.generate([["x"]], method="ar"), r"^prompt 0: a prompt is text, chat messages .* or token ids"),
+    (lambda p: p.generate([[1, 10**6]], method="ar"), r"^prompt 0: token ids must lie in \[0, 8192\)"),
+    (lambda p: p.generate(torch.tensor([[1, 2]]), method="ar"), r"^prompts: give token ids as a list of ints"),
+    (lambda p: p.generate([[{"role": "user", "content": 3}]], method="ar"),
+     r"^prompt 0: message 0 is not a \{role, content\} of strings"),
+    (lambda p: p.generate([[{"role": "user", "content": "hi"}]], method="ar"),
+     r"^prompt 0: chat messages need a chat template \(the tokenizer of .*verifier has none\); pass text or token "
+     r"ids$"),
+    (lambda p: p.generate(["x " * 2000], method="ar"),
+     r"^prompt 0 has \d+ tokens; with max_new_tokens=64 it exceeds the verifier's context of 1024$"),
+    (lambda p: p.generate(PROMPTS, method="ar", eos_token_id="</s>"), r"^eos_token_id: a token id or a list of them"),
+    (lambda p: p.generate(PROMPTS, method="sd_ar"),
+     r"^method 'sd_ar' needs an AR drafter: pass align\.load\(\.\.\., ar_drafter=<folder or Hub id>\) \(methods the "
+     r"loaded models run: ar, hf_generate, prompt_lookup\)$"),
+    (lambda p: p.generate(PROMPTS, method="specdiff_cps"),
+     r"^method 'specdiff_cps' needs a diffusion drafter: pass align\.load\(\.\.\., drafter=<folder or Hub id>\)"),
+])
+def test_bad_input_is_one_line_naming_what_to_fix(verifier_only, call, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        call(verifier_only)
+    assert isinstance(caught.value, RecipeError) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(drafter=VERIFIER), r"^drafter\.path: .*verifier is the verifier \(verifier\.path\); a drafter is a diffusion"),
+    (dict(drafter=AR_DRAFTER), r"^drafter\.path: .*ar-drafter is not a diffusion drafter"),
+    (dict(ar_drafter=DRAFTER), r"^ar_drafter\.path: .*drafter-base is a diffusion drafter"),
+    (dict(drafter="no/such-model"), r"^drafter\.path: no/such-model is not a local folder, and the Hub is offline"),
+    (dict(drafter=str(TINY / "nothing")), r"^drafter\.path: no such model folder: "),
+    (dict(dtype="fp8"), r"^verifier\.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16' "),
+    (dict(tempreature=0.5), r"^unknown setting 'tempreature' \(did you mean 'temperature'\?\)$"),
+    (dict(chat_template="on"), r"^data\.chat_template: on, but the tokenizer of .*verifier has no chat template"),
+    (dict(drafter={"path": DRAFTER, "logit_shift": 1}), r"^drafter: unknown field 'logit_shift' \(fields: "),
+    (dict(drafter=3), r"^drafter: a local folder, a Hub id or a mapping of its settings \(got int\)$"),
+])
+def test_bad_models_and_settings_are_refused_before_loading_weights(kwargs, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        align.load(**{"verifier": VERIFIER, **kwargs})
+    assert isinstance(caught.value, RecipeError) and "\n" not in str(caught.value)
+
+
+def readme_example(readme: Path) -> str:
+    """The first ```python block under the README's "## Python API" heading."""
+    section = readme.read_text().split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(r"```python\n(.*?)```", section, re.S)
+    assert found, "the README's Python API section has no ```python block"
+    return found.group(1)
+
+
+def test_the_readmes_python_example_runs():
+    code = readme_example(ROOT / "README.md")
+    assert "align.load(" in code and ".generate(" in code
+    # The section's text is proposed to the integrator in NOTES-api.md, example and all.
+    notes = ROOT / "NOTES-api.md"
+    if notes.is_file():
+        assert readme_example(notes) == code
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip(), "the example printed nothing"
