@@ -27,7 +27,7 @@ import torch
 from pydantic import ValidationError
 
 from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe,
-                          RecipeError, _one_line, check_models)
+                          RecipeError, one_line, check_models)
 from align.data import chat_template as template_for, render_prompt
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
@@ -222,7 +222,7 @@ def _validate(tree: dict[str, Any]) -> Recipe:
     try:
         return Recipe.model_validate(tree)
     except ValidationError as e:
-        raise RecipeError(_one_line(e)) from None
+        raise RecipeError(one_line(e)) from None
 
 
 def _settings(settings: dict[str, Any], known: tuple[str, ...]) -> dict[str, Any]:

@@ -564,7 +564,7 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
-def _one_line(err: ValidationError) -> str:
+def one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = tuple(p for p in first["loc"] if p != "[key]")  # dict keys: name the entry, not pydantic's marker
     key = ".".join(str(p) for p in loc) or "recipe"
@@ -613,7 +613,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
     try:
         return Recipe.model_validate(tree)
     except ValidationError as e:
-        raise RecipeError(_one_line(e)) from None
+        raise RecipeError(one_line(e)) from None
 
 
 # --------------------------------------------------------------------------------------------------------------------
