@@ -27,7 +27,7 @@ import torch
 from pydantic import ValidationError
 
 from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe,
-                          RecipeError, one_line, check_models)
+                          RecipeError, check_models, one_line)
 from align.data import chat_template as template_for, render_prompt
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
