@@ -71,7 +71,7 @@ def _repo_id_problem(value: Any) -> str:
 
 
 def _model_index_problems(model_index: Any) -> list[str]:
-    from huggingface_hub import model_index_to_eval_results
+    from huggingface_hub.repocard_data import model_index_to_eval_results
 
     if not isinstance(model_index, list) or not model_index:
         return ['"model-index" must be a non-empty array']
@@ -186,6 +186,18 @@ class FakeHub:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refuse(self, problems: list[str]) -> None:
+                """HTTP 400 with the Hub's message: as text when the client asks for text (ModelCard.validate)."""
+                if "text/plain" in self.headers.get("Accept", ""):
+                    data = invalid_metadata(problems).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Type", "text/plain; charset=utf-8")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                self._reply(400, {"error": invalid_metadata(problems)})
+
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 hub.requests.append(f"POST {self.path}")
@@ -193,7 +205,7 @@ class FakeHub:
                     problems = validate_card(json.loads(body).get("content", ""))
                     hub.validated.append(problems)
                     if problems:
-                        return self._reply(400, {"error": invalid_metadata(problems)})
+                        return self._refuse(problems)
                     return self._reply(200, {"errors": [], "warnings": []})
                 if self.path == "/api/repos/create":
                     req = json.loads(body)
@@ -224,7 +236,7 @@ class FakeHub:
                     problems = validate_card(files["README.md"].decode())
                     hub.validated.append(problems)
                     if problems:
-                        return self._reply(400, {"error": invalid_metadata(problems)})
+                        return self._refuse(problems)
                 branches.setdefault(rev, {}).update(files)
                 oid = hashlib.sha1(body).hexdigest()
                 return self._reply(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/{oid}",
