@@ -287,8 +287,13 @@ def front_matter(*, title: str, base: Origin, relation: Optional[str], licence_:
 # --------------------------------------------------------------------------------------------------------------------
 # no paths of this machine in the folder
 # --------------------------------------------------------------------------------------------------------------------
-# An absolute path (POSIX, home-relative or a Windows drive) not inside a URL or an org/name id.
-_ABSOLUTE = re.compile(r"(?<![\w.:/~\\-])((?:~|[A-Za-z]:)?[/\\\\](?![/\\\\])[^\s'\"`,;=()\[\]{}<>|*]+)")
+# An absolute path of two or more parts (POSIX, home-relative or a Windows drive), not inside a URL, an org/name id
+# or markup: `/tmp/run/ck` is one, `</s>`, `/no_think`, `https://huggingface.co/org/name` and `tokens/s` are not.
+_PART = r"[^\s'\"`,;=()\[\]{}<>|*/\\]+"
+_ABSOLUTE = re.compile(rf"(?<![\w.:/~<\\-])((?:~|[A-Za-z]:)?[/\\]{_PART}(?:[/\\]{_PART})+[/\\]?)")
+# Tokenizer data and chat templates hold vocabulary and markup, never paths, and must stay byte for byte.
+_VERBATIM_FILES = {"tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json"}
+_VERBATIM_KEYS = {"chat_template", "added_tokens_decoder", "vocab", "merges"}
 # Keys that only say how this machine loaded a file: transformers reads them back, and `local_files_only: true`
 # would stop a tokenizer downloaded from the Hub from fetching anything.
 _MACHINE_KEYS = {"_name_or_path", "name_or_path", "local_files_only", "is_local", "_commit_hash"}
@@ -301,10 +306,13 @@ def path_identity(path: str) -> str:
     if hub_id:
         return hub_id
     expanded = Path(os.path.expanduser(path))
+    basename = re.split(r"[/\\]", path.rstrip("/\\"))[-1] or "."  # a Windows path's parts too
+    if not expanded.is_absolute():
+        return basename
     try:
         return expanded.resolve().relative_to(Path.cwd().resolve()).as_posix() or "."
     except (ValueError, OSError):
-        return expanded.name or "."
+        return basename
 
 
 def scrub_text(text: str) -> str:
@@ -316,7 +324,7 @@ def scrub(value: Any) -> Any:
     if isinstance(value, str):
         return scrub_text(value)
     if isinstance(value, dict):
-        return {k: scrub(v) for k, v in value.items()}
+        return {k: v if k in _VERBATIM_KEYS else scrub(v) for k, v in value.items()}
     if isinstance(value, list):
         return [scrub(v) for v in value]
     return value
@@ -325,7 +333,7 @@ def scrub(value: Any) -> Any:
 def scrub_folder(folder: Path) -> None:
     """Rewrite the folder's JSON, YAML and text files without this machine's paths (code is left as written)."""
     for path in sorted(folder.rglob("*")):
-        if not path.is_file():
+        if not path.is_file() or path.name in _VERBATIM_FILES:
             continue
         if path.suffix == ".json":
             data = json.loads(path.read_text())
@@ -334,7 +342,7 @@ def scrub_folder(folder: Path) -> None:
                 clean = {k: v for k, v in clean.items() if k not in _MACHINE_KEYS}
             if clean != data:
                 path.write_text(json.dumps(clean, indent=2, ensure_ascii=False) + "\n")
-        elif path.suffix in (".yaml", ".yml", ".md", ".txt", ".jinja"):
+        elif path.suffix in (".yaml", ".yml", ".md", ".txt"):
             text = path.read_text()
             if scrub_text(text) != text:
                 path.write_text(scrub_text(text))

@@ -289,6 +289,9 @@ def metadata_load_text(text: str) -> dict:
     ("/h/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/abc123/", "Qwen/Qwen3-8B"),
     ("see https://huggingface.co/Qwen/Qwen3-8B and org/name, 4 tokens/s", None),
     ("checkpoints/tiny-align/step_150", None),
+    ("C:\\Users\\me\\ck\\drafter", "drafter"),
+    # markup and vocabulary with slashes: end-of-text tokens, Qwen3's thinking switches, a tokens/s unit
+    ("eos </s>, <|im_end|>, /no_think, 12 tokens/s", None),
 ])
 def test_paths_of_this_machine_are_cut_to_what_a_reader_can_use(text, clean, monkeypatch):
     from align.export import scrub_text
