@@ -412,10 +412,12 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
     kind = spec.get("kind", "standalone")
     auto_class = drafter_auto_class(config)
     remote = ", trust_remote_code=True" if config.get("auto_map") else ""
-    body += ["## Reproduce", "",
-             "`recipe.yaml` in this folder is the resolved recipe that trained the drafter (every default filled in):",
-             "", "```bash", "align trajectories recipe.yaml --num_gpus N",
-             "align train recipe.yaml --num_gpus N        # or: deepspeed --num_gpus N align/train.py recipe.yaml",
+    training = (["`recipe.yaml` in this folder is the resolved recipe that trained the drafter (every default filled "
+                 "in):", "", "```bash", "align trajectories recipe.yaml --num_gpus N",
+                 "align train recipe.yaml --num_gpus N        # or: deepspeed --num_gpus N align/train.py recipe.yaml"]
+                if meta.get("recipe") else ["align did not train this drafter; the commands that measured and exported "
+                                            "it:", "", "```bash"])
+    body += ["## Reproduce", "", *training,
              *([evaluation["meta"]["command"]] if evaluation and evaluation.get("meta", {}).get("command") else []),
              command, "```", "",
              "## Use", "", how_to_read(config, spec), "",
