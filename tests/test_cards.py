@@ -298,3 +298,28 @@ def test_paths_of_this_machine_are_cut_to_what_a_reader_can_use(text, clean, mon
 
     monkeypatch.chdir(ROOT)
     assert scrub_text(text) == (text if clean is None else clean)
+
+
+def test_a_licence_the_hub_does_not_know_is_refused_before_any_work():
+    from align.config import HUB_LICENSES, RecipeError, load_recipe
+    from hub_server import LICENSES
+
+    with pytest.raises(RecipeError, match=r"export: license 'apache2' is not a Hub licence id \(did you mean apache-2.0"):
+        load_recipe(None, ["export.license=apache2"])
+    with pytest.raises(RecipeError, match="license other needs license_name and license_link"):
+        load_recipe(None, ["export.license=other", "export.license_name=mine"])
+    assert load_recipe(None, []).export.license is None  # inherit the base model's
+    assert set(HUB_LICENSES) <= LICENSES  # align accepts no id that the Hub refuses
+
+
+def test_a_local_base_passes_on_the_licence_of_its_own_card(tmp_path):
+    from align.config import load_recipe
+    from align.export import licence, origin
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "README.md").write_text("---\nlicense: mit\n---\n# base\n")
+    chosen = licence(load_recipe(None, []), origin(str(tmp_path / "base")))
+    assert (chosen.license, chosen.name, chosen.link) == ("mit", None, None) and "inherited" in chosen.why
+    assert str(tmp_path) not in chosen.why
+    chosen = licence(load_recipe(None, ["export.license=cc-by-4.0"]), origin(str(tmp_path / "base")))
+    assert chosen.license == "cc-by-4.0" and "export.license" in chosen.why
