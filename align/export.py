@@ -193,6 +193,16 @@ def licence(recipe: Recipe, base: Origin) -> Licence:
                            "license_name and license_link, so this card cannot say which; set `export.license`.")
         return Licence(found, name, link if found == "other" else None,
                        f"inherited from the base model {base.markdown()} (its model card's `license`).")
+    if isinstance(found, str) and found != "unknown" and base.hub_id:
+        # A licence id the Hub added after align's list: kept by name, linked to the base's card, which shows it.
+        link = metadata.get("license_link")
+        link = link if isinstance(link, str) and re.match(r"^[a-z]+://", link) else f"{HUB}/{base.hub_id}"
+        slug = re.sub(r"[^a-z0-9.-]+", "-", found.lower()).strip("-.") or "base-model-license"
+        return Licence("other", slug, link, f"inherited from the base model {base.markdown()}, whose card says "
+                       f"`{found}` (not in align's list of Hub licence ids, so written as `other`).")
+    if isinstance(found, str) and found != "unknown":
+        return Licence("unknown", None, None, f"unknown: the base model {base.markdown()} says `{found}`, which is "
+                       "not a Hub licence id; set `export.license` to choose.")
     where = "states no licence (its model card has no `license`)" if metadata is not None else "has no model card"
     return Licence("unknown", None, None,
                    f"unknown: the base model {base.markdown()} {where}, and the export recipe sets none, so this card "
@@ -560,6 +570,7 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     config = write_speculators_folder(drafter, load_verifier(recipe.verifier), recipe.verifier.path, tokenizer, tmp)
     evaluation, meta = copy_run_records(recipe, source, tmp)
     (tmp / "README.md").write_text(speculators_card(config, meta, evaluation, recipe, command))
+    copy_licence_file(recipe, origin(recipe.verifier.path), tmp)
 
 
 def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optional[dict[str, Any]],
@@ -636,6 +647,17 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
     evaluation, meta = copy_run_records(recipe, source, tmp)
     base_model = meta.get("drafter_base") or recipe.drafter.path
     (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
+    copy_licence_file(recipe, origin(base_model), tmp)
+
+
+def copy_licence_file(recipe: Recipe, base: Origin, tmp: Path) -> None:
+    """A licence `other` whose link is a file of a local base (`license_link: LICENSE`): the file comes along, so
+    that the card's link resolves in the exported repo."""
+    chosen = licence(recipe, base)
+    if chosen.link and not re.match(r"^[a-z]+://", chosen.link) and base.folder and not (tmp / chosen.link).exists():
+        text = base.folder / chosen.link
+        if text.is_file() and text.resolve().is_relative_to(base.folder.resolve()):
+            shutil.copy2(text, tmp / chosen.link)
 
 
 def push(folder: Path, recipe: Recipe) -> None:

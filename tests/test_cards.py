@@ -323,3 +323,36 @@ def test_a_local_base_passes_on_the_licence_of_its_own_card(tmp_path):
     assert str(tmp_path) not in chosen.why
     chosen = licence(load_recipe(None, ["export.license=cc-by-4.0"]), origin(str(tmp_path / "base")))
     assert chosen.license == "cc-by-4.0" and "export.license" in chosen.why
+
+
+def test_a_hub_base_under_a_licence_align_does_not_list_keeps_it_by_name(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from align.config import load_recipe
+    from align.export import licence, origin
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--base" / "snapshots" / ("1" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "README.md").write_text("---\nlicense: NewLicence 2\n---\n")
+    (cache / "models--org--base" / "refs").mkdir()
+    (cache / "models--org--base" / "refs" / "main").write_text("1" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path / "hub")  # `org/base` is no folder here
+    chosen = licence(load_recipe(None, []), origin("org/base"))
+    assert (chosen.license, chosen.name, chosen.link) == ("other", "newlicence-2", "https://huggingface.co/org/base")
+    assert validate_card(card({**GOOD, "license": "other", "license_name": chosen.name,
+                               "license_link": chosen.link})) == []
+
+
+def test_a_local_bases_licence_file_comes_along(tmp_path):
+    from align.config import load_recipe
+    from align.export import copy_licence_file, origin
+
+    base, out = tmp_path / "base", tmp_path / "out"
+    base.mkdir(), out.mkdir()
+    (base / "README.md").write_text("---\nlicense: other\nlicense_name: tiny-licence\nlicense_link: LICENSE\n---\n")
+    (base / "LICENSE").write_text("the tiny licence\n")
+    copy_licence_file(load_recipe(None, []), origin(str(base)), out)
+    assert (out / "LICENSE").read_text() == "the tiny licence\n"
