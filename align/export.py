@@ -225,7 +225,8 @@ def data_source(value: Optional[str], default: str) -> DataSource:
         return DataSource(None, default, default)
     local = Path(value)
     if local.is_file():
-        digest = hashlib.sha256(local.read_bytes()).hexdigest()
+        with local.open("rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: prompt files can be large
         return DataSource(None, local.name, f"`{local.name}` (a local file, sha256 `{digest}`)")
     if local.is_dir():
         return DataSource(None, local.resolve().name, f"`{local.resolve().name}` (a local dataset folder)")
@@ -286,7 +287,7 @@ def front_matter(*, title: str, base: Origin, relation: Optional[str], licence_:
     from huggingface_hub import ModelCardData
 
     data = ModelCardData(
-        model_name=title, license=licence_.license, license_name=licence_.name, license_link=licence_.link,
+        model_name=title if results else None, license=licence_.license, license_name=licence_.name, license_link=licence_.link,
         library_name=library, pipeline_tag="text-generation", tags=tags, datasets=datasets or None,
         base_model=base.hub_id, base_model_relation=relation if base.hub_id else None,
         eval_results=results or None,
