@@ -356,3 +356,16 @@ def test_a_local_bases_licence_file_comes_along(tmp_path):
     (base / "LICENSE").write_text("the tiny licence\n")
     copy_licence_file(load_recipe(None, []), origin(str(base)), out)
     assert (out / "LICENSE").read_text() == "the tiny licence\n"
+
+
+def test_a_local_prompt_file_is_named_by_its_name_and_sha256(tmp_path):
+    import hashlib
+
+    from align.export import data_source
+
+    prompts = tmp_path / "humaneval.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    local = data_source(str(prompts), "tiny test split")
+    assert local.hub_id is None and local.name == "humaneval.jsonl"
+    assert hashlib.sha256(prompts.read_bytes()).hexdigest() in local.described and str(tmp_path) not in local.described
+    assert data_source("openai/openai_humaneval", "tiny test split").hub_id == "openai/openai_humaneval"
