@@ -389,11 +389,45 @@ class ExportSection(Section):
     commit_message: str = "Upload drafter aligned with align"
     #: eval.json whose numbers go into the model card; None: none
     eval: Optional[str] = None
-    #: license in the model card's metadata
-    license: str = "apache-2.0"
+    #: licence id in the model card's metadata, one of the Hub's (HUB_LICENSES); None: the base model's (the
+    #: `license` of its README.md front matter, local or in the Hub cache), or `unknown`, said so in the card, when
+    #: the base states none
+    license: Optional[str] = None
+    #: with license `other`: the licence's name (a short slug, e.g. `llama3`), as the Hub asks
+    license_name: Optional[str] = None
+    #: with license `other`: a link to the licence's text (a URL, or a file in the exported folder such as LICENSE)
+    license_link: Optional[str] = None
     #: align: the drafter as align (and transformers) load it; speculators: a DFlash drafter in the speculators
     #: format that `vllm serve --speculative-config` loads (config.json with speculators_config, vLLM's weight names)
     format: Literal["align", "speculators"] = "align"
+
+    @model_validator(mode="after")
+    def _check(self) -> "ExportSection":
+        if self.license is not None and self.license not in HUB_LICENSES:
+            close = difflib.get_close_matches(self.license, HUB_LICENSES, n=3)
+            raise ValueError(f"license {self.license!r} is not a Hub licence id"
+                             + (f" (did you mean {', '.join(close)}?)" if close else "")
+                             + "; see https://huggingface.co/docs/hub/repositories-licenses, or use `other` with "
+                             "license_name and license_link")
+        if self.license == "other" and not (self.license_name and self.license_link):
+            raise ValueError("license other needs license_name and license_link (the Hub shows them in its place)")
+        return self
+
+
+# The licence ids the Hub accepts in a card's `license` (https://huggingface.co/docs/hub/repositories-licenses; the
+# Hub adds ids now and then: a licence missing here is `other` with license_name and license_link).
+HUB_LICENSES = (
+    "apache-2.0", "mit", "openrail", "bigscience-openrail-m", "creativeml-openrail-m", "bigscience-bloom-rail-1.0",
+    "bigcode-openrail-m", "afl-3.0", "artistic-2.0", "bsl-1.0", "bsd", "bsd-2-clause", "bsd-3-clause",
+    "bsd-3-clause-clear", "c-uda", "cc", "cc0-1.0", "cc-by-2.0", "cc-by-2.5", "cc-by-3.0", "cc-by-4.0", "cc-by-sa-3.0",
+    "cc-by-sa-4.0", "cc-by-nc-2.0", "cc-by-nc-3.0", "cc-by-nc-4.0", "cc-by-nd-4.0", "cc-by-nc-nd-3.0",
+    "cc-by-nc-nd-4.0", "cc-by-nc-sa-2.0", "cc-by-nc-sa-3.0", "cc-by-nc-sa-4.0", "cdla-sharing-1.0",
+    "cdla-permissive-1.0", "cdla-permissive-2.0", "wtfpl", "ecl-2.0", "epl-1.0", "epl-2.0", "etalab-2.0", "eupl-1.1",
+    "agpl-3.0", "gfdl", "gpl", "gpl-2.0", "gpl-3.0", "lgpl", "lgpl-2.1", "lgpl-3.0", "isc", "lppl-1.3c", "ms-pl",
+    "mpl-2.0", "odc-by", "odbl", "openrail++", "osl-3.0", "postgresql", "ofl-1.1", "ncsa", "unlicense", "zlib",
+    "pddl", "lgpl-lr", "deepfloyd-if-license", "llama2", "llama3", "llama3.1", "llama3.2", "llama3.3", "gemma",
+    "unknown", "other",
+)
 
 
 class ServeCheckSection(Section):
@@ -770,6 +804,13 @@ def is_hub_id(value: str) -> bool:
     return not local.exists() and bool(_HUB_ID.match(value)) and not local.parent.is_dir()
 
 
+def hub_cached(repo_id: str) -> bool:
+    """Whether a Hub model is in the local Hub cache (HF_HUB_CACHE), so that it loads by id with HF_HUB_OFFLINE=1."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
 def check_model_path(key: str, value: str) -> None:
     """A model path is a local HF folder (with config.json) or, when the Hub is reachable, a Hub id."""
     local = Path(value)
@@ -780,7 +821,7 @@ def check_model_path(key: str, value: str) -> None:
     if local.exists():
         raise RecipeError(f"{key}: {value} is a file; a model is a Hugging Face folder (with config.json) or a Hub id")
     if is_hub_id(value):
-        if hub_offline():
+        if hub_offline() and not hub_cached(value):
             raise RecipeError(f"{key}: {value} is not a local folder, and the Hub is offline (HF_HUB_OFFLINE=1)")
         return
     raise RecipeError(f"{key}: no such model folder: {value}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import metadata_load
 from transformers import AutoModelForCausalLM
 
 from align.cli import main
@@ -40,9 +41,37 @@ def test_folder_contents_and_model_card(exported):
     config = json.loads((out / "config.json").read_text())
     assert config["drafter_spec"]["attention"] == "block_causal"
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nlicense: apache-2.0\nlibrary_name: transformers")
+    metadata = metadata_load(out / "README.md")
+    # The tiny family's checkpoints state no licence (no model card): the card says `unknown` and why, and names
+    # no base_model (a local folder is no Hub id; the card cites its manifest instead).
+    assert metadata["license"] == "unknown" and metadata["library_name"] == "transformers"
+    assert "base_model" not in metadata and "does not guess one" in card
     tau = json.loads((out / "eval.json").read_text())["methods"]["specdiff"]["tau"]
     assert f"| specdiff | {tau:.2f} |" in card and "align export recipes/tiny/align.yaml" in card
+    assert metadata["model-index"][0]["results"][0]["metrics"][0] == {
+        "type": "mean_accepted_length", "value": round(tau, 4), "name": "τ (tokens per verifier forward)",
+        "args": metadata["model-index"][0]["results"][0]["metrics"][0]["args"]}
+    assert not (out / "tokenizer_config.json").read_text().count("local_files_only")
+
+
+def test_no_path_of_the_exporting_machine_in_the_folder(exported, tmp_path, monkeypatch):
+    """Every file, text or binary (safetensors headers included), is searched for the run's absolute paths."""
+    root, out, _ = exported
+    needles = {str(p) for p in (root, out.parent, ROOT, Path.cwd(), root / "ck" / "drafter-base")}
+    hits = [f"{f.relative_to(out)}: {n}" for f in sorted(out.rglob("*")) if f.is_file()
+            for n in needles if n.encode() in f.read_bytes()]
+    assert hits == []
+
+
+def test_the_card_passes_the_hubs_metadata_validation(exported, monkeypatch):
+    from huggingface_hub import ModelCard
+
+    _, out, _ = exported
+    with FakeHub() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.url)
+        ModelCard.load(out / "README.md").validate()
+        assert hub.validated == [[]]
 
 
 def test_loads_in_a_fresh_process_and_decodes_identically(exported):
@@ -86,6 +115,7 @@ def test_push_to_a_local_hub(exported, tmp_path):
         repo = hub.repos["me/tiny-drafter"]
         assert repo["private"] is True
         files = repo["branches"]["v1"]
+        assert hub.validated and not any(hub.validated)  # the Hub checked the card on commit, and took it
         assert {"model.safetensors", "config.json", "README.md", "eval.json"} <= set(files)
         assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
 
