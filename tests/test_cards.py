@@ -190,7 +190,7 @@ def test_a_drafter_exported_by_hub_id_has_a_hub_grade_card(hub_family, tmp_path,
     out = tmp_path / "out"
     result = export(["recipes/tiny/align.yaml", "drafter.path=align-test/tiny-diffucoder",
                      "verifier.path=align-test/tiny-verifier", "drafter.logits_shift=1",
-                     "drafter.attention=bidirectional", f"export.out={out}",
+                     "drafter.attention=bidirectional", f"export.out={out}", "export.license=null",
                      f"export.eval={synthetic_eval(tmp_path / 'eval.json', tmp_path)}"], home)
     assert result.returncode == 0, result.stderr[-3000:]
     metadata = metadata_load(out / "README.md")
@@ -251,7 +251,8 @@ def test_an_untrained_local_base_is_cited_by_its_manifest_and_its_licence_is_not
 
     root, _ = toy_family
     recipe = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={root / 'ck' / 'drafter-base'}",
-                                                     f"verifier.path={root / 'ck' / 'verifier'}"])
+                                                     f"verifier.path={root / 'ck' / 'verifier'}",
+                                                     "export.license=null"])
     manifest = json.loads((root / "ck" / "drafter-base" / "manifest.json").read_text())
     text = model_card({"drafter_spec": {"mask_token_id": 2}}, {}, None, recipe, "align export x",
                       recipe.drafter.path)

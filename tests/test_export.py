@@ -42,10 +42,10 @@ def test_folder_contents_and_model_card(exported):
     assert config["drafter_spec"]["attention"] == "block_causal"
     card = (out / "README.md").read_text()
     metadata = metadata_load(out / "README.md")
-    # The tiny family's checkpoints state no licence (no model card): the card says `unknown` and why, and names
-    # no base_model (a local folder is no Hub id; the card cites its manifest instead).
-    assert metadata["license"] == "unknown" and metadata["library_name"] == "transformers"
-    assert "base_model" not in metadata and "does not guess one" in card
+    # The tiny recipe sets the licence (the family's checkpoints have no model card to inherit one from), and the card
+    # names no base_model (a local folder is no Hub id; the card cites its manifest instead).
+    assert metadata["license"] == "apache-2.0" and metadata["library_name"] == "transformers"
+    assert "base_model" not in metadata and "set by the export recipe" in card
     tau = json.loads((out / "eval.json").read_text())["methods"]["specdiff"]["tau"]
     assert f"| specdiff | {tau:.2f} |" in card and "align export recipes/tiny/align.yaml" in card
     assert metadata["model-index"][0]["results"][0]["metrics"][0] == {
