@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 
 from conftest import TOY_TRAJECTORIES
-from test_bad_input import _in_repo, refused, started  # noqa: F401  (fixtures)
+import test_bad_input
+from test_bad_input import refused
 from test_train import ROOT, env, launch, losses, overrides
 
 from align.config import TRACKER_NAMES, RecipeError, load_recipe
 from align.tracking import TRACKERS, TRACKERS_FILE, check_trackers, open_trackers, resolve
+
+# The bad-input tests' fixtures: the stages' mains replaced by a recorder, and the repository as working directory.
+started, _in_repo = test_bad_input.started, test_bad_input._in_repo
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +45,15 @@ def offline(tmp_path, monkeypatch) -> Path:
 # readers: each tracker's files, read back as the tracker wrote them
 # --------------------------------------------------------------------------------------------------------------------
 def tensorboard_scalars(folder: Path, tag: str) -> dict[int, float]:
+    """Step -> value of a scalar, as TensorBoard shows it: each step once."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(folder))
     events.Reload()  # also drops the events a resumed run purged (SummaryWriter's purge_step)
-    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
+    scalars = events.Scalars(tag) if tag in events.Tags()["scalars"] else []
+    steps = [e.step for e in scalars]
+    assert len(steps) == len(set(steps)), f"{tag}: steps shown more than once: {steps}"
+    return {e.step: e.value for e in scalars}
 
 
 def wandb_records(path: Path):
