@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Optional
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      field_validator, model_validator)
 
 
 class RecipeError(ValueError):

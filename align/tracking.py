@@ -54,7 +54,8 @@ def _check_wandb_credentials(key: str) -> None:
     try:  # settings come from WANDB_* variables and wandb's settings files (`wandb offline` writes one)
         settings = wandb_setup.singleton().settings
     except Exception as e:  # pydantic's error for e.g. WANDB_MODE=ofline
-        raise RecipeError(f"{key}: wandb's settings are invalid ({first_line(e)}); check the WANDB_* variables") from None
+        raise RecipeError(f"{key}: wandb's settings are invalid ({first_line(e)}); check the WANDB_* "
+                          "variables") from None
     if settings.mode in ("offline", "dryrun", "disabled"):
         return
     try:
@@ -64,7 +65,7 @@ def _check_wandb_credentials(key: str) -> None:
 
         found = wbauth.authenticate_session(host=settings.base_url, source="align", prompt=False,
                                             update_session=False)
-    except ImportError:  # wandb before 0.22 kept the lookup in apikey
+    except ImportError:  # older wandb (the extra allows >= 0.19) kept the lookup in apikey
         from wandb.sdk.lib import apikey
 
         found = apikey.api_key(settings=settings)
@@ -72,9 +73,9 @@ def _check_wandb_credentials(key: str) -> None:
         raise RecipeError(f"{key}: wandb's credentials are unusable ({first_line(e)}); run `wandb login` again, "
                           "or set WANDB_MODE=offline") from None
     if not found:
-        raise RecipeError(f"{key}: wandb is not logged in (no WANDB_API_KEY, no `wandb login`) and would stop the "
-                          "run to ask; run `wandb login`, or set WANDB_MODE=offline to log locally "
-                          "(`wandb sync` uploads later)")
+        # wandb.init would otherwise stop the run at a login prompt, or fail without a terminal.
+        raise RecipeError(f"{key}: wandb is not logged in (no WANDB_API_KEY, no `wandb login`); run `wandb login`, "
+                          "or set WANDB_MODE=offline to log locally (`wandb sync` uploads later)")
 
 
 def _check_trackio_project(key: str, project: str) -> None:
