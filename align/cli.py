@@ -17,8 +17,8 @@ from typing import Callable, NoReturn, Optional, Union, get_args
 
 import yaml
 
-from align.config import (Recipe, RecipeError, check_inputs, check_models, check_output, check_train, eval_models,
-                          get_key, load_recipe, train_models)
+from align.config import (Recipe, RecipeError, check_gkd, check_inputs, check_models, check_output, check_train,
+                          eval_models, get_key, load_recipe, train_models)
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -87,7 +87,7 @@ STAGES: dict[str, Stage] = {
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
         "align.gkd", ("verifier", "ar_drafter", "trajectories", "gkd"),
-        models=lambda r: ("verifier.path", "ar_drafter.path"), outputs=("gkd.out",),
+        models=lambda r: ("verifier.path", "ar_drafter.path"), outputs=("gkd.out",), check=check_gkd,
     ),
     "calibrate": Stage(
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Optional
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      field_validator, model_validator)
 
 
 class RecipeError(ValueError):
@@ -73,6 +74,37 @@ def _learning_rate(value: float) -> float:
 
 
 LearningRate = Annotated[float, AfterValidator(_learning_rate)]
+
+# Experiment trackers by transformers' `report_to` names (align/tracking.py's TRACKERS must have exactly these keys; a
+# test checks it). "all" and "none" mean what they mean there: every installed tracker, no tracker.
+TRACKER_NAMES: tuple[str, ...] = ("tensorboard", "wandb", "trackio")
+TrackerName = Literal[(*TRACKER_NAMES, "all", "none")]  # type: ignore[valid-type]
+
+
+def _as_list(value: Any) -> Any:
+    # As TrainingArguments.report_to: one name or a list of names; YAML's null is "none".
+    if value is None:
+        return ["none"]
+    return [value] if isinstance(value, str) else value
+
+
+def _alone(value: list[str]) -> list[str]:
+    if len(value) > 1 and {"all", "none"} & set(value):
+        raise ValueError("'all' and 'none' stand alone, not in a list with other trackers")
+    return list(dict.fromkeys(value))
+
+
+ReportTo = Annotated[list[TrackerName], BeforeValidator(_as_list), AfterValidator(_alone)]
+
+
+def _project_name(value: str) -> str:
+    # wandb refuses these characters in a project name, and names longer than 128 characters.
+    if not 0 < len(value) <= 128 or set(value) & set("/\\#?%:"):
+        raise ValueError("a project name has 1 to 128 characters, none of / \\ # ? % :")
+    return value
+
+
+TrackerProject = Annotated[str, AfterValidator(_project_name)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -225,6 +257,14 @@ class TrainSection(Section):
     eval_every: int = Field(default=50, ge=1)
     #: at the end, real τ of SpecDiff greedy decoding on this many held-out prompts (64 new tokens); 0: skip
     final_eval_prompts: int = Field(default=8, ge=0)
+    #: experiment trackers of the training metrics, named as transformers' report_to: tensorboard (events in
+    #: <out>/tensorboard), wandb (<out>/wandb; WANDB_MODE=offline logs without an account), trackio (its local store:
+    #: $TRACKIO_DIR, default ~/.cache/huggingface/trackio), a list of them, all (every one installed) or none
+    report_to: ReportTo = Field(default_factory=lambda: ["tensorboard"])
+    #: the project the run is filed under in wandb and trackio
+    project: TrackerProject = "align"
+    #: the run's name in the trackers; None: the name of the run folder (train.out)
+    run_name: Optional[str] = Field(default=None, min_length=1)
 
     def labels_online(self) -> bool:
         """Whether the verifier runs inside the training step: on-policy, or online with a loss that reads its
@@ -250,6 +290,12 @@ class GkdSection(Section):
     #: length of the drafter's on-policy samples
     max_new_tokens: int = Field(default=64, ge=1)
     seed: int = 0
+    #: experiment trackers, as train.report_to; TRL's trainer writes tensorboard events under <out>/runs
+    report_to: ReportTo = Field(default_factory=lambda: ["tensorboard"])
+    #: the project the run is filed under in wandb and trackio
+    project: TrackerProject = "align"
+    #: the run's name in the trackers; None: the name of the run folder (gkd.out)
+    run_name: Optional[str] = Field(default=None, min_length=1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1014,6 +1060,16 @@ def check_train(recipe: Recipe) -> None:
             raise RecipeError(f"train.lora_r: {recipe.drafter.path} is a {model_type} model, whose encoder and "
                               "decoder share their weights; LoRA would adapt them apart. Train it fully "
                               "(train.lora_r=0)")
+    from align.tracking import check_trackers  # imports a tracker's package only when the recipe names it
+
+    check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
+
+
+def check_gkd(recipe: Recipe) -> None:
+    """`align gkd`'s checks beyond its models'."""
+    from align.tracking import check_trackers
+
+    check_trackers("gkd.report_to", recipe.gkd.report_to, recipe.gkd.project)
 
 
 def eval_models(recipe: Recipe) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import torch
 from align.checkpoint import save_merged
 from align.config import Recipe, check_inputs
 from align.models import load_tokenizer
+from align.tracking import open_trackers, resolve
 
 
 class TrajectoryCollator:
@@ -55,14 +56,22 @@ def main(recipe: Recipe, command: str) -> None:
     student = AutoModelForCausalLM.from_pretrained(recipe.ar_drafter.path, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(recipe.verifier.path, dtype=torch.float32)
     out = Path(g.out)
+    trackers, run_name = resolve(g.report_to), g.run_name or out.resolve().name
+    # TRL's trainer reports to the trackers itself (tensorboard under <out>/runs). The wandb run is opened here, in the
+    # run folder with the recipe as its config, and TRL's callback logs into it instead of starting one in the
+    # working directory.
+    wandb_run = open_trackers(["wandb"], out, g.project, run_name, recipe.to_dict()) if "wandb" in trackers else None
     args = GKDConfig(
         output_dir=str(out), max_steps=g.max_steps, learning_rate=g.lr, per_device_train_batch_size=g.batch_size,
-        lmbda=g.lmbda, beta=g.beta, max_new_tokens=g.max_new_tokens, seed=g.seed, report_to=[], save_strategy="no",
-        logging_steps=max(1, g.max_steps // 20), use_cpu=not torch.cuda.is_available(), bf16=False,
+        lmbda=g.lmbda, beta=g.beta, max_new_tokens=g.max_new_tokens, seed=g.seed, report_to=trackers,
+        run_name=run_name, project=g.project, save_strategy="no", logging_steps=max(1, g.max_steps // 20),
+        use_cpu=not torch.cuda.is_available(), bf16=False,
     )
     trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,
                          data_collator=TrajectoryCollator(tokenizer.pad_token_id), processing_class=tokenizer)
     trainer.train()
+    if wandb_run is not None:
+        wandb_run.close()
     final = out / "final"
     save_merged(trainer.model, tokenizer, final, {"meta.json": json.dumps(
         {"command": command, "recipe": recipe.to_dict(), "log": trainer.state.log_history}, indent=2)})

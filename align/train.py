@@ -7,8 +7,9 @@ the DeepSpeed launcher runs on every rank:
 
 Reads trajectories written by `align trajectories`, trains on windows with the recipe's weighted losses, and writes
 `<train.out>/step_<N>/` (a merged HF folder loadable by transformers alone, with meta.json), `ds_state/` (DeepSpeed
-state for exact resume), `metrics.jsonl` and TensorBoard events. A re-run resumes from the last checkpoint and
-reproduces the losses an uninterrupted run would have had: every batch is a function of (seed, step, rank).
+state for exact resume) and `metrics.jsonl`, and sends the metrics to the trackers of `train.report_to` (TensorBoard
+events in `<train.out>/tensorboard` by default). A re-run resumes from the last checkpoint and reproduces the losses
+an uninterrupted run would have had: every batch is a function of (seed, step, rank).
 A checkpoint is only ever written from finite weights, so `latest` never points at a poisoned state.
 """
 
@@ -45,6 +46,7 @@ from align.data import check_trajectories_match, load_trajectories, read_traject
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
 from align.launch import strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
+from align.tracking import open_trackers  # noqa: E402
 from align.dflash import dflash_window_logits  # noqa: E402
 from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)  # noqa: E402
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
@@ -378,7 +380,7 @@ def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> 
     return {"final_tau": sum(n + 1 for n in counts) / max(len(counts), 1), "final_tau_prompts": len(prompts)}
 
 
-def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> None:
+def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> dict[str, float]:
     step = recipe.train.max_steps
     record = final_tau(recipe, out / f"step_{step}", data, recipe.train.final_eval_prompts)
     with (out / "metrics.jsonl").open("a") as f:
@@ -386,6 +388,7 @@ def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> None:
     meta_path = out / f"step_{step}" / "meta.json"
     write_text_atomic(meta_path, json.dumps({**json.loads(meta_path.read_text()), **record}, indent=2))
     print(f"align train: real τ on {record['final_tau_prompts']} held-out prompts: {record['final_tau']:.3f}")
+    return record
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -397,12 +400,8 @@ def main(recipe: Recipe, command: str) -> int:
     rank, world = init_distributed()
     trainer = build_trainer(recipe, data, rank, world)
     start = resume(trainer, out)
-    writer = None
-    if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        out.mkdir(parents=True, exist_ok=True)
-        writer = SummaryWriter(str(out / "tensorboard"))
+    # The experiment trackers (train.report_to) live on rank 0, which holds every metric after the step's reductions.
+    trackers = open_trackers(t.report_to, out, t.project, t.run_name, recipe.to_dict(), start) if rank == 0 else None
     meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path, "verifier": recipe.verifier.path,
             "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
             "command": command}
@@ -425,9 +424,7 @@ def main(recipe: Recipe, command: str) -> int:
         if rank == 0:
             with (out / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            for key, value in record.items():
-                if key != "step":
-                    writer.add_scalar(key, value, step + 1)
+            trackers.log({k: v for k, v in record.items() if k != "step"}, step + 1)
             bar.update()
             bar.set_postfix(loss=f"{record['loss']:.4f}")
         if (step + 1) % t.save_every == 0 or step + 1 == t.max_steps:
@@ -435,9 +432,9 @@ def main(recipe: Recipe, command: str) -> int:
     bar.close()
     # Real τ with the runtime (training accuracy alone misleads), from the final merged checkpoint.
     if rank == 0 and status == 0 and t.final_eval_prompts:
-        record_final_tau(recipe, out, data)
-    if writer is not None:
-        writer.close()
+        trackers.log(record_final_tau(recipe, out, data), t.max_steps)
+    if trackers is not None:
+        trackers.close()
     dist.barrier()
     dist.destroy_process_group()
     return status
