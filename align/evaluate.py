@@ -269,7 +269,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     ax.set_ylabel("τ (tokens per verifier forward)")
     ax.set_title(f"Mean accepted length, temperature 0, {result.get('meta', {}).get('num_prompts', '?')} prompts")
-    ax.tick_params(axis="x", rotation=35)
+    plt.setp(ax.get_xticklabels(), rotation=35, ha="right", rotation_mode="anchor")  # each name under its bar
     ax.margins(y=0.12)
     if drafters:
         ax.legend(handles=legend, fontsize=7, title="drafter", title_fontsize=7)
@@ -285,7 +285,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     ax.bar_label(ideal, labels=[_fmt(methods[n]["ideal_speedup"]) if methods[n]["ideal_speedup"] else ""
                                 for n in names], fontsize=6, padding=1)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(list(x), names, rotation=35)
+    ax.set_xticks(list(x), names, rotation=35, ha="right", rotation_mode="anchor")
     ax.set_ylabel("speedup vs fastest AR baseline")
     ax.margins(y=0.12)
     style = [Patch(color="dimgray", label="measured"),
@@ -314,7 +314,8 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
         top.set_ylabel("α_i = P(accept i | accepted < i)"); top.set_ylim(0, 1.08)
         top.set_title("Per-position acceptance, temperature 0")
         top.legend(fontsize=7, ncol=2)
-        bottom.set_yscale("log")
+        if any(any(m.get("per_position_reached") or []) for m in curves.values()):
+            bottom.set_yscale("log")  # counts fall geometrically with the position
         bottom.set_xlabel("draft position i"); bottom.set_ylabel("drafts reaching i (n)")
         bottom.grid(True, which="major", alpha=0.3)
         bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # draft positions are whole numbers
