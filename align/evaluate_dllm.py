@@ -128,6 +128,7 @@ def main(recipe: Recipe, command: str) -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_threads": torch.get_num_threads(),
         "machine": machine(model.device, model.dtype), "versions": versions(),
     }}
+    meta = result["meta"]
     out = Path(e.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "eval.json", report_json(result))
@@ -140,7 +141,9 @@ def main(recipe: Recipe, command: str) -> None:
     report = [f"# align eval (dLLM): {recipe.name}", "", f"`{command}`", "",
               f"{len(prompts)} prompts ({result['meta']['prompts']}); graph calibrated on "
               f"{graph.meta.get('prompts', '?')} ({graph.position_order} order); block {c.block_length}, {c.tokens_per_step} token(s) per step, "
-              f"threshold {c.threshold}. NFE reduction and speedup are against vanilla.", "", *lines, "",
+              f"threshold {c.threshold}. NFE reduction and speedup are against vanilla.", "",
+              f"{meta['machine']['gpu'] or meta['machine']['cpu_model']}, {meta['machine']['torch_threads']} torch "
+              "threads; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + ".", "", *lines, "",
               f"Outputs against vanilla: {exactness}.", "",
               # A weak dLLM can decode into repetition, which makes its future states easy to guess: show what the
               # numbers were measured on.

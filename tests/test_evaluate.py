@@ -246,3 +246,4 @@ def test_dllm_eval_records_and_versions(toy_family, tmp_path):
         assert sum(r["wall_s"] for r in records) == pytest.approx(m["wall_s"], abs=1e-3)
     assert result["meta"]["versions"]["torch"] == torch.__version__
     assert result["meta"]["machine"]["cpu_model"] and result["meta"]["machine"]["gpu"] is None
+    assert f"torch {torch.__version__}" in (out / "report.md").read_text()
