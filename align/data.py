@@ -80,6 +80,8 @@ def _read_dataset(path: str, split: str, key: str, split_key: str, config: Optio
     if not (local.exists() or is_hub_id(path)):
         raise RecipeError(f"{key}: no such file or folder: {path} (nor a Hub dataset id, org/name)")
     what = "a dataset folder" if local.is_dir() else "a Hub dataset"
+    if local.is_file() and config is not None:
+        raise RecipeError(f"{config_key}: {path} is a single file, which has no dataset configs (unset the key)")
     if local.is_file():
         if local.suffix == ".parquet":
             what = "Parquet"

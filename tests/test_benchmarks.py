@@ -110,6 +110,8 @@ def test_gsm8k_by_its_config_name(benchmarks):
         rows_of(f"eval.prompts={gsm8k}", "eval.prompt_field=question")
     with pytest.raises(RecipeError, match=r"eval.dataset_config: .*gsm8k has no config 'mian' \(configs: main, socr"):
         rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=mian", "eval.prompt_field=question")
+    with pytest.raises(RecipeError, match=r"eval.dataset_config: .*question.jsonl is a single file, which has no"):
+        rows_of(f"eval.prompts={benchmarks['spec_bench']}", "eval.dataset_config=main", "eval.prompt_field=turns")
 
 
 def test_spec_bench_categories_first_turns_and_question_ids(benchmarks):
