@@ -243,6 +243,9 @@ def drafter_groups(result: dict[str, Any]) -> dict[str, Optional[str]]:
             for n in names}
 
 
+FEW_DRAFTS = 10  # an α_i measured on fewer drafts is drawn hollow: its value is mostly noise
+
+
 def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     """PNGs of the greedy run: τ and speedup bars with their values written on them, acceptance curves over the number
     of drafts that reached each position (an α_i from a handful of drafts means little), and ADL's draft lengths.
@@ -271,8 +274,9 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     ax.set_title(f"Mean accepted length, temperature 0, {result.get('meta', {}).get('num_prompts', '?')} prompts")
     plt.setp(ax.get_xticklabels(), rotation=35, ha="right", rotation_mode="anchor")  # each name under its bar
     ax.margins(y=0.12)
-    if drafters:
-        ax.legend(handles=legend, fontsize=7, title="drafter", title_fontsize=7)
+    if drafters:  # beside the axes, where no bar is hidden
+        ax.legend(handles=legend, fontsize=7, title="drafter", title_fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.01, 1))
     fig.tight_layout(); fig.savefig(out / "tau.png", dpi=110); plt.close(fig); written.append("tau.png")
 
     fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(names) + 2), 3.8))
@@ -290,7 +294,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
     ax.margins(y=0.12)
     style = [Patch(color="dimgray", label="measured"),
              Patch(facecolor="dimgray", alpha=0.35, hatch="//", edgecolor="dimgray", label="ideal")]
-    ax.legend(handles=style + (legend if drafters else []), fontsize=7)
+    ax.legend(handles=style + (legend if drafters else []), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout(); fig.savefig(out / "speedup.png", dpi=110); plt.close(fig); written.append("speedup.png")
 
     curves = {n: m for n, m in methods.items() if m["per_position_acceptance"]}
@@ -305,6 +309,8 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
             tint = colour[groups[name]] if drafters else palette[k % 10]
             line = dashes[bases.index(base_method(name)) % 4] if drafters else "-"
             top.plot([p[0] for p in points], [p[1] for p in points], line, marker="o", ms=3, color=tint, label=name)
+            few = [p for p in points if p[0] <= len(reached) and reached[p[0] - 1] < FEW_DRAFTS]
+            top.plot([p[0] for p in few], [p[1] for p in few], "o", ms=5, color=tint, markerfacecolor="white")
             bottom.plot(range(1, len(reached) + 1), reached, line, marker=".", ms=3, color=tint)
             # the count on the curve's last point: how few drafts its tail stands on
             if points and reached:
@@ -312,7 +318,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
                 top.annotate(f"n={reached[last - 1]}", points[-1], fontsize=6, color=tint,
                              xytext=(3, 2), textcoords="offset points")
         top.set_ylabel("α_i = P(accept i | accepted < i)"); top.set_ylim(0, 1.08)
-        top.set_title("Per-position acceptance, temperature 0")
+        top.set_title(f"Per-position acceptance, temperature 0 (hollow: fewer than {FEW_DRAFTS} drafts reached i)")
         top.legend(fontsize=7, ncol=2)
         if any(any(m.get("per_position_reached") or []) for m in curves.values()):
             bottom.set_yscale("log")  # counts fall geometrically with the position
