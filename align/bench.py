@@ -7,12 +7,14 @@ runs first (caches, allocator, CPU frequency), and a prompt's time is the median
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -56,6 +58,76 @@ def verifier_latency(verifier: Any, context_len: int, new_tokens: int, batch: in
         times.append(time.perf_counter() - t0)
         cache.crop(-new_tokens)
     return statistics.median(times)
+
+
+# What a report names the software it was measured with: distribution names (align's is `align-drafters`).
+VERSIONED = ("torch", "transformers", "align-drafters", "deepspeed", "datasets")
+
+
+def versions() -> dict[str, Optional[str]]:
+    """distribution -> installed version (None: not installed), VERSIONED and Python's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name ("AMD EPYC 7763 64-Core Processor"): /proc/cpuinfo's `model name` on Linux; else what
+    the platform says (macOS: sysctl's brand string), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        import subprocess
+
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Where a run was measured. `processor` (platform.processor(), often just the architecture) stays for the readers
+    of eval.json schema 1; cpu_model names the CPU, gpu the accelerator the models ran on (None on a CPU)."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "device": str(device), "dtype": str(dtype)}
+
+
+def _flat(value: Any) -> bool:
+    """A scalar, or a list of scalars: what report_json writes on one line."""
+    scalar = (str, int, float, bool, type(None))
+    return isinstance(value, scalar) or (isinstance(value, list) and all(isinstance(v, scalar) for v in value))
+
+
+def report_json(value: Any) -> str:
+    """A report (eval.json) as JSON indented by 2 like json.dumps(indent=2), except that a list of numbers stays on one
+    line, and a list of records (dicts of such values) has one record per line: per-prompt records of a few hundred
+    prompts stay a readable file rather than one number per line."""
+    def render(v: Any, pad: str) -> str:
+        inner = pad + "  "
+        if isinstance(v, dict) and v:
+            return "{\n" + ",\n".join(f"{inner}{json.dumps(k)}: {render(x, inner)}" for k, x in v.items()) + \
+                f"\n{pad}}}"
+        if isinstance(v, list) and v and not _flat(v):
+            records = all(isinstance(x, dict) and all(_flat(y) for y in x.values()) for x in v)
+            items = [json.dumps(x) if records else render(x, inner) for x in v]
+            return "[\n" + ",\n".join(inner + item for item in items) + f"\n{pad}]"
+        return json.dumps(v)
+
+    return render(value, "") + "\n"
 
 
 @dataclass

@@ -13,6 +13,7 @@ from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_p
                         tiny_prompts_path)
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import POSITION_ORDERS, calibrate
+from align.methods import eos_token_ids
 from align.models import context_length, load_drafter, load_tokenizer
 
 
@@ -25,7 +26,7 @@ def main(recipe: Recipe, command: str) -> None:
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.drafter.path)
     prompt_ids = [render_prompt(tokenizer, p, template) for p in prompts]
     model, spec = load_drafter(recipe.drafter, tokenizer)
-    eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    eos_ids = eos_token_ids(model, tokenizer)
     t0 = time.perf_counter()
     traces: list[BlockTrace] = []
     nfe = context_forwards = 0

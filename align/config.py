@@ -399,6 +399,15 @@ class EvalSection(Section):
     #: the column holding the prompt: a string, chat messages (as data.prompt_column), or a list of strings (as
     #: Spec-Bench's `turns`: its first element)
     prompt_field: str = "prompt"
+    #: the dataset config (subset) of eval.prompts, as `datasets.load_dataset`'s second argument: GSM8K's `main`;
+    #: None: the dataset's only (or default) config
+    dataset_config: Optional[str] = None
+    #: keep only the rows whose `category` column is one of these (Spec-Bench / MT-Bench: writing, coding, math,
+    #: translation, ...); empty: every row
+    categories: list[str] = Field(default_factory=list)
+    #: the column holding each prompt's stable id, recorded in eval.json (HumanEval's `task_id`); None: the first of
+    #: task_id, question_id, prompt_id, id that the rows hold, else the sha256 of the prompt's token ids
+    id_field: Optional[str] = None
     #: output folder: eval.json, report.md, plots
     out: str = "checkpoints/tiny-eval"
     #: prompts evaluated; None: all

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
@@ -34,6 +35,15 @@ PROMPT_SOURCES: dict[str, tuple[str, str, str]] = {
     "eval.prompts": ("eval.split", "eval.prompt_field", "eval.num_prompts"),
     "calibrate.prompts": ("calibrate.split", "calibrate.prompt_field", "calibrate.num_prompts"),
 }
+# What a benchmark source takes besides: recipe key -> the keys of its dataset config name, of its category filter
+# (a `category` column, as Spec-Bench's and MT-Bench's), and of the column holding each prompt's stable id.
+BENCHMARK_KEYS: dict[str, tuple[str, str, str]] = {
+    "eval.prompts": ("eval.dataset_config", "eval.categories", "eval.id_field"),
+}
+CATEGORY_COLUMN = "category"
+# The id columns of the usual benchmarks, looked for in this order when no id column is named: HumanEval's task_id,
+# Spec-Bench's and MT-Bench's question_id, and the generic ones.
+ID_COLUMNS = ("task_id", "question_id", "prompt_id", "id")
 
 
 def file_sha256(path: Path) -> str:
@@ -60,14 +70,18 @@ def _quiet_datasets() -> Iterator[Any]:
         datasets.logging.set_verbosity(verbosity)
 
 
-def _read_dataset(path: str, split: str, key: str, split_key: str) -> Any:
-    """The `split` of the dataset at `path` (a `datasets.Dataset`, or [] for an empty file)."""
+def _read_dataset(path: str, split: str, key: str, split_key: str, config: Optional[str] = None,
+                  config_key: Optional[str] = None) -> Any:
+    """The `split` of the dataset at `path` (a `datasets.Dataset`, or [] for an empty file), of its dataset config
+    `config` (a Hub-layout folder or id with several, as GSM8K's `main` and `socratic`) when given."""
     local = Path(path)
     if not local.exists() and local.suffix in (".jsonl", ".json", ".parquet"):
         raise RecipeError(f"{key}: no such file: {path}")  # a file's name, not a Hub id
     if not (local.exists() or is_hub_id(path)):
         raise RecipeError(f"{key}: no such file or folder: {path} (nor a Hub dataset id, org/name)")
     what = "a dataset folder" if local.is_dir() else "a Hub dataset"
+    if local.is_file() and config is not None:
+        raise RecipeError(f"{config_key}: {path} is a single file, which has no dataset configs (unset the key)")
     if local.is_file():
         if local.suffix == ".parquet":
             what = "Parquet"
@@ -88,8 +102,13 @@ def _read_dataset(path: str, split: str, key: str, split_key: str) -> Any:
                 # A single file is one split, named as the recipe asks, so the split key never refuses a file.
                 builder = "parquet" if what == "Parquet" else "json"
                 return datasets.load_dataset(builder, data_files={split: str(local)}, split=split)
-            return datasets.load_dataset(path, split=split)  # a Hub-layout folder or id: splits from file names
+            # a Hub-layout folder or id: configs from its README's metadata, splits from file names
+            return datasets.load_dataset(path, config, split=split)
         except ValueError as e:
+            if config_key is not None and ("Config name is missing" in str(e) or "BuilderConfig" in str(e)):
+                known = str(e).partition("[")[2].partition("]")[0].replace("'", "")
+                wanted = "needs one" if config is None else f"has no config '{config}'"
+                raise RecipeError(f"{config_key}: {path} {wanted} (configs: {known})") from None
             if "Unknown split" not in str(e):
                 raise RecipeError(f"{key}: cannot read {path} as {what} ({first_line(e)})") from None
             known = str(e).partition("[")[2].partition("]")[0].replace("'", "")
@@ -136,11 +155,31 @@ def _as_prompt(value: Any, where: str) -> Optional[Prompt]:
                       f"{str(value)[:80]})")
 
 
-def load_prompts(recipe: Recipe, key: str, default: Optional[str] = None) -> list[Prompt]:
-    """The prompts of the source named by `key` (a PROMPT_SOURCES key), with its split and column keys; when the key is
-    unset, those of the tiny prompt file `default` (a JSONL with a `prompt` field). Only as many as the stage reads
-    are converted and checked (a Hub chat dataset may hold hundreds of thousands)."""
+@dataclass
+class PromptRow:
+    """A prompt and where it came from: its row in the dataset split, and its id there (the id column's value as
+    text; None when the rows hold no id column)."""
+
+    prompt: Prompt
+    row: int
+    id: Optional[str] = None
+
+
+def _id_column(rows: Any, id_key: Optional[str], wanted: Optional[str], path: str) -> Optional[str]:
+    if wanted is not None:
+        if len(rows) and wanted not in rows.column_names:
+            raise RecipeError(f"{id_key}: {path} has no '{wanted}' field (fields: {', '.join(rows.column_names)})")
+        return wanted
+    return next((c for c in ID_COLUMNS if len(rows) and c in rows.column_names), None)
+
+
+def load_prompt_rows(recipe: Recipe, key: str, default: Optional[str] = None) -> list[PromptRow]:
+    """The prompts of the source named by `key` (a PROMPT_SOURCES key), with its split and column keys, and for a
+    benchmark source (BENCHMARK_KEYS) its dataset config, category filter and id column; when the key is unset, those
+    of the tiny prompt file `default` (a JSONL with a `prompt` field). Only as many as the stage reads are converted
+    and checked (a Hub chat dataset may hold hundreds of thousands)."""
     split_key, column_key, limit_key = PROMPT_SOURCES[key]
+    config_key, categories_key, id_key = BENCHMARK_KEYS.get(key, (None, None, None))
     path = get_key(recipe, key)
     if path is not None:
         split, column = get_key(recipe, split_key), get_key(recipe, column_key)
@@ -148,21 +187,46 @@ def load_prompts(recipe: Recipe, key: str, default: Optional[str] = None) -> lis
         path, split, column = default, "train", "prompt"
     else:
         raise RecipeError(f"{key}: no prompts given")
-    rows = _read_dataset(path, split, key, split_key)
+    config = get_key(recipe, config_key) if config_key else None
+    categories = set(get_key(recipe, categories_key)) if categories_key else set()
+    rows = _read_dataset(path, split, key, split_key, config, config_key)
     if len(rows) and column not in rows.column_names:
         raise RecipeError(f"{column_key}: {path} has no '{column}' field (fields: {', '.join(rows.column_names)})")
+    if categories and len(rows) and CATEGORY_COLUMN not in rows.column_names:
+        raise RecipeError(f"{categories_key}: {path} has no '{CATEGORY_COLUMN}' field (fields: "
+                          f"{', '.join(rows.column_names)})")
+    id_column = _id_column(rows, id_key, get_key(recipe, id_key) if id_key else None, path)
+    columns = [column, *([CATEGORY_COLUMN] if categories else []), *([id_column] if id_column else [])]
     limit = get_key(recipe, limit_key)
-    prompts: list[Prompt] = []
+    found: list[PromptRow] = []
+    seen: set[str] = set()
+    if len(rows):
+        rows = rows.select_columns(list(dict.fromkeys(columns)))  # only what is read, batch by batch
     for start in range(0, len(rows), 1024):
-        for i, value in enumerate(rows[start : start + 1024][column], start):
-            prompt = _as_prompt(value, f"{column_key}: row {i} of {path}")
+        batch = rows[start : start + 1024]
+        for i in range(len(batch[column])):
+            row = start + i
+            if categories:
+                category = str(batch[CATEGORY_COLUMN][i])
+                seen.add(category)
+                if category not in categories:
+                    continue
+            prompt = _as_prompt(batch[column][i], f"{column_key}: row {row} of {path}")
             if prompt is not None:
-                prompts.append(prompt)
-            if limit is not None and len(prompts) == limit:
-                return prompts
-    if not prompts:
+                found.append(PromptRow(prompt, row, None if id_column is None else str(batch[id_column][i])))
+            if limit is not None and len(found) == limit:
+                return found
+    if not found and categories:
+        raise RecipeError(f"{categories_key}: {path} holds no prompts in {', '.join(sorted(categories))} "
+                          f"(categories: {', '.join(sorted(seen))})")
+    if not found:
         raise RecipeError(f"{key}: {path} holds no prompts")
-    return prompts
+    return found
+
+
+def load_prompts(recipe: Recipe, key: str, default: Optional[str] = None) -> list[Prompt]:
+    """The prompts of load_prompt_rows, without where they came from."""
+    return [r.prompt for r in load_prompt_rows(recipe, key, default)]
 
 
 def tiny_prompts_path(recipe: Recipe, split: str, model_dir: str | None = None) -> str:
@@ -171,10 +235,16 @@ def tiny_prompts_path(recipe: Recipe, split: str, model_dir: str | None = None) 
     return str(data_dir / "prompts" / f"{split}.jsonl")
 
 
-def eval_prompts(recipe: Recipe) -> list[Prompt]:
-    """eval.prompts (split eval.split, column eval.prompt_field), or the tiny test split; the first eval.num_prompts."""
+def eval_prompt_rows(recipe: Recipe) -> list[PromptRow]:
+    """eval.prompts (split eval.split, column eval.prompt_field, config eval.dataset_config, rows of eval.categories),
+    or the tiny test split; the first eval.num_prompts."""
     default = None if recipe.eval.prompts else tiny_prompts_path(recipe, "test", recipe.verifier.path)
-    return load_prompts(recipe, "eval.prompts", default)
+    return load_prompt_rows(recipe, "eval.prompts", default)
+
+
+def eval_prompts(recipe: Recipe) -> list[Prompt]:
+    """The prompts of eval_prompt_rows."""
+    return [r.prompt for r in eval_prompt_rows(recipe)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -234,6 +304,12 @@ def render_prompt(tokenizer: Any, prompt: Prompt, template: Optional[str]) -> li
 def prompt_ids_sha256(prompt_ids: list[list[int]]) -> str:
     """What manifests record of the prompts a model read: equal exactly when the token ids are."""
     return hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
+
+
+def prompt_id(row: PromptRow, prompt_ids: list[int]) -> str:
+    """A prompt's stable id in reports: its dataset's id (HumanEval/0, a Spec-Bench question_id), or else
+    `sha256:` and the first 16 hex digits of its token ids' sha256 (the same prompt rendered the same way)."""
+    return row.id if row.id is not None else "sha256:" + prompt_ids_sha256([prompt_ids])[:16]
 
 
 def encode_prompts(tokenizer: Any, prompts: list[Prompt], template: Optional[str], max_new_tokens: int,

@@ -1,16 +1,29 @@
 """`align eval`: every decoding method on the same prompts, in one process, interleaved, after warm-up.
 
-Writes `eval.json` (per method: τ, speedup, tokens/s, exact match with AR greedy, per-position acceptance, forwards,
-wall time, ideal speedup), `report.md` and PNG plots to `eval.out`. The greedy run is under `methods`, the sampled
-run under `sampling.methods`. Speedups are against the faster of our AR loop and HF `generate()`: a slow baseline
-would inflate every number.
+Writes `eval.json`, `report.md` and PNG plots to `eval.out`. Speedups are against the faster of our AR loop and HF
+`generate()`: a slow baseline would inflate every number.
+
+eval.json, by `schema_version` (a file without the key is version 1):
+
+1. `methods.<name>` (the greedy run; `sampling.methods` the sampled one, with `sampling.temperature`): tau, speedup,
+   tokens_per_s, exact_match (with AR greedy; None sampled), per_position_acceptance (α_i, None where no draft reached
+   position i), verifier_forwards, drafter_forwards, new_tokens, wall_s, ideal_speedup; speculative methods also
+   overhead, mean_draft_length, draft_s, verify_s, and ADL's draft_length_trace (first prompt). `meta`: command,
+   recipe, prompts (the source), num_prompts, date, prompts_sha256, chat_template_sha256, machine (platform,
+   processor, cpus, torch_threads, device, dtype), baseline, drafter_spec, drafter, compare_drafters.
+2. Adds, per method, `records`: one per prompt, in prompt order, {index (in this eval), row (in the dataset split),
+   id (the dataset's task_id / question_id / eval.id_field, else `sha256:` + 16 hex digits of the prompt's token ids),
+   prompt_tokens, new_tokens, verifier_forwards, drafter_forwards, tau, accepted_lengths (tokens emitted per verifier
+   forward, accepted draft tokens + 1; None for HF's opaque methods), draft_lengths (likewise), wall_s (the median of
+   eval.repeats)}; and `per_position_reached` (drafts that reached each position, the sample size of each α_i).
+   A method's tau is total accepted_lengths / total iterations over its records (speculative methods), or
+   Σ (new_tokens − 1) / Σ verifier_forwards (the others: the prefill gives the first token). `meta` adds versions
+   (python, torch, transformers, align-drafters, deepspeed, datasets; None when not installed), machine.cpu_model
+   (/proc/cpuinfo's model name) and machine.gpu (None without CUDA).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 import time
 from dataclasses import replace
@@ -20,13 +33,14 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import AutoConfig
 
-from align.bench import Run, interleaved, verifier_latency
+from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
 from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError, eval_models
-from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256, template_sha256
+from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_id, prompt_ids_sha256,
+                        template_sha256)
 from align.decoding.generation import GenerationStats, Sampling
-from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, proxy_source,
-                           trigram_proxy)
+from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
+                           prompt_generator, proxy_source, trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
 
 
@@ -35,20 +49,43 @@ from align.models import context_length, load_ar_drafter, load_drafter, load_tok
 # --------------------------------------------------------------------------------------------------------------------
 def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
             repeats: int, seed: int, desc: str) -> dict[str, Run]:
-    """Every method (name -> its setup) on every prompt, interleaved; prompt i samples from its own seed, with a
-    generator on the prompt's device (a CPU generator cannot drive sampling on a GPU)."""
-    def generator(i: int, device: torch.device) -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(seed * 100_003 + i)
-
+    """Every method (name -> its setup) on every prompt, interleaved; prompt i samples from its own seed
+    (methods.prompt_generator, as the Python API does)."""
     def method(name: str) -> Callable[[int, torch.Tensor], tuple[list[int], GenerationStats]]:
-        return lambda i, ids: METHODS[base_method(name)](setups[name], ids, sampling, generator(i, ids.device))
+        return lambda i, ids: METHODS[base_method(name)](setups[name], ids, sampling,
+                                                          prompt_generator(seed, i, ids.device))
 
     return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
 
 
+SCHEMA_VERSION = 2  # of eval.json: what each version holds is in the module docstring
+
+
+def position_counts(accept_counts: list[int], draft_lengths: list[int], max_len: int) -> list[int]:
+    """How many drafts reached each draft position i = 1..max_len (all earlier positions accepted): the sample size
+    of GenerationStats.per_position_acceptance's α_i."""
+    return [sum(1 for n, g in zip(accept_counts, draft_lengths) if n >= i and g > i) for i in range(max_len)]
+
+
+def prompt_records(run: Run, prompts: list[dict[str, Any]], speculative: bool) -> list[dict[str, Any]]:
+    """eval.json's per-prompt records of one method (schema 2); `prompts`: each prompt's index, row, id and
+    prompt_tokens."""
+    records = []
+    for where, tokens, stats, wall in zip(prompts, run.tokens, run.stats, run.wall_s):
+        accepted = [n + 1 for n in stats.accept_counts] if speculative else None
+        tau = (stats.tau if speculative else (len(tokens) - 1) / max(stats.verifier_forwards, 1))
+        records.append({**where, "new_tokens": len(tokens), "verifier_forwards": stats.verifier_forwards,
+                        "drafter_forwards": stats.drafter_forwards, "tau": round(tau, 4),
+                        "accepted_lengths": accepted,
+                        "draft_lengths": list(stats.draft_lengths) if speculative else None,
+                        "wall_s": round(wall, 6)})
+    return records
+
+
 def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
-              reference: Optional[list[list[int]]]) -> dict[str, dict[str, Any]]:
-    """eval.json's per-method fields. reference: AR greedy tokens per prompt (None for a sampled run)."""
+              reference: Optional[list[list[int]]], where: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """eval.json's per-method fields. reference: AR greedy tokens per prompt (None for a sampled run); where: each
+    prompt's index, row, id and prompt_tokens, for the per-prompt records."""
     baseline_wall = min(sum(runs[b].wall_s) for b in BASELINES if b in runs)
     context = int(statistics.median(p.shape[1] for p in prompts)) + setup.decode.max_new_tokens // 2
     latency: dict[tuple[int, int], float] = {}
@@ -92,9 +129,11 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
             mean_draft = sum(pooled.draft_lengths) / iterations
             batch = setup.decode.num_candidates if method == "specdiff2_select" else 1
             ideal = tau * verify_cost(1, 1) / (verify_cost(round(mean_draft) + 1, batch) + pooled.draft_s / iterations)
+            longest = max(pooled.draft_lengths)
             entry.update({
                 "per_position_acceptance": [None if a is None else round(a, 4)
-                                            for a in pooled.per_position_acceptance(max(pooled.draft_lengths))],
+                                            for a in pooled.per_position_acceptance(longest)],
+                "per_position_reached": position_counts(pooled.accept_counts, pooled.draft_lengths, longest),
                 "ideal_speedup": round(ideal, 4),
                 "overhead": round(1 - entry["speedup"] / ideal, 4),
                 "mean_draft_length": round(mean_draft, 3),
@@ -103,6 +142,7 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
             })
             if method.endswith("adl"):
                 entry["draft_length_trace"] = run.stats[0].draft_lengths
+        entry["records"] = prompt_records(run, where, speculative)
         out[name] = entry
     return out
 
@@ -139,46 +179,110 @@ def before_after_table(methods: dict[str, dict[str, Any]]) -> Optional[str]:
     return "\n".join(lines) if len(lines) > 2 else None
 
 
+def drafter_groups(result: dict[str, Any]) -> dict[str, Optional[str]]:
+    """Which drafter each method ran with, for one colour per drafter: `<method>@<label>` ran eval.compare_drafters'
+    `label`; a method with compared twins ran drafter.path (named by its folder); None: a method that runs no compared
+    drafter (the baselines, the AR drafter's methods), and every method when no drafters are compared."""
+    names = list(result["methods"])
+    if not any("@" in n for n in names):
+        return {n: None for n in names}
+    drafter = result.get("meta", {}).get("drafter")
+    own = f"{Path(drafter).name} (drafter.path)" if drafter else "drafter.path"
+    return {n: n.split("@", 1)[1] if "@" in n else own if any(o.startswith(n + "@") for o in names) else None
+            for n in names}
+
+
+FEW_DRAFTS = 10  # an α_i measured on fewer drafts is drawn hollow: its value is mostly noise
+
+
 def write_plots(result: dict[str, Any], out: Path) -> list[str]:
+    """PNGs of the greedy run: τ and speedup bars with their values written on them, acceptance curves over the number
+    of drafts that reached each position (an α_i from a handful of drafts means little), and ADL's draft lengths.
+    With eval.compare_drafters, each drafter has one colour across the plots."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     methods = result["methods"]
     names = list(methods)
+    groups = drafter_groups(result)
+    palette = plt.get_cmap("tab10").colors
+    drafters = list(dict.fromkeys(g for g in groups.values() if g is not None))
+    colour = {None: "tab:gray" if drafters else "tab:blue", **{g: palette[k % 10] for k, g in enumerate(drafters)}}
+    legend = ([Patch(color=colour[g], label=g) for g in drafters] +
+              ([Patch(color=colour[None], label="no compared drafter")] if None in groups.values() else []))
     written = []
-    fig, ax = plt.subplots(figsize=(9, 3.5))
-    ax.bar(names, [methods[n]["tau"] for n in names], color="tab:blue")
+
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(names) + 2), 3.8))
+    bars = ax.bar(names, [methods[n]["tau"] for n in names], color=[colour[groups[n]] for n in names])
+    ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     ax.set_ylabel("τ (tokens per verifier forward)")
-    ax.set_title("Mean accepted length, temperature 0")
-    ax.tick_params(axis="x", rotation=35)
+    ax.set_title(f"Mean accepted length, temperature 0, {result.get('meta', {}).get('num_prompts', '?')} prompts")
+    plt.setp(ax.get_xticklabels(), rotation=35, ha="right", rotation_mode="anchor")  # each name under its bar
+    ax.margins(y=0.12)
+    if drafters:  # beside the axes, where no bar is hidden
+        ax.legend(handles=legend, fontsize=7, title="drafter", title_fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.01, 1))
     fig.tight_layout(); fig.savefig(out / "tau.png", dpi=110); plt.close(fig); written.append("tau.png")
 
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(names) + 2), 3.8))
     x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [methods[n]["speedup"] for n in names], width=0.4, label="measured")
-    ax.bar([i + 0.2 for i in x], [methods[n]["ideal_speedup"] or 0 for n in names], width=0.4, label="ideal")
+    tints = [colour[groups[n]] for n in names]
+    measured = ax.bar([i - 0.2 for i in x], [methods[n]["speedup"] for n in names], width=0.4, color=tints)
+    ideal = ax.bar([i + 0.2 for i in x], [methods[n]["ideal_speedup"] or 0 for n in names], width=0.4, color=tints,
+                   alpha=0.35, hatch="//", edgecolor=tints)
+    ax.bar_label(measured, fmt="%.2f", fontsize=6, padding=1)
+    ax.bar_label(ideal, labels=[_fmt(methods[n]["ideal_speedup"]) if methods[n]["ideal_speedup"] else ""
+                                for n in names], fontsize=6, padding=1)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(list(x), names, rotation=35)
+    ax.set_xticks(list(x), names, rotation=35, ha="right", rotation_mode="anchor")
     ax.set_ylabel("speedup vs fastest AR baseline")
-    ax.legend(); fig.tight_layout(); fig.savefig(out / "speedup.png", dpi=110); plt.close(fig); written.append("speedup.png")
+    ax.margins(y=0.12)
+    style = [Patch(color="dimgray", label="measured"),
+             Patch(facecolor="dimgray", alpha=0.35, hatch="//", edgecolor="dimgray", label="ideal")]
+    ax.legend(handles=style + (legend if drafters else []), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout(); fig.savefig(out / "speedup.png", dpi=110); plt.close(fig); written.append("speedup.png")
 
-    curves = {n: m["per_position_acceptance"] for n, m in methods.items() if m["per_position_acceptance"]}
+    curves = {n: m for n, m in methods.items() if m["per_position_acceptance"]}
     if curves:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for name, alphas in curves.items():
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True, height_ratios=(3, 2))
+        dashes = ["-", "--", ":", "-."]
+        bases = list(dict.fromkeys(base_method(n) for n in curves))
+        for k, (name, m) in enumerate(curves.items()):
+            alphas, reached = m["per_position_acceptance"], m.get("per_position_reached") or []
             points = [(i + 1, a) for i, a in enumerate(alphas) if a is not None]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=name)
-        ax.set_xlabel("draft position i"); ax.set_ylabel("α_i = P(accept i | accepted < i)"); ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=7); fig.tight_layout(); fig.savefig(out / "acceptance.png", dpi=110); plt.close(fig)
+            # With compared drafters: the drafter's colour, a line style per method; else one colour per method.
+            tint = colour[groups[name]] if drafters else palette[k % 10]
+            line = dashes[bases.index(base_method(name)) % 4] if drafters else "-"
+            top.plot([p[0] for p in points], [p[1] for p in points], line, marker="o", ms=3, color=tint, label=name)
+            few = [p for p in points if p[0] <= len(reached) and reached[p[0] - 1] < FEW_DRAFTS]
+            top.plot([p[0] for p in few], [p[1] for p in few], "o", ms=5, color=tint, markerfacecolor="white")
+            bottom.plot(range(1, len(reached) + 1), reached, line, marker=".", ms=3, color=tint)
+            # the count on the curve's last point: how few drafts its tail stands on
+            if points and reached:
+                last = points[-1][0]
+                top.annotate(f"n={reached[last - 1]}", points[-1], fontsize=6, color=tint,
+                             xytext=(3, 2), textcoords="offset points")
+        top.set_ylabel("α_i = P(accept i | accepted < i)"); top.set_ylim(0, 1.08)
+        top.set_title(f"Per-position acceptance, temperature 0 (hollow: fewer than {FEW_DRAFTS} drafts reached i)")
+        top.legend(fontsize=7, ncol=2)
+        if any(any(m.get("per_position_reached") or []) for m in curves.values()):
+            bottom.set_yscale("log")  # counts fall geometrically with the position
+        bottom.set_xlabel("draft position i"); bottom.set_ylabel("drafts reaching i (n)")
+        bottom.grid(True, which="major", alpha=0.3)
+        bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # draft positions are whole numbers
+        fig.tight_layout(); fig.savefig(out / "acceptance.png", dpi=110); plt.close(fig)
         written.append("acceptance.png")
 
     traces = {n: m["draft_length_trace"] for n, m in methods.items() if m.get("draft_length_trace")}
     if traces:
         fig, ax = plt.subplots(figsize=(7, 3))
         for name, trace in traces.items():
-            ax.step(range(1, len(trace) + 1), trace, where="post", label=name)
+            ax.step(range(1, len(trace) + 1), trace, where="post", label=name,
+                    color=colour[groups[name]] if drafters else None)
         ax.set_xlabel("iteration (first prompt)"); ax.set_ylabel("draft length")
         ax.legend(); fig.tight_layout(); fig.savefig(out / "adl_trace.png", dpi=110); plt.close(fig)
         written.append("adl_trace.png")
@@ -191,8 +295,10 @@ def write_report(result: dict[str, Any], recipe: Recipe, command: str, out: Path
     plots = write_plots(result, out)
     report = [f"# align eval: {recipe.name}", "", f"`{command}`", "",
               f"{meta['num_prompts']} prompts ({meta['prompts']}), {d.max_new_tokens} new tokens, γ={d.gamma}; "
-              f"{meta['machine']['processor']}, {meta['machine']['cpus']} CPUs, {meta['machine']['dtype']}; "
+              f"{meta['machine']['gpu'] or meta['machine']['cpu_model']}, {meta['machine']['cpus']} CPUs, "
+              f"{meta['machine']['torch_threads']} torch threads, {meta['machine']['dtype']}; "
               f"speedup vs the {meta['baseline']}.", "",
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + ".", "",
               "## Temperature 0", "", report_table(result["methods"]), ""]
     comparison = before_after_table(result["methods"])
     if comparison:
@@ -218,18 +324,21 @@ def main(recipe: Recipe, command: str) -> None:
     uses_drafter, uses_ar_drafter = "drafter.path" in needed, "ar_drafter.path" in needed
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
-    texts = eval_prompts(recipe)
+    rows = eval_prompt_rows(recipe)
+    texts = [r.prompt for r in rows]
     compared = {label: recipe.drafter.model_copy(update={"path": path})
                 for label, path in (e.compare_drafters.items() if uses_drafter else ())}
     # The verifier's config first: a too-long prompt is refused before any weights are loaded.
     context = AutoConfig.from_pretrained(recipe.verifier.path, trust_remote_code=recipe.verifier.trust_remote_code)
     prompts = encode_prompts(tokenizer, texts, template, d.max_new_tokens, context_length(context))
+    where = [{"index": i, "row": r.row, "id": prompt_id(r, ids[0].tolist()), "prompt_tokens": ids.shape[1]}
+             for i, (r, ids) in enumerate(zip(rows, prompts))]
     source = proxy_source(recipe) if any("cps" in n for n in names) else None
     verifier = load_verifier(recipe.verifier)
     prompts = [ids.to(verifier.device) for ids in prompts]  # the tokenizer gives CPU tensors
     drafter, spec = load_drafter(recipe.drafter, tokenizer) if uses_drafter else (None, None)
     ar_drafter = load_ar_drafter(recipe.ar_drafter) if uses_ar_drafter else None
-    eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    eos_ids = eos_token_ids(verifier, tokenizer)  # generation_config's end tokens too, as the Python API stops
     proxy = trigram_proxy(source, recipe.data.dir, tokenizer) if source is not None else None
     setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
     setups = {name: setup for name in names}
@@ -247,26 +356,26 @@ def main(recipe: Recipe, command: str) -> None:
 
     print(f"eval: {len(prompts)} prompts, {d.max_new_tokens} new tokens, γ={d.gamma}, methods: {', '.join(names)}")
     greedy = run_all(setups, prompts, Sampling(), e.warmup, e.repeats, d.seed, "temperature 0")
-    result: dict[str, Any] = {"methods": summarise(greedy, setup, prompts, greedy["ar"].tokens)}
+    result: dict[str, Any] = {"schema_version": SCHEMA_VERSION,
+                              "methods": summarise(greedy, setup, prompts, greedy["ar"].tokens, where)}
     if e.sampling_temperature > 0:
         sampling = Sampling(e.sampling_temperature, d.top_k, d.top_p)
         sampled = run_all(setups, prompts, sampling, e.warmup, e.repeats, d.seed, f"temperature {sampling.temperature}")
-        result["sampling"] = {"temperature": sampling.temperature, "methods": summarise(sampled, setup, prompts, None)}
+        result["sampling"] = {"temperature": sampling.temperature, "methods": summarise(sampled, setup, prompts, None, where)}
     result["meta"] = {
         "command": command, "recipe": recipe.to_dict(), "prompts": e.prompts or "tiny test split",
         "num_prompts": len(prompts), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         # the token ids every method read, and the chat template that rendered them
         "prompts_sha256": prompt_ids_sha256([ids[0].tolist() for ids in prompts]),
         "chat_template_sha256": template_sha256(template),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "device": str(next(verifier.parameters()).device), "dtype": str(verifier.dtype)},
+        "machine": machine(next(verifier.parameters()).device, verifier.dtype),
+        "versions": versions(),
         "baseline": "fastest of " + " and ".join(BASELINES),
         "drafter_spec": spec.to_dict() if spec else None,
         "drafter": recipe.drafter.path if uses_drafter else None,
         "compare_drafters": {label: section.path for label, section in compared.items()},
     }
-    write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
+    write_text_atomic(out / "eval.json", report_json(result))
     report = write_report(result, recipe, command, out)
     print(report.split("\n![")[0])
     print(f"wrote {out / 'eval.json'}, {out / 'report.md'} and its plots")

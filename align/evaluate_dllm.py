@@ -1,23 +1,38 @@
 """`align eval` with eval.mode=dllm: the drafter decoded as a diffusion LM. Vanilla block decoding against Spiffy
-for each budget D, threshold (parallel) decoding, and threshold + Spiffy; all in one process, interleaved."""
+for each budget D, threshold (parallel) decoding, and threshold + Spiffy; all in one process, interleaved.
+
+eval.json, by `schema_version` (a file without the key is version 1):
+
+1. `methods.<name>`: exact_match, exact_against, nfe, nfe_per_token, nfe_reduction, speedup, tokens_per_s,
+   accepted_drafts, new_tokens, wall_s. `meta`: command, mode ("dllm"), prompts, num_prompts, prompts_sha256,
+   chat_template_sha256, graph, graph_calibrated_on, position_order, block_length, tokens_per_step, threshold,
+   exactness, date, torch_threads.
+2. Adds, per method, `records`: one per prompt, in prompt order, {index, row, id, prompt_tokens (as align eval's
+   schema 2), new_tokens, nfe, steps, accepted_drafts, wall_s}; a method's nfe, new_tokens and accepted_drafts are
+   the sums of its records'. `meta` adds machine (as align eval's: platform, processor, cpu_model, cpus,
+   torch_threads, gpu, device, dtype) and versions.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from align.bench import interleaved
+from align.bench import interleaved, machine, report_json, versions
 from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError
-from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256, template_sha256
+from align.data import chat_template, encode_prompts, eval_prompt_rows, prompt_id, prompt_ids_sha256, template_sha256
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
+from align.methods import eos_token_ids
 from align.models import context_length, load_drafter, load_tokenizer
+
+
+SCHEMA_VERSION = 2  # of eval.json: what each version holds is in the module docstring
 
 
 def methods_for(model: Any, spec: Any, graph: DraftGraph, recipe: Recipe, eos_ids: frozenset[int]
@@ -67,11 +82,13 @@ def main(recipe: Recipe, command: str) -> None:
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
     # The dLLM decodes alone, so its own tokenizer's chat template renders the prompts (as in align calibrate).
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.drafter.path)
-    texts = eval_prompts(recipe)
+    rows = eval_prompt_rows(recipe)
     model, spec = load_drafter(recipe.drafter, tokenizer)
-    prompts = [ids.to(model.device) for ids in encode_prompts(tokenizer, texts, template, recipe.decode.max_new_tokens,
-                                                              context_length(model.config))]
-    eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    prompts = [ids.to(model.device) for ids in encode_prompts(tokenizer, [r.prompt for r in rows], template,
+                                                              recipe.decode.max_new_tokens, context_length(model.config))]
+    where = [{"index": i, "row": r.row, "id": prompt_id(r, ids[0].tolist()), "prompt_tokens": ids.shape[1]}
+             for i, (r, ids) in enumerate(zip(rows, prompts))]
+    eos_ids = eos_token_ids(model, tokenizer)
     methods = methods_for(model, spec, graph, recipe, eos_ids)
     names = list(methods)
 
@@ -97,9 +114,12 @@ def main(recipe: Recipe, command: str) -> None:
             "accepted_drafts": sum(s.accepted_drafts for s in stats[name]),
             "new_tokens": new_tokens,
             "wall_s": round(wall, 4),
+            "records": [{**w, "new_tokens": len(t), "nfe": st.nfe, "steps": st.steps,
+                         "accepted_drafts": st.accepted_drafts, "wall_s": round(wl, 6)}
+                        for w, t, st, wl in zip(where, tokens[name], stats[name], walls[name])],
         }
     exactness = outputs_claim(spec.attention, tokens, {name: reference for name, (reference, _) in methods.items()})
-    result = {"methods": summary, "meta": {
+    result = {"schema_version": SCHEMA_VERSION, "methods": summary, "meta": {
         "command": command, "mode": "dllm", "prompts": e.prompts or "tiny test split", "num_prompts": len(prompts),
         "prompts_sha256": prompt_ids_sha256([ids[0].tolist() for ids in prompts]),
         "chat_template_sha256": template_sha256(template),
@@ -107,10 +127,12 @@ def main(recipe: Recipe, command: str) -> None:
         "block_length": c.block_length,
         "tokens_per_step": c.tokens_per_step, "threshold": c.threshold, "exactness": exactness,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_threads": torch.get_num_threads(),
+        "machine": machine(model.device, model.dtype), "versions": versions(),
     }}
+    meta = result["meta"]
     out = Path(e.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
+    write_text_atomic(out / "eval.json", report_json(result))
     example = tokenizer.decode(tokens["vanilla"][0])
     lines = ["| method | NFE reduction | speedup | tokens/s | NFE/token | exact match (vs) | accepted drafts |",
              "|---|---|---|---|---|---|---|"]
@@ -120,7 +142,9 @@ def main(recipe: Recipe, command: str) -> None:
     report = [f"# align eval (dLLM): {recipe.name}", "", f"`{command}`", "",
               f"{len(prompts)} prompts ({result['meta']['prompts']}); graph calibrated on "
               f"{graph.meta.get('prompts', '?')} ({graph.position_order} order); block {c.block_length}, {c.tokens_per_step} token(s) per step, "
-              f"threshold {c.threshold}. NFE reduction and speedup are against vanilla.", "", *lines, "",
+              f"threshold {c.threshold}. NFE reduction and speedup are against vanilla.", "",
+              f"{meta['machine']['gpu'] or meta['machine']['cpu_model']}, {meta['machine']['torch_threads']} torch "
+              "threads; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + ".", "", *lines, "",
               f"Outputs against vanilla: {exactness}.", "",
               # A weak dLLM can decode into repetition, which makes its future states easy to guess: show what the
               # numbers were measured on.

@@ -28,6 +28,7 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.dflash import load_speculators_dflash, write_speculators_folder
+from align.methods import eos_token_ids
 from align.models import context_length, load_drafter, load_tokenizer, load_verifier
 from align.vllm_engine import ServeResult, serve, served_drafter_kind, vllm_dtype
 
@@ -76,7 +77,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
     verifier = load_verifier(recipe.verifier)
     prompts = encode_prompts(tokenizer, eval_prompts(recipe), template, d.max_new_tokens,
                              context_length(verifier.config))
-    eos_ids = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    eos_ids = eos_token_ids(verifier, tokenizer)
     with tempfile.TemporaryDirectory(prefix="align-serve-check-") as tmp:
         if kind == "align":
             drafter, spec = load_drafter(recipe.drafter.model_copy(update={"path": s.drafter}), tokenizer)

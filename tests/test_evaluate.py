@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
 from align.config import METHOD_NAMES
-from align.methods import METHODS
+from align.evaluate import drafter_groups
+from align.methods import METHODS, OPAQUE
 
 FIELDS = {"tau", "speedup", "tokens_per_s", "exact_match", "per_position_acceptance", "verifier_forwards",
           "drafter_forwards", "new_tokens", "wall_s", "ideal_speedup"}
@@ -67,6 +68,64 @@ def test_sampled_run_and_report(evaluated):
     for plot in ("tau.png", "speedup.png", "acceptance.png", "adl_trace.png"):
         assert (out / plot).stat().st_size > 1000
     assert result["meta"]["num_prompts"] == 2 and result["meta"]["command"].startswith("align eval")
+
+
+def tiny_test_ids(root, n):
+    """The ids (task_id) of the first n prompts of the tiny test split the toy family evaluates on."""
+    rows = (root / "data" / "prompts" / "test.jsonl").read_text().splitlines()[:n]
+    return [json.loads(row)["task_id"] for row in rows]
+
+
+def check_records(methods, ids):
+    """Each method's per-prompt records (eval.json schema 2) name the prompts `ids` and add up to its aggregates."""
+    num_prompts = len(ids)
+    for name, m in methods.items():
+        records = m["records"]
+        assert [(r["index"], r["row"], r["id"]) for r in records] == [(i, i, ids[i]) for i in range(num_prompts)], name
+        assert sum(r["new_tokens"] for r in records) == m["new_tokens"], name
+        assert sum(r["verifier_forwards"] for r in records) == m["verifier_forwards"], name
+        assert sum(r["drafter_forwards"] for r in records) == m["drafter_forwards"], name
+        assert sum(r["wall_s"] for r in records) == pytest.approx(m["wall_s"], abs=1e-3), name
+        if name in ("ar", *OPAQUE) or m["per_position_acceptance"] is None:
+            assert all(r["accepted_lengths"] is None for r in records), name
+            expected = (m["new_tokens"] - num_prompts) / m["verifier_forwards"]
+        else:
+            accepted = [n for r in records for n in r["accepted_lengths"]]
+            drafts = [g for r in records for g in r["draft_lengths"]]
+            assert len(accepted) == m["verifier_forwards"] == len(drafts), name
+            expected = sum(accepted) / len(accepted)  # τ: mean tokens per verifier forward
+            for r in filter(lambda r: r["accepted_lengths"], records):
+                assert r["tau"] == round(sum(r["accepted_lengths"]) / len(r["accepted_lengths"]), 4), name
+                assert all(1 <= n <= g + 1 for n, g in zip(r["accepted_lengths"], r["draft_lengths"])), name
+            # the sample size of α_i: every draft reaches position 1; fewer reach each later one
+            reached = m["per_position_reached"]
+            assert len(reached) == len(m["per_position_acceptance"]) and reached[0] == sum(g > 0 for g in drafts)
+            assert all(a >= b for a, b in zip(reached, reached[1:])), name
+            assert [a is None for a in m["per_position_acceptance"]] == [n == 0 for n in reached], name
+        assert m["tau"] == pytest.approx(expected, abs=1e-4), name
+
+
+def test_records_agree_with_the_aggregates_and_versions_are_recorded(toy_family, evaluated):
+    _, result = evaluated
+    assert result["schema_version"] == 2
+    ids = tiny_test_ids(toy_family[0], 2)
+    check_records(result["methods"], ids)
+    check_records(result["sampling"]["methods"], ids)
+    meta = result["meta"]
+    from importlib.metadata import version
+
+    import datasets
+    import transformers
+
+    assert meta["versions"]["torch"] == torch.__version__ and meta["versions"]["transformers"] == transformers.__version__
+    assert meta["versions"]["datasets"] == datasets.__version__
+    assert meta["versions"]["align-drafters"] == version("align-drafters")
+    assert "deepspeed" in meta["versions"] and meta["versions"]["python"]
+    machine = meta["machine"]
+    # the keys eval.json schema 1 had stay (the model card reads processor), and the CPU is named
+    assert {"platform", "processor", "cpus", "torch_threads", "device", "dtype"} <= set(machine)
+    assert machine["cpu_model"] and machine["gpu"] is None and machine["torch_threads"] == torch.get_num_threads()
+    assert machine["cpu_model"] in (out := evaluated[0] / "report.md").read_text() and "torch " in out.read_text()
 
 
 def run_refused(args, capsys):
@@ -138,6 +197,13 @@ def test_compared_drafters_run_in_the_same_interleaved_run(toy_family, tmp_path)
         assert methods[f"{name}@same"]["per_position_acceptance"] == methods[name]["per_position_acceptance"]
     assert result["meta"]["compare_drafters"] == {"same": str(base), "random": str(tmp_path / "random")}
     assert "| specdiff@random |" in (out / "report.md").read_text()
+    # One colour per drafter in the plots: the methods of each drafter form a group, the baselines none.
+    groups = drafter_groups(result)
+    assert groups == {"ar": None, "hf_generate": None, "specdiff": "drafter-base (drafter.path)",
+                      "specdiff_cps": "drafter-base (drafter.path)", "specdiff@same": "same",
+                      "specdiff_cps@same": "same", "specdiff@random": "random", "specdiff_cps@random": "random"}
+    assert all((out / plot).stat().st_size > 1000 for plot in ("tau.png", "speedup.png", "acceptance.png"))
+    check_records(methods, tiny_test_ids(root, 2))
 
 
 def test_cps_proxy_fitted_on_the_verifier_trajectories(toy_trajectories, tmp_path, capsys):
@@ -158,3 +224,26 @@ def test_cps_proxy_fitted_on_the_verifier_trajectories(toy_trajectories, tmp_pat
                                 f"decode.cps_proxy_corpus={tmp_path}"), capsys)
     assert "decode.cps_proxy_corpus:" in err and "neither a JSONL file nor a trajectories folder" in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_dllm_eval_records_and_versions(toy_family, tmp_path):
+    """eval.mode=dllm's eval.json (schema 2): per-prompt records that add up to each method's sums, versions, machine."""
+    root, _ = toy_family
+    common = [f"drafter.path={root / 'ck' / 'drafter-base'}", f"data.dir={root / 'data'}", "calibrate.block_length=8",
+              "decode.max_new_tokens=8"]
+    assert main(["calibrate", "recipes/tiny/spiffy.yaml", *common, f"calibrate.out={tmp_path}", "calibrate.num_prompts=2",
+                 "calibrate.budget=2"]) == 0
+    out = tmp_path / "eval"
+    assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={tmp_path / 'draft_graph.json'}",
+                 f"eval.out={out}", "eval.num_prompts=2", "eval.warmup=0", "eval.spiffy_budgets=[2]"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["schema_version"] == 2
+    for name, m in result["methods"].items():
+        records = m["records"]
+        assert [(r["index"], r["id"]) for r in records] == list(enumerate(tiny_test_ids(root, 2)))
+        for field in ("nfe", "new_tokens", "accepted_drafts"):
+            assert sum(r[field] for r in records) == m[field], (name, field)
+        assert sum(r["wall_s"] for r in records) == pytest.approx(m["wall_s"], abs=1e-3)
+    assert result["meta"]["versions"]["torch"] == torch.__version__
+    assert result["meta"]["machine"]["cpu_model"] and result["meta"]["machine"]["gpu"] is None
+    assert f"torch {torch.__version__}" in (out / "report.md").read_text()
