@@ -23,7 +23,7 @@ for loss in $losses; do
   weights="$(echo "$loss" | sed 's/+/: 1.0, /g'): 1.0"  # a+b: both losses, weight 1 each
   .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$weights}" train.data_mode=online \
     train.out="$root/$loss" train.final_eval_prompts=0 "$@"
-  compare+=("$loss: $(.venv/bin/align latest "$root/$loss")")
+  compare+=("${loss//+/-}: $(.venv/bin/align latest "$root/$loss")")  # a label has no +
 done
 [ -d "$root/gkd/final" ] || .venv/bin/align gkd "$recipe" gkd.out="$root/gkd" "$@"
 joined=$(IFS=,; echo "${compare[*]}")
