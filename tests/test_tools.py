@@ -11,7 +11,7 @@ def test_validate_get_prints_the_resolved_value(capsys):
     assert align(["validate", "recipes/tiny/align.yaml", "train.out=elsewhere", "--get", "train.out"]) == 0
     assert capsys.readouterr().out == "elsewhere\n"
     assert align(["validate", "recipes/tiny/align.yaml", "--get", "train.losses"]) == 0
-    assert capsys.readouterr().out == "{ce_streak: 1.0}\n"
+    assert capsys.readouterr().out == "{dpace: 1.0}\n"
     assert align(["validate", "recipes/tiny/align.yaml", "--get", "train.nope"]) == 2
     assert capsys.readouterr().err == "align validate: error: unknown key 'train.nope'\n"
 
