@@ -17,6 +17,7 @@ from align.dflash import DFlashDrafter, config_for_verifier
 from align.models import DrafterSpec, drafter_spec_from_config, load_drafter, load_tokenizer, load_verifier, rollback_cache
 from test_sampling_lossless import NEW_TOKENS, PROMPT as SAMPLING_PROMPT, SAMPLING, chi_square_pvalue, exact_joint
 from test_sampling_lossless import first_tokens, peaky
+from test_diffusion_gemma import SLIDING_WINDOW as GEMMA_WINDOW, tiny_diffusion_gemma, tiny_gemma4_verifier
 
 VOCAB, MASK, SLIDING_WINDOW = 64, 63, 8
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -150,6 +151,21 @@ def test_greedy_tree_decoding_with_a_dflash_drafter_is_identical_to_ar():
         expected = ar_generate(verifier, prompt, 20)[0]
         for nodes in (1, 8):
             assert specdiff_tree_generate(verifier, drafter, spec, prompt, 3, nodes, 20)[0] == expected
+
+
+def test_greedy_tree_decoding_with_a_diffusion_gemma_drafter_and_a_gemma4_verifier_is_identical_to_ar():
+    drafter = tiny_diffusion_gemma(0)
+    spec = drafter_spec_from_config(drafter.config, load_tokenizer(str(ROOT / "checkpoints" / "tiny" / "tokenizer")))
+    verifier = tiny_gemma4_verifier(1)
+    new_tokens = 2 * GEMMA_WINDOW  # prompt and output run past both models' sliding window
+    accepted = 0
+    for prompt in (torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[100, 200, 300]])):
+        expected = ar_generate(verifier, prompt, new_tokens)[0]
+        for nodes in (1, 12):
+            tokens, stats = specdiff_tree_generate(verifier, drafter, spec, prompt, 4, nodes, new_tokens)
+            assert tokens == expected, (prompt.tolist(), nodes)
+            accepted += sum(stats.accept_counts)
+    assert accepted > 0
 
 
 def test_greedy_tree_decoding_with_the_shipped_tiny_checkpoints_is_identical_to_ar():
