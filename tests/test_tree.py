@@ -11,7 +11,6 @@ from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, Llam
 
 from align.config import DrafterSection, ModelSection, RecipeError
 from align.decoding.ar import ar_generate
-from align.decoding.generation import Sampling
 from align.decoding.tree import DraftTree, build_draft_tree, keep_path, specdiff_tree_generate, tree_forward
 from align.dflash import DFlashDrafter, config_for_verifier
 from align.models import DrafterSpec, drafter_spec_from_config, load_drafter, load_tokenizer, load_verifier, rollback_cache
