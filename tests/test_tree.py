@@ -86,7 +86,7 @@ def test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path(family):
             plain = verifier(input_ids=torch.cat([prompt, torch.tensor([path], dtype=prompt.dtype)], 1)).logits[0, -1]
             torch.testing.assert_close(logits[row], plain, atol=1e-4, rtol=1e-4)
         # Keeping one path leaves exactly the cache of a plain forward over prefix ⊕ root ⊕ path.
-        path = [i for i, p in enumerate(tree.parents) if p in (-1,)][:1]
+        path = [i for i, p in enumerate(tree.parents) if p == -1][:1]
         path += [i for i, p in enumerate(tree.parents) if p == path[0]][:1]
         keep_path(cache, tree, path)
         assert cache.get_seq_length() == prompt.shape[1] + len(path)
