@@ -103,6 +103,7 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
             drafter_forwards=sum(s.drafter_forwards for s in run.stats),
             accept_counts=[n for s in run.stats for n in s.accept_counts],
             draft_lengths=[g for s in run.stats for g in s.draft_lengths],
+            tree_nodes=[k for s in run.stats for k in s.tree_nodes],
             draft_s=sum(s.draft_s for s in run.stats), verify_s=sum(s.verify_s for s in run.stats),
         )
         wall = sum(run.wall_s)
@@ -128,7 +129,9 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
             iterations = len(pooled.accept_counts)
             mean_draft = sum(pooled.draft_lengths) / iterations
             batch = setup.decode.num_candidates if method == "specdiff2_select" else 1
-            ideal = tau * verify_cost(1, 1) / (verify_cost(round(mean_draft) + 1, batch) + pooled.draft_s / iterations)
+            # A draft tree verifies its nodes, not its depth.
+            verified = sum(pooled.tree_nodes) / iterations if pooled.tree_nodes else mean_draft
+            ideal = tau * verify_cost(1, 1) / (verify_cost(round(verified) + 1, batch) + pooled.draft_s / iterations)
             longest = max(pooled.draft_lengths)
             entry.update({
                 "per_position_acceptance": [None if a is None else round(a, 4)
@@ -140,6 +143,8 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
                 "draft_s": round(pooled.draft_s, 4),
                 "verify_s": round(pooled.verify_s, 4),
             })
+            if pooled.tree_nodes:
+                entry["mean_tree_nodes"] = round(verified, 3)
             if method.endswith("adl"):
                 entry["draft_length_trace"] = run.stats[0].draft_lengths
         entry["records"] = prompt_records(run, where, speculative)

@@ -28,6 +28,7 @@ from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate
+from align.decoding.tree import specdiff_tree_generate
 from align.models import DrafterSpec
 
 
@@ -105,6 +106,12 @@ def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: O
                                      d.num_candidates, d.draft_temperature, sampling, s.eos_ids, gen)
 
 
+def run_specdiff_tree(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+    d = s.decode
+    return specdiff_tree_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.tree_nodes, d.max_new_tokens,
+                                  sampling, s.eos_ids, gen)
+
+
 MethodFn = Callable[[Setup, torch.Tensor, Sampling, Optional[torch.Generator]], tuple[list[int], GenerationStats]]
 METHODS: dict[str, MethodFn] = {
     "ar": run_ar,
@@ -117,6 +124,7 @@ METHODS: dict[str, MethodFn] = {
     "specdiff_cps": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=False),
     "specdiff_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=True),
     "specdiff_cps_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=True),
+    "specdiff_tree": run_specdiff_tree,
 }
 assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
 
@@ -143,8 +151,9 @@ def base_method(name: str) -> str:
 
 
 # What a DFlash drafter runs: one block per draft (SpecDiff), with path search and adaptive length on top. Several
-# candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet.
-DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl")
+# candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet. A draft
+# tree (specdiff_tree) needs one block: the accepted path's verifier states join the drafter's context.
+DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl", "specdiff_tree")
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")

@@ -26,7 +26,8 @@ VOCAB, MASK = 16, 15
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny" / "tokenizer"
 PROMPT = torch.tensor([[1, 5, 2]])
 # What our runtime implements (HF's own methods are HF's business).
-RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl"]
+RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
+                   "specdiff_tree"]
 
 
 def tiny(seed: int, bidirectional: bool = False) -> LlamaForCausalLM:

@@ -42,7 +42,8 @@ def test_every_method_is_reported_and_exact_at_temperature_0(evaluated):
         assert FIELDS <= set(m), name
         assert m["exact_match"] == 1.0, name
         assert m["new_tokens"] > 0 and m["wall_s"] > 0 and m["tau"] >= 1.0
-    for name in ("sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl"):
+    for name in ("sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
+                 "specdiff_tree"):
         m = result["methods"][name]
         alphas = m["per_position_acceptance"]
         assert m["ideal_speedup"] > 0 and m["verifier_forwards"] > 0, name

@@ -27,7 +27,8 @@ FAMILIES = {
         **COMMON, head_dim=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
         sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"])),
 }
-SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl"]
+SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
+               "specdiff_tree"]
 
 
 def peaky(build, seed):

@@ -119,3 +119,56 @@ def accept_multi_candidate(
             return depth, int(sample(target, generator)), alive[0]
         alive = [k for k in alive if int(candidates[k, depth]) == chosen]
     return gamma, int(sample(verifier_probs[alive[0], gamma], generator)), alive[0]
+
+
+def accept_tree(
+    node_tokens: list[int],
+    children: list[list[int]],
+    verifier_logits: torch.Tensor,
+    sampling: Sampling,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[list[int], int]:
+    """A draft tree verified in one forward: walk from the root, accepting one child per step.
+
+    node_tokens: each node's token; children: per row (0: the root, i + 1: node i) its child nodes in the order they
+    are tried; verifier_logits: (N + 1, V), row r the verifier's logits after row r's path. Returns (path, next_token):
+    the accepted nodes from the root down, and the verifier's token after them (correction or bonus).
+
+    Temperature 0: the child whose token is the verifier's argmax, while there is one: AR greedy's output, exactly.
+    Temperature > 0: the tree's children are deterministic (the drafter's top tokens, chosen before the verifier's
+    randomness), not samples of q, so each child is tried with the point-mass rule: with p_res the verifier's
+    distribution at the node, accept child x with probability p_res(x); on rejection p_res <- p_res with x removed,
+    renormalised, and the next child is tried; after every child failed, sample from p_res. Lossless: one trial emits
+    y with probability p_res(x)·[y = x] + (1 − p_res(x))·p_res(y)·[y ≠ x] / (1 − p_res(x)) = p_res(y), so by induction
+    over the children the token leaving a node follows the verifier's p exactly; an accepted child's subtree then
+    repeats this with p at that child, which is the verifier's next-token distribution given the path (the tree
+    forward's logits equal a plain forward's). Sibling tokens are distinct, so a rejected token is never tried again.
+    """
+    path: list[int] = []
+    row = 0
+    if sampling.temperature == 0:
+        verifier_tokens = verifier_logits.argmax(-1).tolist()  # (N + 1,)
+        while True:
+            target = verifier_tokens[row]
+            chosen = next((node for node in children[row] if node_tokens[node] == target), None)
+            if chosen is None:
+                return path, target
+            path.append(chosen)
+            row = chosen + 1
+    verifier_probs = sampling.probs(verifier_logits)  # (N + 1, V)
+    while True:
+        target = verifier_probs[row]
+        chosen = None
+        for node in children[row]:
+            token = node_tokens[node]
+            u = float(torch.rand((), generator=generator, device=target.device))
+            if u < float(target[token]):
+                chosen = node
+                break
+            target = target.clone()
+            target[token] = 0
+            target = target / target.sum()  # a rejection leaves mass elsewhere: p(x) < 1, as u ≥ p(x)
+        if chosen is None:
+            return path, int(sample(target, generator))
+        path.append(chosen)
+        row = chosen + 1

@@ -42,6 +42,7 @@ class GenerationStats:
     drafter_forwards: int = 0
     accept_counts: list[int] = field(default_factory=list)  # draft tokens kept, per iteration
     draft_lengths: list[int] = field(default_factory=list)  # draft tokens proposed, per iteration
+    tree_nodes: list[int] = field(default_factory=list)  # draft-tree methods: nodes verified, per iteration
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

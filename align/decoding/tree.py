@@ -1,0 +1,239 @@
+"""Draft trees from one diffusion drafter pass (DDTree, TAPS), verified in one verifier forward.
+
+The drafter's one pass over `context ⊕ MASK×γ` gives a distribution q_d for every draft depth d = 1..γ. Instead of
+one path (its argmax), a tree of the most likely continuations is drafted: best-first by cumulative drafter
+log-probability, a child's score being its parent's + log q_depth(token), under a node budget. The root is the newest
+token (the verifier has not seen it yet). The verifier scores every node in one forward over its cached prefix: each
+node attends to the prefix and to its ancestors only, at position cached length + depth, so its logits are exactly
+those of a plain forward over its path (tests/test_tree.py checks this per verifier family). The longest accepted path
+is kept (`accept_tree`), the cache keeps that path's keys and values only, and the bonus token goes on as usual.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from align.config import RecipeError
+from align.decoding.acceptance import accept_tree
+from align.decoding.generation import GenerationStats, Sampling, finish, finished, start
+from align.dflash import DFlashContext, HiddenTap, aux_hidden, dflash_block_logits
+from align.models import DrafterContext, DrafterSpec, additive_mask, block_logits
+
+# Layer types a tree mask is built for: full causal attention, and a sliding window over positions.
+TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Nodes in best-first order, so a parent always precedes its children. Node i is row i + 1 of the verifier's
+    tree forward; row 0 is the root (the newest token), whose children have parent -1."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]  # 1 for the root's children
+    scores: list[float]  # cumulative drafter log-probability of each node's path
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        """Per row (0: the root, i + 1: node i), its child nodes in best-first order."""
+        rows: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for node, parent in enumerate(self.parents):
+            rows[parent + 1].append(node)
+        return rows
+
+    def ancestors_allowed(self, device: torch.device) -> torch.Tensor:
+        """bool (N + 1, N + 1): row r may attend to column c iff c is r or one of r's ancestors (rows as above)."""
+        allowed = [[False] * (len(self) + 1) for _ in range(len(self) + 1)]
+        allowed[0][0] = True
+        for node, parent in enumerate(self.parents):
+            allowed[node + 1] = list(allowed[parent + 1])
+            allowed[node + 1][node + 1] = True
+        return torch.tensor(allowed, dtype=torch.bool, device=device)
+
+
+def build_draft_tree(draft_log_probs: torch.Tensor, num_nodes: int, eos_ids: frozenset[int] = frozenset()) -> DraftTree:
+    """The `num_nodes` best nodes by cumulative drafter log-probability. draft_log_probs: (γ, V), depth d + 1 in row d.
+
+    A priority queue over expansions: popping a node pushes its next sibling (the next token of its depth's ranking,
+    same parent) and its first child (the best token one depth down); since log-probabilities are ≤ 0 a node never
+    scores above its parent, so popping order is best-first and parents come before their children. An end-of-sequence
+    node gets no children: tokens after it would be thrown away. Ties are broken by (depth, rank, parent), so the tree
+    is deterministic.
+    """
+    depth_limit, vocab = draft_log_probs.shape
+    top_log_probs, top_tokens = draft_log_probs.float().topk(min(num_nodes, vocab), dim=-1)  # (γ, k)
+    log_probs, ranked = top_log_probs.tolist(), top_tokens.tolist()
+    width = len(ranked[0])
+    tree = DraftTree([], [], [], [])
+    # Entries: (-score, depth index, rank, parent node, parent score).
+    frontier = [(-log_probs[0][0], 0, 0, -1, 0.0)]
+    while frontier and len(tree) < num_nodes:
+        negative, depth, rank, parent, parent_score = heapq.heappop(frontier)
+        node, token = len(tree), ranked[depth][rank]
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.depths.append(depth + 1)
+        tree.scores.append(-negative)
+        if rank + 1 < width:
+            sibling = parent_score + log_probs[depth][rank + 1]
+            heapq.heappush(frontier, (-sibling, depth, rank + 1, parent, parent_score))
+        if depth + 1 < depth_limit and token not in eos_ids:
+            heapq.heappush(frontier, (negative - log_probs[depth + 1][0], depth + 1, 0, node, -negative))
+    return tree
+
+
+def check_tree_verifier(verifier: PreTrainedModel) -> None:
+    """Refuse, with a one-line RecipeError, a verifier whose tree forward this module cannot make exact."""
+    implementation = getattr(verifier.config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        raise RecipeError(f"specdiff_tree: the verifier's attention ({implementation}) does not take the tree's 4-D "
+                          "float mask; use verifier.attn_implementation=sdpa or eager")
+    text_config = verifier.config.get_text_config()
+    unknown = set(getattr(text_config, "layer_types", None) or ()) - set(TREE_LAYER_TYPES)
+    if unknown:
+        raise RecipeError(f"specdiff_tree: the verifier has {', '.join(sorted(unknown))} layers; a tree mask is built "
+                          f"for {' and '.join(TREE_LAYER_TYPES)} only")
+
+
+def tree_attention_mask(
+    verifier: PreTrainedModel, cache: DynamicCache, tree: DraftTree, device: torch.device
+) -> Union[torch.Tensor, dict[str, torch.Tensor]]:
+    """The additive (1, 1, N + 1, kv) mask(s) of a tree forward over the cached prefix, in the form the verifier reads.
+
+    Each row sees the whole cached prefix and its own ancestors. A sliding-window layer (Gemma) sees only keys whose
+    *position* is within the window of the row's position (cached + depth, not its slot in the forward), over the keys
+    its cache layer hands back (`get_mask_sizes`); models with `layer_types` take a dict of masks per layer type.
+    """
+    text_config = verifier.config.get_text_config()
+    rows = len(tree) + 1
+    depths = torch.tensor([0, *tree.depths], device=device)
+    tree_allowed = tree.ancestors_allowed(device)  # (N + 1, N + 1)
+    layer_types = getattr(text_config, "layer_types", None)
+
+    def mask_for(sliding: bool) -> torch.Tensor:
+        index = next((i for i, layer in enumerate(cache.layers) if getattr(layer, "is_sliding", False) == sliding), 0)
+        kv_length, kv_offset = cache.layers[index].get_mask_sizes(rows) if cache.layers else (rows, 0)
+        cached = cache.get_seq_length()
+        prefix_positions = torch.arange(kv_offset, kv_offset + kv_length - rows, device=device)  # (P,)
+        allowed = torch.cat([torch.ones(rows, len(prefix_positions), dtype=torch.bool, device=device), tree_allowed], 1)
+        if sliding:
+            window = text_config.sliding_window
+            query_positions = cached + depths  # (N + 1,)
+            key_positions = torch.cat([prefix_positions, cached + depths])
+            allowed &= key_positions[None, :] > query_positions[:, None] - window
+        return additive_mask(allowed, verifier.dtype).unsqueeze(0)
+
+    if not layer_types:
+        return mask_for(False)
+    return {kind: mask_for(kind == "sliding_attention") for kind in set(layer_types)}
+
+
+def tree_forward(
+    verifier: PreTrainedModel, root: torch.Tensor, tree: DraftTree, cache: DynamicCache,
+    tap: Optional[HiddenTap] = None,
+) -> torch.Tensor:
+    """Score every node of `tree` in one forward over the cached prefix; the cache grows by N + 1 tokens (the root
+    and the nodes, in row order). root: (1, 1) the newest token. Returns (N + 1, V) logits, row r predicting the token
+    after row r's path. tap: a DFlash drafter's request for hidden states (rows as the logits)."""
+    device = root.device
+    cached = cache.get_seq_length()
+    ids = torch.cat([root, torch.tensor([tree.tokens], dtype=root.dtype, device=device)], dim=1)  # (1, N + 1)
+    positions = cached + torch.tensor([[0, *tree.depths]], device=device)
+    mask = tree_attention_mask(verifier, cache, tree, device)
+    out = verifier(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                   output_hidden_states=tap is not None)
+    if tap is not None:
+        tap.last = aux_hidden(out.hidden_states, tap.layer_ids)
+    return out.logits[0]
+
+
+def keep_path(cache: DynamicCache, tree: DraftTree, path: list[int]) -> None:
+    """After a tree forward: keep the root's and the accepted path's keys and values, in path order, drop the rest.
+
+    The tree's N + 1 entries are the last of every layer (a sliding layer recording its past keeps them all until it
+    is cropped): the path's entries are moved to just after the root, then the cache is cropped by the others. Path
+    nodes are in increasing order, so each destination slot is at or before its source."""
+    if path:
+        for layer in cache.layers:
+            if not getattr(layer, "is_initialized", False) or layer.keys.numel() == 0:
+                continue  # a layer that shares another's keys and values (Gemma 4) holds none
+            first = layer.keys.shape[-2] - len(tree)  # node 0's slot
+            source = torch.tensor(path, device=layer.keys.device) + first
+            target = torch.arange(first, first + len(path), device=layer.keys.device)
+            layer.keys[:, :, target] = layer.keys[:, :, source]
+            layer.values[:, :, target] = layer.values[:, :, source]
+    if len(tree) > len(path):
+        cache.crop(-(len(tree) - len(path)))
+
+
+def check_tree_cache(cache: DynamicCache) -> None:
+    """A tree's unaccepted branches leave the cache by moving keys: only key/value layers can do that."""
+    kinds = {type(layer).__name__ for layer in cache.layers if not isinstance(layer, DynamicLayer)}
+    if kinds:
+        raise RecipeError(f"specdiff_tree: the verifier's cache has {', '.join(sorted(kinds))} layers, whose state "
+                          "cannot keep one branch of a tree")
+
+
+@torch.inference_mode()
+def specdiff_tree_generate(
+    verifier: PreTrainedModel,
+    drafter: PreTrainedModel,
+    spec: DrafterSpec,
+    prompt_ids: torch.Tensor,
+    gamma: int,
+    num_nodes: int,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_ids: frozenset[int] = frozenset(),
+    generator: Optional[torch.Generator] = None,
+) -> tuple[list[int], GenerationStats]:
+    """Speculative decoding with a draft tree of `num_nodes` nodes, at most γ deep, from one drafter pass.
+    prompt_ids: (1, n). Lossless: greedy outputs equal AR greedy's; sampled ones follow the verifier's distribution
+    (`accept_tree`). Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size."""
+    check_tree_verifier(verifier)
+    # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and the
+    # accepted path's join its context (they equal a plain forward's over that path, as the logits do).
+    tap = HiddenTap(drafter.config.aux_hidden_state_layer_ids) if spec.kind == "dflash" else None
+    # Invariant: the verifier's cache covers every token but the newest one.
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator, tap)
+    check_tree_cache(cache)
+    state: Optional[DrafterContext] = (DrafterContext.empty(drafter) if spec.attention == "block_causal" and tap is None
+                                       else None)
+    conditioned = DFlashContext()
+    if tap is not None:
+        conditioned.extend(drafter, tap.last)
+    while not finished(tokens, max_new_tokens, eos_ids):
+        depth_limit = min(gamma, max_new_tokens - len(tokens))  # never draft past max_new_tokens
+        context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
+
+        t_draft = time.perf_counter()
+        if tap is not None:
+            draft_logits = dflash_block_logits(drafter, verifier, context[:, -1:], depth_limit, conditioned)[0]
+        else:
+            block = prompt_ids.new_full((1, depth_limit), spec.mask_token_id)
+            draft_logits = block_logits(drafter, spec, context, block, state)[0]  # (γ, V)
+        tree = build_draft_tree(torch.log_softmax(draft_logits.float(), -1), num_nodes, eos_ids)
+        stats.drafter_forwards += 1
+        stats.draft_s += time.perf_counter() - t_draft
+
+        t_verify = time.perf_counter()
+        verify_logits = tree_forward(verifier, context[:, -1:], tree, cache, tap)  # (N + 1, V)
+        path, next_token = accept_tree(tree.tokens, tree.children(), verify_logits, sampling, generator)
+        keep_path(cache, tree, path)
+        if tap is not None:  # the root and the accepted path are verified now: they join the drafter's context
+            rows = torch.tensor([0, *[node + 1 for node in path]], device=tap.last.device)
+            conditioned.extend(drafter, tap.last.index_select(1, rows))
+        stats.verify_s += time.perf_counter() - t_verify
+        stats.record(len(path), depth_limit)
+        stats.tree_nodes.append(len(tree))
+        tokens += [*[tree.tokens[node] for node in path], next_token]
+    return finish(stats, tokens, max_new_tokens, eos_ids)

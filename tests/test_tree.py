@@ -1,0 +1,207 @@
+"""Draft trees (align/decoding/tree.py): the tree forward scores every node exactly as a plain forward over its path
+does, for each verifier family (a sliding window included); greedy decoding with a tree is token-identical to AR
+greedy for every drafter kind and node budget; sampling with a tree follows the verifier's distribution."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from align.config import DrafterSection, ModelSection, RecipeError
+from align.decoding.ar import ar_generate
+from align.decoding.tree import DraftTree, build_draft_tree, keep_path, specdiff_tree_generate, tree_forward
+from align.dflash import DFlashDrafter, config_for_verifier
+from align.models import DrafterSpec, drafter_spec_from_config, load_drafter, load_tokenizer, load_verifier, rollback_cache
+from test_sampling_lossless import NEW_TOKENS, PROMPT as SAMPLING_PROMPT, SAMPLING, chi_square_pvalue, exact_joint
+from test_sampling_lossless import first_tokens, peaky
+from test_diffusion_gemma import SLIDING_WINDOW as GEMMA_WINDOW, tiny_diffusion_gemma, tiny_gemma4_verifier
+
+VOCAB, MASK, SLIDING_WINDOW = 64, 63, 8
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=8)),
+    # Alternating sliding and full attention; per-layer input sizes set small (their defaults make a 136M model).
+    "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
+        **COMMON, head_dim=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+        sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"])),
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    yield
+    torch.set_num_threads(threads)
+
+
+def build(family, seed, sharpen=4.0, bidirectional=False):
+    torch.manual_seed(seed)
+    model = FAMILIES[family]()
+    if bidirectional:
+        model.config.is_causal = False
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)  # marked preferences: some drafts are accepted
+    return model.eval()
+
+
+def test_best_first_tree_takes_the_best_paths_and_orders_parents_first():
+    # Depth 1 prefers 5 (0.6) over 6 (0.3); depth 2 prefers 7 (0.9). Paths: 5 (.6), 5-7 (.54), 6 (.3), 6-7 (.27), ...
+    probs = torch.full((2, 10), 0.01 / 8)
+    probs[0, 5], probs[0, 6], probs[1, 7], probs[1, 8] = 0.6, 0.3, 0.9, 0.05
+    probs = probs / probs.sum(-1, keepdim=True)
+    tree = build_draft_tree(probs.log(), 4)
+    assert tree.tokens == [5, 7, 6, 7] and tree.parents == [-1, 0, -1, 2] and tree.depths == [1, 2, 1, 2]
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    assert tree.children() == [[0, 2], [1], [], [3], []]
+    # An end-of-sequence node gets no children: what follows it is thrown away.
+    assert build_draft_tree(probs.log(), 4, eos_ids=frozenset({5})).tokens == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path(family):
+    verifier = build(family, 1)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, 13), generator=generator)  # past the sliding window of 8
+    draft_log_probs = torch.log_softmax(torch.randn(4, VOCAB, generator=generator) * 3, -1)
+    tree = build_draft_tree(draft_log_probs, 12)
+    assert max(tree.depths) >= 3 and len(set(tree.parents)) > 2  # deep and branching
+    with torch.no_grad():
+        cache = rollback_cache(verifier)
+        verifier(input_ids=prompt[:, :-1], cache=cache, use_cache=True)
+        logits = tree_forward(verifier, prompt[:, -1:], tree, cache)  # (N + 1, V)
+        assert cache.get_seq_length() == prompt.shape[1] + len(tree)
+        for row in range(len(tree) + 1):
+            path, node = [], row - 1
+            while node >= 0:
+                path.insert(0, tree.tokens[node])
+                node = tree.parents[node]
+            plain = verifier(input_ids=torch.cat([prompt, torch.tensor([path], dtype=prompt.dtype)], 1)).logits[0, -1]
+            torch.testing.assert_close(logits[row], plain, atol=1e-4, rtol=1e-4)
+        # Keeping one path leaves exactly the cache of a plain forward over prefix ⊕ root ⊕ path.
+        path = [i for i, p in enumerate(tree.parents) if p == -1][:1]
+        path += [i for i, p in enumerate(tree.parents) if p == path[0]][:1]
+        keep_path(cache, tree, path)
+        assert cache.get_seq_length() == prompt.shape[1] + len(path)
+        following = torch.tensor([[7]])
+        positions = torch.tensor([[cache.get_seq_length()]])
+        after = verifier(input_ids=following, position_ids=positions, cache=cache, use_cache=True).logits[0, -1]
+        ids = torch.cat([prompt, torch.tensor([[tree.tokens[n] for n in path]]), following], 1)
+        torch.testing.assert_close(after, verifier(input_ids=ids).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tree_decoding_is_identical_to_ar_for_every_verifier_family(family):
+    verifier, drafter = build(family, 1), build("llama", 2)
+    spec = DrafterSpec(MASK, 1, "block_causal")
+    accepted = 0
+    for prompt in (torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[7, 8, 9]])):
+        expected = ar_generate(verifier, prompt, 30)[0]
+        for nodes in (1, 6, 20):
+            tokens, stats = specdiff_tree_generate(verifier, drafter, spec, prompt, 4, nodes, 30)
+            assert tokens == expected, (family, nodes)
+            assert stats.tree_nodes and max(stats.tree_nodes) <= nodes
+            accepted += sum(stats.accept_counts)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
+def test_greedy_tree_decoding_is_identical_to_ar_for_every_drafter_kind(arch, shift, attention):
+    verifier = build("llama", 0, sharpen=3.0)
+    drafter = build(arch, 1, sharpen=3.0, bidirectional=attention == "bidirectional")
+    spec = DrafterSpec(MASK, shift, attention)
+    for prompt in (torch.tensor([[3, 9, 4, 1, 7]]), torch.tensor([[5] * 12])):
+        expected = ar_generate(verifier, prompt, 24)[0]
+        for gamma, nodes in ((1, 3), (4, 1), (4, 10), (7, 24)):
+            tokens, stats = specdiff_tree_generate(verifier, drafter, spec, prompt, gamma, nodes, 24)
+            assert tokens == expected, (prompt.tolist(), gamma, nodes)
+            assert stats.drafter_forwards == stats.verifier_forwards == len(stats.accept_counts)
+            assert all(0 <= n <= g for n, g in zip(stats.accept_counts, stats.draft_lengths))
+
+
+def test_a_drafter_that_agrees_has_its_first_draft_token_accepted_every_time():
+    # The verifier itself, read as a shifted block-causal drafter, always gets its first draft token right: the tree
+    # holds it (the best node) and the greedy walk takes it.
+    verifier = build("llama", 0)
+    spec = DrafterSpec(MASK, 1, "block_causal")
+    prompt = torch.tensor([[3, 9, 4, 1, 7]])
+    expected = ar_generate(verifier, prompt, 30)[0]
+    tokens, stats = specdiff_tree_generate(verifier, verifier, spec, prompt, 4, 16, 30)
+    assert tokens == expected and min(stats.accept_counts) >= 1
+
+
+def test_greedy_tree_decoding_with_a_dflash_drafter_is_identical_to_ar():
+    torch.manual_seed(0)
+    verifier = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 4})).eval()
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(config_for_verifier(verifier.config, MASK, num_layers=2, intermediate_size=48)).eval()
+    spec = drafter_spec_from_config(drafter.config)
+    for seed in range(2):
+        prompt = torch.randint(0, MASK, (1, 5), generator=torch.Generator().manual_seed(seed))
+        expected = ar_generate(verifier, prompt, 20)[0]
+        for nodes in (1, 8):
+            assert specdiff_tree_generate(verifier, drafter, spec, prompt, 3, nodes, 20)[0] == expected
+
+
+def test_greedy_tree_decoding_with_a_diffusion_gemma_drafter_and_a_gemma4_verifier_is_identical_to_ar():
+    drafter = tiny_diffusion_gemma(0)
+    spec = drafter_spec_from_config(drafter.config, load_tokenizer(str(ROOT / "checkpoints" / "tiny" / "tokenizer")))
+    verifier = tiny_gemma4_verifier(1)
+    new_tokens = 2 * GEMMA_WINDOW  # prompt and output run past both models' sliding window
+    accepted = 0
+    for prompt in (torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[100, 200, 300]])):
+        expected = ar_generate(verifier, prompt, new_tokens)[0]
+        for nodes in (1, 12):
+            tokens, stats = specdiff_tree_generate(verifier, drafter, spec, prompt, 4, nodes, new_tokens)
+            assert tokens == expected, (prompt.tolist(), nodes)
+            accepted += sum(stats.accept_counts)
+    assert accepted > 0
+
+
+def test_greedy_tree_decoding_with_the_shipped_tiny_checkpoints_is_identical_to_ar():
+    tiny = ROOT / "checkpoints" / "tiny"
+    tokenizer = load_tokenizer(str(tiny / "tokenizer"))
+    verifier = load_verifier(ModelSection(path=str(tiny / "verifier"), device="cpu"))
+    drafter, spec = load_drafter(DrafterSection(path=str(tiny / "drafter-base"), device="cpu"), tokenizer)
+    eos = frozenset({tokenizer.eos_token_id})
+    for text in ("def add(a, b):\n    return", "for i in range(10):\n"):
+        prompt = torch.tensor([tokenizer(text).input_ids])
+        expected = ar_generate(verifier, prompt, 24, eos_ids=eos)[0]
+        for nodes in (4, 16):
+            assert specdiff_tree_generate(verifier, drafter, spec, prompt, 6, nodes, 24, eos_ids=eos)[0] == expected
+
+
+def test_sampling_with_a_branching_tree_follows_the_verifier_distribution():
+    # γ 2 and 6 nodes over a vocabulary of 8: siblings at both depths, and with t1 from the prefill, a whole accepted
+    # path (t2, t3) puts the bonus token t4 in the table.
+    verifier, drafter = peaky(0), peaky(1)
+    spec = DrafterSpec(7, 1, "block_causal")
+    samples = first_tokens(lambda g: specdiff_tree_generate(verifier, drafter, spec, SAMPLING_PROMPT, 2, 6,
+                                                            NEW_TOKENS, SAMPLING, generator=g))
+    assert chi_square_pvalue(samples, exact_joint(verifier, SAMPLING_PROMPT, SAMPLING)) > 1e-3
+
+
+def test_a_verifier_the_tree_mask_cannot_serve_is_refused():
+    verifier = build("llama", 0)
+    verifier.config._attn_implementation = "flex_attention"
+    with pytest.raises(RecipeError, match="specdiff_tree"):
+        specdiff_tree_generate(verifier, verifier, DrafterSpec(MASK, 1, "block_causal"), torch.tensor([[1, 2]]), 2, 4, 4)
+    verifier = build("qwen2", 0)
+    verifier.config.layer_types = ["chunked_attention"] * 2
+    with pytest.raises(RecipeError, match="chunked_attention"):
+        specdiff_tree_generate(verifier, verifier, DrafterSpec(MASK, 1, "block_causal"), torch.tensor([[1, 2]]), 2, 4, 4)
+
+
+def test_draft_tree_ancestry():
+    tree = DraftTree([1, 2, 3], [-1, 0, -1], [1, 2, 1], [0.0, 0.0, 0.0])
+    assert tree.ancestors_allowed(torch.device("cpu")).int().tolist() == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
