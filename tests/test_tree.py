@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.config import DrafterSection, ModelSection, RecipeError
 from align.decoding.ar import ar_generate
@@ -17,19 +16,10 @@ from align.models import DrafterSpec, drafter_spec_from_config, load_drafter, lo
 from test_sampling_lossless import NEW_TOKENS, PROMPT as SAMPLING_PROMPT, SAMPLING, chi_square_pvalue, exact_joint
 from test_sampling_lossless import first_tokens, peaky
 from test_diffusion_gemma import SLIDING_WINDOW as GEMMA_WINDOW, tiny_diffusion_gemma, tiny_gemma4_verifier
+from test_verifier_families import COMMON, MASK, VOCAB, families
 
-VOCAB, MASK, SLIDING_WINDOW = 64, 63, 8
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
-FAMILIES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=8)),
-    # Alternating sliding and full attention; per-layer input sizes set small (their defaults make a 136M model).
-    "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
-        **COMMON, head_dim=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-        sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"])),
-}
+SLIDING_WINDOW = 8
+FAMILIES = families(SLIDING_WINDOW)  # a window the tests' sequences go past
 ROOT = Path(__file__).resolve().parents[1]
 
 

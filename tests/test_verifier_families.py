@@ -2,31 +2,41 @@
 every speculative method's greedy output is token-identical to AR greedy and to HF `generate()`, also past a
 sliding window (Gemma 4 alternates sliding and full attention layers)."""
 
+from typing import Callable
+
 import numpy as np
 import pytest
 import torch
 from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          PreTrainedModel, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from align.config import DecodeSection
 from align.decoding.ar import ar_generate
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
-from align.evaluate import METHODS, Setup
+from align.methods import METHODS, Setup
 from align.models import DrafterSpec
 
 VOCAB, MASK, NEW_TOKENS, SLIDING_WINDOW = 64, 63, 40, 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
-FAMILIES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=8)),
-    # Per-layer input sizes set small: their defaults make a 136M model.
-    "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
-        **COMMON, head_dim=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-        sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"])),
-}
+
+
+def families(sliding_window: int) -> dict[str, Callable[[], PreTrainedModel]]:
+    """A tiny random model of each verifier family, built when called; Gemma 4 alternates sliding and full attention
+    with this window."""
+    return {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=8)),
+        # Per-layer input sizes set small: their defaults make a 136M model.
+        "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
+            **COMMON, head_dim=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+            sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])),
+    }
+
+
+FAMILIES = families(SLIDING_WINDOW)
 SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
                "specdiff_tree"]
 
