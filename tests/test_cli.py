@@ -93,7 +93,7 @@ def test_version():
 
     result = align("--version")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"align {version('align')}\n"
+    assert result.stdout == f"align {version('align-drafters')}\n"
 
 
 def test_argparse_errors_are_one_line():
