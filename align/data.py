@@ -312,6 +312,13 @@ def prompt_id(row: PromptRow, prompt_ids: list[int]) -> str:
     return row.id if row.id is not None else "sha256:" + prompt_ids_sha256([prompt_ids])[:16]
 
 
+def prompt_places(rows: list[PromptRow], prompt_ids: list["torch.Tensor"]) -> list[dict[str, Any]]:
+    """What a report's per-prompt record says of each prompt: its index in the run, its dataset row, its stable id
+    (prompt_id) and its length in tokens. prompt_ids: each prompt's (1, n) ids, as encode_prompts gives them."""
+    return [{"index": i, "row": r.row, "id": prompt_id(r, ids[0].tolist()), "prompt_tokens": ids.shape[1]}
+            for i, (r, ids) in enumerate(zip(rows, prompt_ids))]
+
+
 def encode_prompts(tokenizer: Any, prompts: list[Prompt], template: Optional[str], max_new_tokens: int,
                    context: int) -> list["torch.Tensor"]:
     """Each prompt rendered (render_prompt) as (1, n) token ids; a prompt that cannot fit `max_new_tokens` more tokens

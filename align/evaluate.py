@@ -36,7 +36,7 @@ from transformers import AutoConfig
 from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
 from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError, eval_models
-from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_id, prompt_ids_sha256,
+from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.generation import GenerationStats, Sampling
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
@@ -336,8 +336,7 @@ def main(recipe: Recipe, command: str) -> None:
     # The verifier's config first: a too-long prompt is refused before any weights are loaded.
     context = AutoConfig.from_pretrained(recipe.verifier.path, trust_remote_code=recipe.verifier.trust_remote_code)
     prompts = encode_prompts(tokenizer, texts, template, d.max_new_tokens, context_length(context))
-    where = [{"index": i, "row": r.row, "id": prompt_id(r, ids[0].tolist()), "prompt_tokens": ids.shape[1]}
-             for i, (r, ids) in enumerate(zip(rows, prompts))]
+    where = prompt_places(rows, prompts)
     source = proxy_source(recipe) if any("cps" in n for n in names) else None
     verifier = load_verifier(recipe.verifier)
     prompts = [ids.to(verifier.device) for ids in prompts]  # the tokenizer gives CPU tensors

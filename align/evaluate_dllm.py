@@ -24,7 +24,8 @@ import torch
 from align.bench import interleaved, machine, report_json, versions
 from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError
-from align.data import chat_template, encode_prompts, eval_prompt_rows, prompt_id, prompt_ids_sha256, template_sha256
+from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
+                        template_sha256)
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
@@ -86,8 +87,7 @@ def main(recipe: Recipe, command: str) -> None:
     model, spec = load_drafter(recipe.drafter, tokenizer)
     prompts = [ids.to(model.device) for ids in encode_prompts(tokenizer, [r.prompt for r in rows], template,
                                                               recipe.decode.max_new_tokens, context_length(model.config))]
-    where = [{"index": i, "row": r.row, "id": prompt_id(r, ids[0].tolist()), "prompt_tokens": ids.shape[1]}
-             for i, (r, ids) in enumerate(zip(rows, prompts))]
+    where = prompt_places(rows, prompts)
     eos_ids = eos_token_ids(model, tokenizer)
     methods = methods_for(model, spec, graph, recipe, eos_ids)
     names = list(methods)
