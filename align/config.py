@@ -862,11 +862,13 @@ def is_hub_id(value: str) -> bool:
     return not local.exists() and bool(_HUB_ID.match(value)) and not local.parent.is_dir()
 
 
-def hub_cached(repo_id: str) -> bool:
-    """Whether a Hub model is in the local Hub cache (HF_HUB_CACHE), so that it loads by id with HF_HUB_OFFLINE=1."""
+def hub_snapshot(repo_id: str) -> Optional[Path]:
+    """The local Hub cache's folder of model `repo_id` (its config.json's folder), when it is cached: then it loads by
+    id with HF_HUB_OFFLINE=1."""
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def check_model_path(key: str, value: str) -> None:
@@ -879,7 +881,7 @@ def check_model_path(key: str, value: str) -> None:
     if local.exists():
         raise RecipeError(f"{key}: {value} is a file; a model is a Hugging Face folder (with config.json) or a Hub id")
     if is_hub_id(value):
-        if hub_offline() and not hub_cached(value):
+        if hub_offline() and hub_snapshot(value) is None:
             raise RecipeError(f"{key}: {value} is not a local folder, and the Hub is offline (HF_HUB_OFFLINE=1)")
         return
     raise RecipeError(f"{key}: no such model folder: {value}")

@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 from align.checkpoint import atomic_folder
 from align.config import (
-    CANVAS_DECODER_FAMILIES, HUB_LICENSES, Recipe, RecipeError, check_file, check_inputs, hub_offline, is_hub_id,
+    CANVAS_DECODER_FAMILIES, HUB_LICENSES, Recipe, RecipeError, check_file, check_inputs, hub_offline, hub_snapshot,
+    is_hub_id,
 )
 
 EXIT_UPLOAD_FAILED = 1
@@ -122,14 +123,6 @@ def _architectures(folder: Path) -> str:
         return ""
 
 
-def hub_snapshot(repo_id: str) -> Optional[Path]:
-    """The Hub cache folder of `repo_id` (its config.json's folder), when it is cached."""
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(repo_id, "config.json")
-    return Path(cached).parent if isinstance(cached, str) else None
-
-
 def model_folder(path: str) -> Path:
     """A model's files on this machine: `path` itself, or the Hub snapshot of an id (downloaded unless offline)."""
     if Path(path).is_dir():
@@ -148,6 +141,10 @@ class Licence:
     name: Optional[str]
     link: Optional[str]
     why: str  # one sentence for the card: where the licence comes from
+
+    def card_line(self) -> str:
+        """The card's "Models and data" line on the licence."""
+        return f"- Licence: `{self.license}`" + (f" ({self.name}, {self.link})" if self.name else "") + f", {self.why}"
 
 
 def card_metadata(base: Origin) -> Optional[dict[str, Any]]:
@@ -245,14 +242,19 @@ def hardware(machine: dict[str, Any]) -> str:
     return f"{cpu}" + (f", {machine['torch_threads']} threads" if machine.get("torch_threads") else "")
 
 
+def drafter_suffix(evaluation: dict[str, Any], drafter_path: str) -> str:
+    """`@<label>` when eval.json ran the exported drafter as one of eval.compare_drafters (its rows are then
+    `specdiff@<label>`...), else "" (it was drafter.path: the plain rows)."""
+    compared = evaluation.get("meta", {}).get("compare_drafters") or {}
+    labels = [label for label, path in compared.items() if Path(path).resolve() == Path(drafter_path).resolve()]
+    return f"@{labels[0]}" if labels else ""
+
+
 def drafter_rows(evaluation: dict[str, Any], drafter_path: str) -> dict[str, dict[str, Any]]:
     """eval.json's rows of the exported drafter by method name: its own (`specdiff@<label>`) when eval.json compared
     it with other drafters under a label, else the plain ones."""
-    m = evaluation.get("meta", {})
     methods = evaluation["methods"]
-    labels = [label for label, path in (m.get("compare_drafters") or {}).items()
-              if Path(path).resolve() == Path(drafter_path).resolve()]
-    suffix = f"@{labels[0]}" if labels else ""
+    suffix = drafter_suffix(evaluation, drafter_path)
     return {name: methods[name + suffix] for name in methods
             if name.startswith("specdiff") and "@" not in name and name + suffix in methods}
 
@@ -398,8 +400,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
         f"- Drafter base: {base.described}" + (" (this folder holds it fine-tuned)." if trained else "."),
         f"- Verifier: {verifier.described}: the model whose output this drafter's decoding reproduces exactly.",
         *([f"- Training prompts: {data.described}, continued by the verifier (align trajectories)."] if data else []),
-        f"- Licence: `{licence_.license}`" + (f" ({licence_.name}, {licence_.link})" if licence_.name else "")
-        + f", {licence_.why}", "",
+        licence_.card_line(), "",
     ]
     if evaluation:
         body += measured_table(evaluation, recipe.drafter.path)
@@ -504,9 +505,7 @@ def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:
     beside it."""
     m = evaluation.get("meta", {})
     methods = evaluation["methods"]
-    labels = {label: path for label, path in (m.get("compare_drafters") or {}).items()
-              if Path(path).resolve() == Path(drafter_path).resolve()}
-    suffix = f"@{next(iter(labels))}" if labels else ""
+    suffix = drafter_suffix(evaluation, drafter_path)
     before = origin(m["drafter"]).name if suffix and m.get("drafter") else None  # its name, not its path
     header = "| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy |"
     rule = "|---|---|---|---|"
@@ -599,8 +598,7 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
         "## Models and data", "",
         f"- Verifier (and base model: its embeddings and LM head are in this folder): {verifier.described}.",
         *([f"- Training prompts: {data.described}, continued by the verifier (align trajectories)."] if data else []),
-        f"- Licence: `{licence_.license}`" + (f" ({licence_.name}, {licence_.link})" if licence_.name else "")
-        + f", {licence_.why}", "",
+        licence_.card_line(), "",
     ]
     if evaluation:
         body += measured_table(evaluation, recipe.drafter.path)
