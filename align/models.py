@@ -327,6 +327,18 @@ class DrafterContext:
         return cls(rollback_cache(model), 0, None)
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def keep_logits(model: PreTrainedModel, count: int) -> dict[str, int]:
+    """`logits_to_keep=count` for a forward whose caller reads only its last `count` positions, where the model takes
+    it (transformers' own models do; some remote code does not). The LM head then runs on those positions alone, not
+    on every new context token: for a 150k-token vocabulary, a large part of a long context's forward."""
+    return {"logits_to_keep": count} if _takes_logits_to_keep(type(model)) else {}
+
+
 def encode_context(
     model: PreTrainedModel, context_ids: torch.Tensor, state: Optional[DrafterContext] = None
 ) -> DrafterContext:
@@ -348,7 +360,7 @@ def encode_context(
             model.get_encoder()(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True)
             state.length = n
             return state
-        out = model(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True)
+        out = model(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True, **keep_logits(model, 1))
         state.length, state.last_logits = n, out.logits[:, -1]
     return state
 
@@ -386,8 +398,9 @@ def block_logits(
     mask = None
     if spec.attention == "block_causal":
         mask = additive_mask(block_causal_allowed(n, block_len, ids.device), model.dtype).unsqueeze(0)
-    logits = model(input_ids=ids, attention_mask=mask).logits  # (B, n + γ, V)
-    return logits[:, n - spec.logits_shift : n + block_len - spec.logits_shift]
+    kept = block_len + spec.logits_shift  # positions n - shift .. n + γ - 1: the block's predictions and one more
+    logits = model(input_ids=ids, attention_mask=mask, **keep_logits(model, kept)).logits[:, -kept:]
+    return logits[:, :block_len]
 
 
 def _cached_block_logits(
@@ -409,11 +422,13 @@ def _cached_block_logits(
     allowed = torch.arange(n + block_len, device=ids.device)[None, :] <= rows[:, None]
     allowed[n - cached:] = True
     mask = additive_mask(allowed, model.dtype).unsqueeze(0)
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True)
+    kept = block_len + (n > cached)  # the block's logits, and the last new context token's
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True,
+                **keep_logits(model, kept))
     state.cache.crop(-block_len)  # the block is a guess: it never stays in the context cache
     if n > cached:
-        state.length, state.last_logits = n, out.logits[:, n - cached - 1]
-    block_out = out.logits[:, n - cached :]  # (B, γ, V)
+        state.length, state.last_logits = n, out.logits[:, -kept]
+    block_out = out.logits[:, -block_len:]  # (B, γ, V)
     if not spec.logits_shift:
         return block_out
     # Shifted: block position 0 is predicted by the last context position, position i by block position i-1.
