@@ -75,6 +75,7 @@ class Pair:
         self.drafter, self.spec, self.ar_drafter = drafter, spec, ar_drafter
         self.eos_token_ids = eos_ids
         self._proxies: dict[str, TrigramModel] = {}
+        self._verify_costs: Optional[list[float]] = None  # the cost-aware methods' curve, measured on first use
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -123,7 +124,8 @@ class Pair:
         context = context_length(self.verifier.config)
         encoded = [self._encode(i, prompt, decode.max_new_tokens, context) for i, prompt in enumerate(batch)]
         proxy = self._proxy(decode) if "cps" in method else None
-        setup = Setup(self.verifier, self.drafter, self.spec, self.ar_drafter, self.tokenizer, eos_ids, decode, proxy)
+        setup = Setup(self.verifier, self.drafter, self.spec, self.ar_drafter, self.tokenizer, eos_ids, decode, proxy,
+                      self._verify_costs)
         sampling = Sampling(decode.temperature, decode.top_k, decode.top_p)
         device = self.verifier.device
         results = []
@@ -134,6 +136,7 @@ class Pair:
                 stopped = bool(tokens) and tokens[-1] in eos_ids
                 results.append(Generation(prompt, ids, tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
                                           "stop" if stopped else "length", stats))
+        self._verify_costs = setup.verify_costs
         return results
 
     def _encode(self, index: int, prompt: Any, max_new_tokens: int, context: int) -> list[int]:

@@ -54,7 +54,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # that a bad name is refused when the recipe loads, before torch is imported.
 METHOD_NAMES: tuple[str, ...] = (
     "ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps",
-    "specdiff_adl", "specdiff_cps_adl", "specdiff_tree",
+    "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
 )
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 # align/losses.py's WINDOW_LOSSES keys, likewise.

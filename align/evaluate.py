@@ -8,7 +8,8 @@ eval.json, by `schema_version` (a file without the key is version 1):
 1. `methods.<name>` (the greedy run; `sampling.methods` the sampled one, with `sampling.temperature`): tau, speedup,
    tokens_per_s, exact_match (with AR greedy; None sampled), per_position_acceptance (α_i, None where no draft reached
    position i), verifier_forwards, drafter_forwards, new_tokens, wall_s, ideal_speedup; speculative methods also
-   overhead, mean_draft_length, draft_s, verify_s, and ADL's draft_length_trace (first prompt). `meta`: command,
+   overhead, mean_draft_length, draft_s, verify_s, and ADL's and the cost-aware methods' draft_length_trace (first
+   prompt; tree nodes for specdiff_tree_cost). `meta`: command,
    recipe, prompts (the source), num_prompts, date, prompts_sha256, chat_template_sha256, machine (platform,
    processor, cpus, torch_threads, device, dtype), baseline, drafter_spec, drafter, compare_drafters.
 2. Adds, per method, `records`: one per prompt, in prompt order, {index (in this eval), row (in the dataset split),
@@ -19,7 +20,8 @@ eval.json, by `schema_version` (a file without the key is version 1):
    A method's tau is total accepted_lengths / total iterations over its records (speculative methods), or
    Σ (new_tokens − 1) / Σ verifier_forwards (the others: the prefill gives the first token). `meta` adds versions
    (python, torch, transformers, align-drafters, deepspeed, datasets; None when not installed), machine.cpu_model
-   (/proc/cpuinfo's model name) and machine.gpu (None without CUDA).
+   (/proc/cpuinfo's model name) and machine.gpu (None without CUDA), and verify_costs_s (the cost-aware methods'
+   measured verifier cost curve, None when none ran).
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
             })
             if pooled.tree_nodes:
                 entry["mean_tree_nodes"] = round(verified, 3)
-            if method.endswith("adl"):
-                entry["draft_length_trace"] = run.stats[0].draft_lengths
+            if method.endswith(("adl", "cost")):  # sizes chosen per step: the first prompt's, for the trace plot
+                entry["draft_length_trace"] = run.stats[0].tree_nodes or run.stats[0].draft_lengths
         entry["records"] = prompt_records(run, where, speculative)
         out[name] = entry
     return out
@@ -288,7 +290,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
         for name, trace in traces.items():
             ax.step(range(1, len(trace) + 1), trace, where="post", label=name,
                     color=colour[groups[name]] if drafters else None)
-        ax.set_xlabel("iteration (first prompt)"); ax.set_ylabel("draft length")
+        ax.set_xlabel("iteration (first prompt)"); ax.set_ylabel("draft length (tree: nodes)")
         ax.legend(); fig.tight_layout(); fig.savefig(out / "adl_trace.png", dpi=110); plt.close(fig)
         written.append("adl_trace.png")
     return written
@@ -345,6 +347,8 @@ def main(recipe: Recipe, command: str) -> None:
     eos_ids = eos_token_ids(verifier, tokenizer)  # generation_config's end tokens too, as the Python API stops
     proxy = trigram_proxy(source, recipe.data.dir, tokenizer) if source is not None else None
     setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
+    if any(base_method(n).endswith("_cost") for n in names):  # one cost curve for every drafter compared
+        setup.cost_aware_size(prompts[len(prompts) // 2])
     setups = {name: setup for name in names}
     if spec is not None and spec.kind == "dflash" and "specdiff2_select" in names:
         raise RecipeError("eval.methods: specdiff2_select does not run a DFlash drafter (drafter.path); "
@@ -378,6 +382,8 @@ def main(recipe: Recipe, command: str) -> None:
         "drafter_spec": spec.to_dict() if spec else None,
         "drafter": recipe.drafter.path if uses_drafter else None,
         "compare_drafters": {label: section.path for label, section in compared.items()},
+        # the cost-aware methods' measured curve: seconds of a verifier forward over n = 1.. new tokens
+        "verify_costs_s": None if setup.verify_costs is None else [round(t, 6) for t in setup.verify_costs],
     }
     write_text_atomic(out / "eval.json", report_json(result))
     report = write_report(result, recipe, command, out)

@@ -26,6 +26,7 @@ from align.decoding.ar import ar_generate
 from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.sd_ar import sd_ar_generate
+from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate
 from align.decoding.tree import specdiff_tree_generate
@@ -44,6 +45,20 @@ class Setup:
     eos_ids: frozenset[int]
     decode: DecodeSection
     proxy: Optional[TrigramModel] = None
+    # The cost-aware methods' verifier cost curve (seconds per forward over n = 1.. new tokens), measured once.
+    verify_costs: Optional[list[float]] = None
+    # A drafter pass's seconds for the cost-aware methods, when fixed in advance (None: measured as they run).
+    draft_cost: Optional[float] = None
+
+    def cost_aware_size(self, prompt_ids: torch.Tensor) -> CostAwareSize:
+        """A fresh per-generation size chooser over this hardware's verifier costs, measured at the first call (after
+        a context as long as this prompt plus half the new tokens: about where a generation's forwards run) and again
+        only when a larger γ or tree needs more of the curve."""
+        most = max(self.decode.gamma, self.decode.tree_nodes) + 1
+        if self.verify_costs is None or len(self.verify_costs) < most:
+            context = prompt_ids.shape[1] + self.decode.max_new_tokens // 2
+            self.verify_costs = measure_verify_costs(self.verifier, context, most)
+        return CostAwareSize(self.verify_costs, self.draft_cost)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -91,13 +106,14 @@ def run_sd_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[tor
                           eos_ids=s.eos_ids, generator=gen)
 
 
-def _specdiff(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator], cps: bool, adl: bool):
+def _specdiff(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator], cps: bool, adl: bool,
+              cost: bool = False):
     d = s.decode
     search = (PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight), s.proxy) if cps else None
     adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if adl else None
     return specdiff_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens, sampling,
                              eos_ids=s.eos_ids, generator=gen, path_search=search, adaptive=adaptive,
-                             argmax_draft=d.draft_choice == "argmax")
+                             argmax_draft=d.draft_choice == "argmax", sizing=s.cost_aware_size(ids) if cost else None)
 
 
 def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
@@ -106,10 +122,11 @@ def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: O
                                      d.num_candidates, d.draft_temperature, sampling, s.eos_ids, gen)
 
 
-def run_specdiff_tree(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+def run_specdiff_tree(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator],
+                      cost: bool = False):
     d = s.decode
     return specdiff_tree_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.tree_nodes, d.max_new_tokens,
-                                  sampling, s.eos_ids, gen)
+                                  sampling, s.eos_ids, gen, sizing=s.cost_aware_size(ids) if cost else None)
 
 
 MethodFn = Callable[[Setup, torch.Tensor, Sampling, Optional[torch.Generator]], tuple[list[int], GenerationStats]]
@@ -125,6 +142,9 @@ METHODS: dict[str, MethodFn] = {
     "specdiff_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=True),
     "specdiff_cps_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=True),
     "specdiff_tree": run_specdiff_tree,
+    "specdiff_cost": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=False, cost=True),
+    "specdiff_cps_cost": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=False, cost=True),
+    "specdiff_tree_cost": lambda s, i, p, g: run_specdiff_tree(s, i, p, g, cost=True),
 }
 assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
 
@@ -153,7 +173,8 @@ def base_method(name: str) -> str:
 # What a DFlash drafter runs: one block per draft (SpecDiff), with path search and adaptive length on top. Several
 # candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet. A draft
 # tree (specdiff_tree) needs one block: the accepted path's verifier states join the drafter's context.
-DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl", "specdiff_tree")
+DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost",
+                  "specdiff_cps_cost", "specdiff_tree_cost")
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")

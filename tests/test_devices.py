@@ -27,7 +27,7 @@ TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny" / "toke
 PROMPT = torch.tensor([[1, 5, 2]])
 # What our runtime implements (HF's own methods are HF's business).
 RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-                   "specdiff_tree"]
+                   "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"]
 
 
 def tiny(seed: int, bidirectional: bool = False) -> LlamaForCausalLM:
@@ -43,7 +43,9 @@ def tiny(seed: int, bidirectional: bool = False) -> LlamaForCausalLM:
 def setup() -> Setup:
     decode = DecodeSection(gamma=3, max_new_tokens=8, num_candidates=3, adl_min_len=1, adl_max_len=4, adl_delta=1)
     proxy = TrigramModel.fit(np.random.default_rng(0).integers(0, VOCAB, 500), VOCAB)
-    return Setup(tiny(0), tiny(1), DrafterSpec(MASK, 1, "block_causal"), tiny(2), None, frozenset(), decode, proxy)
+    # The cost-aware methods' costs fixed (a rising curve): their choices then depend on no clock.
+    return Setup(tiny(0), tiny(1), DrafterSpec(MASK, 1, "block_causal"), tiny(2), None, frozenset(), decode, proxy,
+                 verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

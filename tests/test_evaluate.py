@@ -43,14 +43,14 @@ def test_every_method_is_reported_and_exact_at_temperature_0(evaluated):
         assert m["exact_match"] == 1.0, name
         assert m["new_tokens"] > 0 and m["wall_s"] > 0 and m["tau"] >= 1.0
     for name in ("sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-                 "specdiff_tree"):
+                 "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"):
         m = result["methods"][name]
         alphas = m["per_position_acceptance"]
         assert m["ideal_speedup"] > 0 and m["verifier_forwards"] > 0, name
         # One α per draft position up to the longest draft: γ = 4, except ADL, which starts at its maximum length
         # (the default 16, cut to the 9 tokens left after the first one); CPS paths may stop early at EOS.
         longest = 9 if name.endswith("adl") else 4
-        if "cps" in name:
+        if "cps" in name or name.endswith("cost"):  # a cost-aware draft may stop short of γ
             assert 1 <= len(alphas) <= longest, name
         else:
             assert len(alphas) == longest, name
@@ -58,6 +58,12 @@ def test_every_method_is_reported_and_exact_at_temperature_0(evaluated):
         assert m["tau"] <= 1 + longest, name
     assert result["methods"]["specdiff"]["drafter_forwards"] == result["methods"]["specdiff"]["verifier_forwards"]
     assert "draft_length_trace" in result["methods"]["specdiff_adl"]
+    # The cost-aware methods: their chosen sizes traced, the cost curve they chose by in meta.
+    assert 1 <= min(result["methods"]["specdiff_cost"]["draft_length_trace"])
+    assert max(result["methods"]["specdiff_cost"]["draft_length_trace"]) <= 4
+    assert max(result["methods"]["specdiff_tree_cost"]["draft_length_trace"]) <= 16  # recipes/tiny/eval.yaml's nodes
+    costs = result["meta"]["verify_costs_s"]
+    assert len(costs) == 16 + 1 and costs == sorted(costs)  # up to the tree's nodes and its root
 
 
 def test_sampled_run_and_report(evaluated):

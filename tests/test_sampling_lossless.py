@@ -29,7 +29,7 @@ PROMPT = torch.tensor([[1, 5, 2]])
 SAMPLING = Sampling(temperature=0.8, top_k=5)  # truncation too: the runtime must sample what it accepts against
 # What our runtime implements; the HF baselines (hf_generate, hf_assisted, prompt_lookup) are HF's own sampling.
 RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-                   "specdiff_tree"]
+                   "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"]
 
 
 def peaky(seed):
@@ -56,8 +56,11 @@ def setup():
     with torch.inference_mode():
         stream = verifier.generate(PROMPT.expand(64, -1), max_new_tokens=32, do_sample=True, pad_token_id=0)
     proxy = TrigramModel.fit(stream.flatten().numpy(), VOCAB)
+    # The cost-aware methods' costs fixed (a rising curve, so that they verify some nodes and not others): their
+    # choices then depend on no clock.
     yield Setup(verifier=verifier, drafter=peaky(1), spec=DrafterSpec(MASK, 1, "block_causal"),
-                ar_drafter=peaky(2), tokenizer=None, eos_ids=frozenset(), decode=decode, proxy=proxy)
+                ar_drafter=peaky(2), tokenizer=None, eos_ids=frozenset(), decode=decode, proxy=proxy,
+                verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
     torch.set_num_threads(threads)
 
 

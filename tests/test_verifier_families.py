@@ -38,7 +38,7 @@ def families(sliding_window: int) -> dict[str, Callable[[], PreTrainedModel]]:
 
 FAMILIES = families(SLIDING_WINDOW)
 SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-               "specdiff_tree"]
+               "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"]
 
 
 def peaky(build, seed):
@@ -62,7 +62,7 @@ def test_greedy_outputs_equal_ar_for_every_verifier_family(family, drafters):
     decode = DecodeSection(gamma=4, max_new_tokens=NEW_TOKENS, num_candidates=3)
     for shift in (0, 1):
         setup = Setup(verifier, drafter, DrafterSpec(MASK, shift, "block_causal"), ar_drafter, None, frozenset(),
-                      decode, proxy)
+                      decode, proxy, verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
         for prompt in (torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[7, 8, 9]])):
             expected = ar_generate(verifier, prompt, NEW_TOKENS)[0]
             assert len(prompt[0]) + len(expected) > SLIDING_WINDOW

@@ -12,6 +12,7 @@ from align.decoding.acceptance import accept_draft
 from align.decoding.adl import AdaptiveLength
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
 from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
+from align.decoding.sizing import CostAwareSize
 from align.dflash import DFlashContext, HiddenTap, dflash_block_logits
 from align.models import DrafterContext, DrafterSpec, block_logits
 
@@ -31,6 +32,7 @@ def specdiff_generate(
     path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
     adaptive: Optional[AdaptiveLength] = None,
     argmax_draft: bool = False,
+    sizing: Optional[CostAwareSize] = None,
 ) -> tuple[list[int], GenerationStats]:
     """Speculative decoding with a one-pass diffusion draft. prompt_ids: (1, n). Lossless for any drafter.
 
@@ -81,6 +83,13 @@ def specdiff_generate(
         else:
             draft_probs = draft_sampling.probs(draft_logits)
             draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
+        if sizing is not None:
+            # The draft tokens' cumulative drafter log-probabilities: how likely the drafter thinks each prefix is.
+            scores = (torch.log_softmax(draft_logits.float(), -1).gather(-1, draft[:, None]).squeeze(-1)
+                      .cumsum(0).tolist())
+            keep = sizing.choose(scores, range(1, len(draft) + 1), time.perf_counter() - t_draft)
+            draft, scores = draft[:keep], scores[:keep]
+            draft_probs = None if draft_probs is None else draft_probs[:keep]
         stats.drafter_forwards += 1
         stats.draft_s += time.perf_counter() - t_draft
 
@@ -95,4 +104,6 @@ def specdiff_generate(
         tokens += [*draft[:num_accepted].tolist(), next_token]
         if adaptive is not None:
             adaptive.update(raw_draft, num_accepted, eos_ids)
+        if sizing is not None:
+            sizing.update(scores, range(1, len(draft) + 1), num_accepted)
     return finish(stats, tokens, max_new_tokens, eos_ids)

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from align.config import RecipeError
 from align.decoding.acceptance import accept_tree
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start
+from align.decoding.sizing import CostAwareSize
 from align.dflash import DFlashContext, HiddenTap, aux_hidden, dflash_block_logits
 from align.models import DrafterContext, DrafterSpec, additive_mask, block_logits
 
@@ -42,6 +43,11 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def prefix(self, num_nodes: int) -> "DraftTree":
+        """The first `num_nodes` nodes: a tree too, since parents come first."""
+        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], self.depths[:num_nodes],
+                         self.scores[:num_nodes])
 
     def children(self) -> list[list[int]]:
         """Per row (0: the root, i + 1: node i), its child nodes in best-first order."""
@@ -195,10 +201,13 @@ def specdiff_tree_generate(
     sampling: Sampling = Sampling(),
     eos_ids: frozenset[int] = frozenset(),
     generator: Optional[torch.Generator] = None,
+    sizing: Optional[CostAwareSize] = None,
 ) -> tuple[list[int], GenerationStats]:
     """Speculative decoding with a draft tree of `num_nodes` nodes, at most γ deep, from one drafter pass.
     prompt_ids: (1, n). Lossless: greedy outputs equal AR greedy's; sampled ones follow the verifier's distribution
-    (`accept_tree`). Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size."""
+    (`accept_tree`). Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size.
+    sizing (cost-aware node budget): `num_nodes` is the largest tree, and `sizing` picks how many of its best-first
+    nodes to verify each step."""
     check_tree_verifier(verifier)
     # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and the
     # accepted path's join its context (they equal a plain forward's over that path, as the logits do).
@@ -222,6 +231,8 @@ def specdiff_tree_generate(
             block = prompt_ids.new_full((1, depth_limit), spec.mask_token_id)
             draft_logits = block_logits(drafter, spec, context, block, state)[0]  # (γ, V)
         tree = build_draft_tree(torch.log_softmax(draft_logits.float(), -1), num_nodes, eos_ids)
+        if sizing is not None:
+            tree = tree.prefix(sizing.choose(tree.scores, tree.depths, time.perf_counter() - t_draft))
         stats.drafter_forwards += 1
         stats.draft_s += time.perf_counter() - t_draft
 
@@ -235,5 +246,7 @@ def specdiff_tree_generate(
         stats.verify_s += time.perf_counter() - t_verify
         stats.record(len(path), depth_limit)
         stats.tree_nodes.append(len(tree))
+        if sizing is not None:
+            sizing.update(tree.scores, tree.depths, len(path))
         tokens += [*[tree.tokens[node] for node in path], next_token]
     return finish(stats, tokens, max_new_tokens, eos_ids)
