@@ -339,7 +339,8 @@ class DecodeSection(Section):
     #: EMA rate of the generated and accepted lengths
     adl_rho: float = Field(default=0.5, gt=0.0, le=1.0)
     #: specdiff_tree: draft-tree nodes verified per forward besides the root (the tree is at most γ deep); K·γ
-    #: matches the verifier tokens of self-selection with K candidates
+    #: matches the verifier tokens of self-selection with K candidates. specdiff_tree_cost: the largest tree, of
+    #: which each step verifies the nodes that pay for their cost
     tree_nodes: int = Field(default=32, ge=1)
     #: n-gram size HF prompt lookup matches against the prompt
     prompt_lookup_tokens: int = Field(default=10, ge=1)

@@ -7,11 +7,11 @@ best-first order puts parents before children). Verifying the first n nodes emit
 
 so the step takes the n with the best ratio. t_verify is this hardware's measured cost curve (a verifier forward over
 n new tokens, measured once at start-up: flat on a GPU until it is compute-bound, rising from the first token on a
-CPU); t_draft is the drafter pass just made. P(node j accepted) is the drafter's own probability of the node's path,
-exp(cumulative log-probability), times a per-depth calibration factor learnt as the generation goes: the accepted
-paths' lengths against the probability the verified nodes of each depth predicted. The calibration is a running
-per-position acceptance estimate, sharpened per step by the drafter's confidence in this draft; it is never worse
-informed than a fixed γ, and for a drafter as sure as its acceptance it needs no calibration at all.
+CPU); t_draft is the running mean of the drafter passes so far. P(node j accepted) is the drafter's own probability
+of the node's path, exp(cumulative log-probability), times a per-depth calibration factor learnt as the generation
+goes: the accepted paths' lengths against the probability the verified nodes of each depth predicted. The calibration
+is a running per-position acceptance estimate, sharpened per step by the drafter's confidence in this very draft; a
+drafter whose confidence is its acceptance rate needs none.
 """
 
 from __future__ import annotations
