@@ -4,7 +4,7 @@
 # Runs the tiny test split, then HumanEval's prompts when a copy of the benchmark file is at
 # $HUMANEVAL (default ../shared/benchmarks/humaneval.jsonl), NUM_PROMPTS of each (default 24; every method runs at
 # temperature 0 and at eval.sampling_temperature). Reports land in checkpoints/bench-*/report.md. Compare an aligned
-# drafter in the same runs with "eval.compare_drafters={aligned: checkpoints/tiny-align/step_150}".
+# drafter in the same runs with "eval.compare_drafters={aligned: checkpoints/tiny-align/step_600}".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh

@@ -15,14 +15,17 @@ export HF_HUB_OFFLINE=1
 recipe=recipes/tiny/align.yaml
 root=checkpoints/losses
 losses=${LOSSES:-streak ce_streak streak_tv fkl}
-.venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"
+# The README's loss table's protocol: 800 prompts' trajectories and 150 steps per loss (the main job now trains longer
+# on more; key=value arguments still override these).
+protocol=(trajectories.num_prompts=800 trajectories.out=data/tiny/trajectories-800 train.max_steps=150 train.save_every=50)
+.venv/bin/align trajectories "$recipe" --num_gpus 2 "${protocol[@]}" "$@"
 compare=()
 for loss in $losses; do
   # online: losses that read the verifier's distributions get them from a verifier forward in the step; the others
   # train on the trajectories' tokens as offline. A finished run is left as it is (it resumes at its final step).
   weights="$(echo "$loss" | sed 's/+/: 1.0, /g'): 1.0"  # a+b: both losses, weight 1 each
   .venv/bin/align train "$recipe" --num_gpus 2 "train.losses={$weights}" train.data_mode=online \
-    train.out="$root/$loss" train.final_eval_prompts=0 "$@"
+    train.out="$root/$loss" train.final_eval_prompts=0 "${protocol[@]}" "$@"
   compare+=("${loss//+/-}: $(.venv/bin/align latest "$root/$loss")")  # a label has no +
 done
 [ -d "$root/gkd/final" ] || .venv/bin/align gkd "$recipe" gkd.out="$root/gkd" "$@"
