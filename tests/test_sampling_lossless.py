@@ -118,6 +118,24 @@ def test_sd_ar_with_a_greedy_draft_and_a_sampling_verifier_is_lossless(setup):
     assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
 
 
+@pytest.mark.parametrize("method", ["specdiff_cost", "specdiff_cps_cost"])
+def test_cost_aware_draft_lengths_are_lossless_when_sampling(setup, method):
+    # γ = 3 with a curve on which each token costs a quarter of the first: the chosen length varies with the drafter's
+    # confidence, so sampled drafts are cut (with their probabilities) to lengths chosen before the verifier's draw.
+    sized = replace(setup, decode=setup.decode.model_copy(update={"gamma": 3}),
+                    verify_costs=[1.0 + 0.25 * n for n in range(setup.decode.tree_nodes + 1)], draft_cost=0.0)
+    lengths = set()
+
+    def decode(generator):
+        tokens, stats = METHODS[method](sized, PROMPT, SAMPLING, generator)
+        lengths.update(stats.draft_lengths)
+        return tokens, stats
+
+    samples = first_tokens(decode)
+    assert len(lengths) > 1  # the test sees drafts of several lengths
+    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
+
+
 @pytest.mark.parametrize("method", ["specdiff", "specdiff_adl"])
 def test_argmax_diffusion_drafts_are_lossless_when_sampling(setup, method):
     # decode.draft_choice=argmax: the drafter's most likely tokens, a point mass, accepted by the point-mass rule.
