@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from transformers import PreTrainedModel
@@ -15,6 +15,38 @@ from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
 from align.decoding.sizing import CostAwareSize
 from align.dflash import DFlashContext, HiddenTap, dflash_block_logits
 from align.models import DrafterContext, DrafterSpec, block_logits
+
+
+class DraftPass:
+    """A diffusion drafter across one generation, whatever its kind: the one pass that drafts a block, and what it
+    keeps between passes. A block-causal drafter keeps an exact context cache that only ever grows (drafts never enter
+    it); a DFlash drafter reads the verifier's hidden states, which every verifier forward hands over through `tap`,
+    and its context is those states for the tokens the verifier has seen (all but the newest)."""
+
+    def __init__(self, drafter: PreTrainedModel, spec: DrafterSpec) -> None:
+        self.drafter, self.spec = drafter, spec
+        self.tap = HiddenTap(drafter.config.aux_hidden_state_layer_ids) if spec.kind == "dflash" else None
+        self.state: Optional[DrafterContext] = (DrafterContext.empty(drafter)
+                                                if spec.attention == "block_causal" and self.tap is None else None)
+        self.conditioned = DFlashContext()
+
+    def prefilled(self) -> None:
+        """After the verifier's prefill (which filled `tap`): the prompt's states are a DFlash drafter's context."""
+        if self.tap is not None:
+            self.conditioned.extend(self.drafter, self.tap.last)
+
+    def block_logits(self, verifier: PreTrainedModel, context: torch.Tensor, length: int) -> torch.Tensor:
+        """The drafter's logits for the `length` tokens after context (1, n): (length, V)."""
+        if self.tap is not None:
+            return dflash_block_logits(self.drafter, verifier, context[:, -1:], length, self.conditioned)[0]
+        block = context.new_full((1, length), self.spec.mask_token_id)
+        return block_logits(self.drafter, self.spec, context, block, self.state)[0]
+
+    def verified(self, rows: Union[slice, torch.Tensor]) -> None:
+        """After a verifier forward: its input rows `rows` (the newest token and the accepted drafts) are verified
+        now, and their states join a DFlash drafter's context."""
+        if self.tap is not None:
+            self.conditioned.extend(self.drafter, self.tap.last[:, rows])
 
 
 @torch.inference_mode()
@@ -45,17 +77,10 @@ def specdiff_generate(
     drafter then proposes `adaptive.max_len` tokens in its one pass and the first `adaptive.current` are the draft.
     """
     draft_sampling = draft_sampling or sampling
-    # A DFlash drafter reads the verifier's hidden states: every verifier forward below also hands them over.
-    tap = HiddenTap(drafter.config.aux_hidden_state_layer_ids) if spec.kind == "dflash" else None
+    drafting = DraftPass(drafter, spec)
     # Invariant: the verifier's cache covers every token but the newest one.
-    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator, tap)
-    # A block-causal drafter keeps an exact context cache that only ever grows: drafts never enter it.
-    state: Optional[DrafterContext] = (DrafterContext.empty(drafter) if spec.attention == "block_causal" and tap is None
-                                       else None)
-    # A DFlash drafter's context is the verifier's states of the tokens the verifier has seen (all but the newest).
-    conditioned = DFlashContext()
-    if tap is not None:
-        conditioned.extend(drafter, tap.last)
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator, drafting.tap)
+    drafting.prefilled()
     while not finished(tokens, max_new_tokens, eos_ids):
         # Never draft past max_new_tokens: those tokens would be thrown away.
         draft_len = min(adaptive.current if adaptive else gamma, max_new_tokens - len(tokens))
@@ -66,18 +91,17 @@ def specdiff_generate(
         proposal_len = min(adaptive.max_len, max_new_tokens - len(tokens)) if adaptive else draft_len
 
         t_draft = time.perf_counter()
-        if tap is not None:
-            proposal_logits = dflash_block_logits(drafter, verifier, context[:, -1:], proposal_len, conditioned)[0]
-        else:
-            block = prompt_ids.new_full((1, proposal_len), spec.mask_token_id)
-            proposal_logits = block_logits(drafter, spec, context, block, state)[0]  # (proposal_len, V)
+        proposal_logits = drafting.block_logits(verifier, context, proposal_len)  # (proposal_len, V)
         raw_draft = proposal_logits.argmax(-1)
         draft_logits = proposal_logits[:draft_len]  # (γ, V)
+        # CPS searches and the cost-aware size scores by the drafter's log-probabilities: computed once for both.
+        draft_log_probs = (torch.log_softmax(draft_logits.float(), -1) if path_search is not None or sizing is not None
+                           else None)
         draft_probs = None  # None: a deterministic draft
         if path_search is not None:
             settings, proxy = path_search
             draft = raw_draft.new_tensor(causal_path_search(
-                torch.log_softmax(draft_logits.float(), -1), context[0, -2:].tolist(), proxy, settings, eos_ids))
+                draft_log_probs, context[0, -2:].tolist(), proxy, settings, eos_ids))
         elif sampling.temperature == 0 or argmax_draft:
             draft = raw_draft[:draft_len]
         else:
@@ -85,8 +109,7 @@ def specdiff_generate(
             draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
         if sizing is not None:
             # The draft tokens' cumulative drafter log-probabilities: how likely the drafter thinks each prefix is.
-            scores = (torch.log_softmax(draft_logits.float(), -1).gather(-1, draft[:, None]).squeeze(-1)
-                      .cumsum(0).tolist())
+            scores = draft_log_probs.gather(-1, draft[:, None]).squeeze(-1).cumsum(0).tolist()
             keep = sizing.choose(scores, range(1, len(draft) + 1), time.perf_counter() - t_draft)
             draft, scores = draft[:keep], scores[:keep]
             draft_probs = None if draft_probs is None else draft_probs[:keep]
@@ -94,11 +117,11 @@ def specdiff_generate(
         stats.draft_s += time.perf_counter() - t_draft
 
         t_verify = time.perf_counter()
-        verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache, tap)
+        verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache,
+                                         drafting.tap)
         num_accepted, next_token = accept_draft(draft, draft_probs, verify_logits, sampling, generator)
         cache.crop(-(len(draft) - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
-        if tap is not None:  # the newest token and the accepted drafts are verified now: they join the context
-            conditioned.extend(drafter, tap.last[:, : num_accepted + 1])
+        drafting.verified(slice(0, num_accepted + 1))  # the newest token and the accepted drafts
         stats.verify_s += time.perf_counter() - t_verify
         stats.record(num_accepted, len(draft))
         tokens += [*draft[:num_accepted].tolist(), next_token]

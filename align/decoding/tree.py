@@ -24,8 +24,9 @@ from align.config import RecipeError
 from align.decoding.acceptance import accept_tree
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start
 from align.decoding.sizing import CostAwareSize
-from align.dflash import DFlashContext, HiddenTap, aux_hidden, dflash_block_logits
-from align.models import DrafterContext, DrafterSpec, additive_mask, block_logits
+from align.decoding.specdiff import DraftPass
+from align.dflash import HiddenTap, aux_hidden
+from align.models import DrafterSpec, additive_mask
 
 # Layer types a tree mask is built for: full causal attention, and a sliding window over positions.
 TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -211,25 +212,17 @@ def specdiff_tree_generate(
     check_tree_verifier(verifier)
     # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and the
     # accepted path's join its context (they equal a plain forward's over that path, as the logits do).
-    tap = HiddenTap(drafter.config.aux_hidden_state_layer_ids) if spec.kind == "dflash" else None
+    drafting = DraftPass(drafter, spec)
     # Invariant: the verifier's cache covers every token but the newest one.
-    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator, tap)
+    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator, drafting.tap)
     check_tree_cache(cache)
-    state: Optional[DrafterContext] = (DrafterContext.empty(drafter) if spec.attention == "block_causal" and tap is None
-                                       else None)
-    conditioned = DFlashContext()
-    if tap is not None:
-        conditioned.extend(drafter, tap.last)
+    drafting.prefilled()
     while not finished(tokens, max_new_tokens, eos_ids):
         depth_limit = min(gamma, max_new_tokens - len(tokens))  # never draft past max_new_tokens
         context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
 
         t_draft = time.perf_counter()
-        if tap is not None:
-            draft_logits = dflash_block_logits(drafter, verifier, context[:, -1:], depth_limit, conditioned)[0]
-        else:
-            block = prompt_ids.new_full((1, depth_limit), spec.mask_token_id)
-            draft_logits = block_logits(drafter, spec, context, block, state)[0]  # (γ, V)
+        draft_logits = drafting.block_logits(verifier, context, depth_limit)  # (γ, V)
         tree = build_draft_tree(torch.log_softmax(draft_logits.float(), -1), num_nodes, eos_ids)
         if sizing is not None:
             tree = tree.prefix(sizing.choose(tree.scores, tree.depths, time.perf_counter() - t_draft))
@@ -237,12 +230,11 @@ def specdiff_tree_generate(
         stats.draft_s += time.perf_counter() - t_draft
 
         t_verify = time.perf_counter()
-        verify_logits = tree_forward(verifier, context[:, -1:], tree, cache, tap)  # (N + 1, V)
+        verify_logits = tree_forward(verifier, context[:, -1:], tree, cache, drafting.tap)  # (N + 1, V)
         path, next_token = accept_tree(tree.tokens, tree.children(), verify_logits, sampling, generator)
         keep_path(cache, tree, path)
-        if tap is not None:  # the root and the accepted path are verified now: they join the drafter's context
-            rows = torch.tensor([0, *[node + 1 for node in path]], device=tap.last.device)
-            conditioned.extend(drafter, tap.last.index_select(1, rows))
+        if drafting.tap is not None:  # the root and the accepted path are verified now
+            drafting.verified(torch.tensor([0, *[node + 1 for node in path]], device=drafting.tap.last.device))
         stats.verify_s += time.perf_counter() - t_verify
         stats.record(len(path), depth_limit)
         stats.tree_nodes.append(len(tree))
