@@ -348,7 +348,7 @@ def main(recipe: Recipe, command: str) -> None:
     proxy = trigram_proxy(source, recipe.data.dir, tokenizer) if source is not None else None
     setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
     if any(base_method(n).endswith("_cost") for n in names):  # one cost curve for every drafter compared
-        setup.cost_aware_size(prompts[len(prompts) // 2])
+        setup.measured_costs(prompts[len(prompts) // 2])
     setups = {name: setup for name in names}
     if spec is not None and spec.kind == "dflash" and "specdiff2_select" in names:
         raise RecipeError("eval.methods: specdiff2_select does not run a DFlash drafter (drafter.path); "

@@ -50,15 +50,19 @@ class Setup:
     # A drafter pass's seconds for the cost-aware methods, when fixed in advance (None: measured as they run).
     draft_cost: Optional[float] = None
 
-    def cost_aware_size(self, prompt_ids: torch.Tensor) -> CostAwareSize:
-        """A fresh per-generation size chooser over this hardware's verifier costs, measured at the first call (after
-        a context as long as this prompt plus half the new tokens: about where a generation's forwards run) and again
-        only when a larger γ or tree needs more of the curve."""
+    def measured_costs(self, prompt_ids: torch.Tensor) -> list[float]:
+        """This hardware's verifier cost curve, measured at the first call (after a context as long as this prompt
+        plus half the new tokens: about where a generation's forwards run) and again only when a larger γ or tree
+        needs more of it."""
         most = max(self.decode.gamma, self.decode.tree_nodes) + 1
         if self.verify_costs is None or len(self.verify_costs) < most:
             context = prompt_ids.shape[1] + self.decode.max_new_tokens // 2
             self.verify_costs = measure_verify_costs(self.verifier, context, most)
-        return CostAwareSize(self.verify_costs, self.draft_cost)
+        return self.verify_costs
+
+    def cost_aware_size(self, prompt_ids: torch.Tensor) -> CostAwareSize:
+        """A fresh per-generation size chooser over the measured cost curve."""
+        return CostAwareSize(self.measured_costs(prompt_ids), self.draft_cost)
 
 
 # --------------------------------------------------------------------------------------------------------------------
