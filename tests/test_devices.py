@@ -174,3 +174,25 @@ def test_dflash_drafting_and_training_windows_create_their_tensors_on_the_models
         draft_logits, verifier_logits = dflash_window_logits(drafter, verifier, clean, starts, 3)
     assert tokens == expected
     assert {draft_logits.device.type, verifier_logits.device.type} == {"cpu"}
+
+
+def test_every_host_copy_to_numpy_goes_through_cpu():
+    """`.numpy()` raises on a GPU tensor, and the checks above cannot see it (their models are on the CPU, where it
+    works): every `.numpy()` in align/ is taken of a `.cpu()` somewhere in its chain of calls. (`launch/gpu_check.sh`
+    on an H200 found one that was not, in the causal path search.)"""
+    import ast
+
+    def calls_cpu(node: ast.AST) -> bool:
+        while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cpu":
+                return True
+            node = node.func if isinstance(node, ast.Call) else node.value
+        return False
+
+    offenders = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "align").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numpy"
+                    and not calls_cpu(node.func.value)):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, f"`.numpy()` without `.cpu()`: {offenders}"

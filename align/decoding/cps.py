@@ -98,9 +98,10 @@ def candidate_sets(draft_probs: torch.Tensor, threshold: float, max_candidates: 
     """
     top_probs, top_tokens = draft_probs.topk(min(max_candidates, draft_probs.shape[-1]), dim=-1)
     sizes = ((top_probs.cumsum(-1) - top_probs) < threshold).sum(-1)  # tokens needed to reach the threshold
+    top_tokens, sizes = top_tokens.tolist(), sizes.tolist()  # one copy to the host, not one per position
     sets = []
     for i in range(draft_probs.shape[0]):
-        tokens = top_tokens[i, : int(sizes[i])].tolist()
+        tokens = top_tokens[i][: sizes[i]]
         sets.append(tokens + [e for e in sorted(eos_ids) if e not in tokens])
     return sets
 
@@ -116,10 +117,14 @@ def causal_path_search(
     """
     sets = candidate_sets(draft_log_probs.exp(), settings.threshold, settings.max_candidates, eos_ids)
     lam = settings.weight
+    # Every candidate's drafter score in one copy to the host (the search itself is small numpy work there).
+    rows = [position for position, candidates in enumerate(sets) for _ in candidates]
+    flat_scores = draft_log_probs[rows, [token for candidates in sets for token in candidates]].double().cpu().numpy()
+    ends = np.cumsum([len(candidates) for candidates in sets])
     beams: list[tuple[float, list[int]]] = [(0.0, [])]
     for position, candidates in enumerate(sets):
         cand = np.array(candidates)
-        drafter_scores = draft_log_probs[position, candidates].double().numpy()
+        drafter_scores = flat_scores[ends[position] - len(candidates): ends[position]]
         expanded = []
         for score, path in beams:
             if path and path[-1] in eos_ids:
