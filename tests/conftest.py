@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 # Nothing in the test suite may reach the network: every model and dataset is built locally or shipped.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -7,6 +8,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """os.environ for a child process that must import this checkout's align, whichever checkout the environment has
+    installed: the checkout goes in front of PYTHONPATH, and what PYTHONPATH held stays (an environment assembled on
+    PYTHONPATH, as where packages are carried to a GPU machine, keeps its packages)."""
+    path = os.pathsep.join(part for part in (str(ROOT), os.environ.get("PYTHONPATH", "")) if part)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 # A toy tiny family: the real bootstrap stage at minimal sizes and budgets (~20 s), shared by the stage tests.
 TOY = [

@@ -3,7 +3,6 @@ shipped tiny family. Greedy results are the verifier's own with every method; ge
 tokens by default; the README's example runs as written."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import checkout_env
 
 import align
 from align.config import RecipeError
@@ -66,7 +67,7 @@ def verifier_greedy(pair, prompt_ids: list[int], eos: list[int]) -> list[int]:
 def test_import_align_stays_cheap():
     code = ("import sys, align\nassert 'torch' not in sys.modules, 'import align imported torch'\n"
             "assert callable(align.load) and 'torch' in sys.modules\nprint(sorted(set(dir(align)) & {'load', 'Pair'}))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=checkout_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['Pair', 'load']"
@@ -271,8 +272,7 @@ def readme_example(readme: Path) -> str:
 def test_the_readmes_python_example_runs():
     code = readme_example(ROOT / "README.md")
     assert "align.load(" in code and ".generate(" in code
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
+    env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip(), "the example printed nothing"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import checkout_env
+
 from align.cli import EVAL_MODULES, STAGES, main
 from align.config import RecipeError
 
@@ -265,7 +267,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
         "cli.STAGES['eval'] = dataclasses.replace(cli.STAGES['eval'], module='slow_stage', models=lambda r: ())\n"
         "raise SystemExit(cli.main(sys.argv[1:]))\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = checkout_env(HF_HUB_OFFLINE="1")
     # The child starts with Ctrl-C's default disposition, as from a terminal: an ignored SIGINT in this process (which
     # a library may set) would be inherited, and Python then installs no KeyboardInterrupt handler at all.
     proc = subprocess.Popen([sys.executable, str(script), "eval", "recipes/tiny/eval.yaml",

@@ -3,7 +3,6 @@ rule), and `align export` writes cards that pass it, for the tiny family and for
 from a Hub cache, with no path of the exporting machine anywhere in the folder."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard, metadata_load
+
+from conftest import checkout_env
 
 from hub_server import FakeHub, validate_card
 
@@ -168,8 +169,7 @@ def synthetic_eval(path: Path, run: Path) -> Path:
 
 
 def export(args: list[str], home: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = checkout_env(HF_HUB_OFFLINE="1", HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"))
     return subprocess.run([sys.executable, "-m", "align", "export", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 

@@ -102,12 +102,11 @@ def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp
     """`align train` builds a new DFlash drafter on the (toy) verifier and trains it under DeepSpeed; `align eval`
     runs it beside the standalone drafter, token-identical to AR greedy."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from conftest import TOY_TRAJECTORIES
+    from conftest import TOY_TRAJECTORIES, checkout_env
 
     from align.cli import main as align
 
@@ -119,7 +118,7 @@ def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp
             "train.max_steps=3", "train.micro_batch_size=2", "train.eval_every=3", "train.save_every=3",
             "train.final_eval_prompts=1", "train.losses={ce_streak: 1.0, fkl: 0.5}", "dflash.aux_layer_ids=[0]",
             "dflash.intermediate_size=48"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     done = subprocess.run([sys.executable, "align/train.py", "recipes/tiny/dflash.yaml", *args], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

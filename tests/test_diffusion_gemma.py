@@ -22,6 +22,8 @@ from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion,
                           Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig)
 from transformers.models.gemma4 import Gemma4VisionConfig
 
+from conftest import checkout_env
+
 from align.checkpoint import merged_model, save_merged
 from align.cli import main as align
 from align.config import DecodeSection, DrafterSection, drafter_spec_from_config
@@ -316,8 +318,8 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert {result["methods"][name]["exact_match"] for name in ("specdiff", "specdiff_adl")} == {1.0}
     assert align(["trajectories", RECIPE, *tiny]) == 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     train = [sys.executable, "align/train.py", RECIPE, *tiny]
     done = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

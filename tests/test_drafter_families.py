@@ -8,7 +8,6 @@ export keeps `auto_map` and the code files and reloads to identical logits in th
 as vanilla dLLM decoding does."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
+
+from conftest import checkout_env
 
 from align.cli import main as align
 from align.config import DecodeSection, DrafterSection, ModelSection
@@ -125,8 +126,7 @@ def train(folders, trajectories, family, out, *extra):
             f"verifier.path={folders['verifier']}", f"trajectories.out={trajectories}", *TRAJECTORIES,
             f"train.out={out}", "train.max_steps=1", "train.gamma=4", "train.windows_per_sequence=2",
             "train.micro_batch_size=2", "train.lr=1e-2", "train.warmup_steps=0", "train.final_eval_prompts=1", *extra]
-    # PYTHONPATH: this checkout's align, whichever checkout the environment has installed
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "align/train.py", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -3,12 +3,13 @@ by tiny random local folders of the same architectures (a Qwen2 verifier and a D
 the DiffuCoder pairing; a LLaDA-style remote-code dLLM for Spiffy), through the same stages, in seconds."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import checkout_env
 
 from align.cli import main as align
 from align.config import load_recipe
@@ -42,7 +43,7 @@ def test_the_diffucoder_recipe_runs_at_tiny_size(tmp_path):
             "trajectories.batch_size=8", f"train.out={tmp_path / 'run'}", "train.max_steps=1", "train.gamma=4",
             "train.gradient_accumulation_steps=2", "train.final_eval_prompts=1", "decode.gamma=4"]
     assert align(["trajectories", str(recipe), *args]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "align/train.py", str(recipe), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
