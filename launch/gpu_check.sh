@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # The check to run wherever a GPU is (DESIGN §11), a few minutes on one: a tiny random-initialised family of real
 # architectures (Llama verifier, block-causal Llama drafter, Llama AR drafter; a few seconds of pretraining) through
-# every stage on this machine's devices, then (on a GPU) the real pairings' recipes at tiny random size. It stops
+# every stage on this machine's devices, then (on a GPU) the real pairings' recipes at tiny random size. It exits
 # non-zero unless every stage succeeds, training losses stay finite (align train exits 3 otherwise) and every greedy
-# output is identical to its reference.
+# output is identical to its reference. A failed stage does not stop the stages that do not need its output (GPU time
+# is scarce: one run should say everything that is wrong); the last lines list each stage's outcome.
 #   bash launch/gpu_check.sh                 # OUT=<a fresh temporary folder> by default
+#   ALIGN_PYTHON=python3 bash launch/gpu_check.sh   # your own environment (a CUDA build of torch and align's other
+#                                                   # dependencies), from this checkout, instead of .venv
 # With 2 or more GPUs trajectories and training run on 2 ranks; training is ZeRO-3 (bf16 on GPUs). Evaluation runs in
 # float32, where greedy outputs are comparable token for token. Without a GPU it runs the same stages on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash launch/setup.sh
+if [ -n "${ALIGN_PYTHON:-}" ]; then
+  py=$ALIGN_PYTHON
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  bash launch/setup.sh
+  py=.venv/bin/python
+fi
 export HF_HUB_OFFLINE=1
 out=${OUT:-$(mktemp -d)/gpu-check}
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)
@@ -19,7 +28,7 @@ if [ "$gpus" -ge 2 ]; then ranks=2; fi
 if [ "$gpus" -ge 1 ]; then bf16=true; else export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 echo "gpu_check: $gpus GPU(s), $ranks rank(s), bf16 training $bf16 -> $out"
 nvidia-smi -L 2>/dev/null || true
-A=.venv/bin/align
+A="$py -m align"
 ck=$out/ck
 data=(data.dir="$out/data")
 sizes=()
@@ -29,32 +38,61 @@ for part in verifier drafter ar_drafter; do
     sizes+=("bootstrap.$part.$key")
   done
 done
-$A bootstrap recipes/tiny/bootstrap.yaml bootstrap.out="$ck" "${data[@]}" bootstrap.corpus_fraction=0.15 \
-  bootstrap.vocab_size=512 "${sizes[@]}"
+outcomes=()
+# stage NAME NEEDED CMD...: run CMD unless the stage NEEDED (or "-") did not succeed; remember the outcome.
+stage() {
+  local name=$1 needed=$2
+  shift 2
+  if [ "$needed" != - ] && [[ " ${passed[*]} " != *" $needed "* ]]; then
+    outcomes+=("$name: skipped ($needed did not succeed)")
+    return
+  fi
+  echo "gpu_check: -- $name"
+  if "$@"; then
+    passed+=("$name")
+    outcomes+=("$name: ok")
+  else
+    outcomes+=("$name: FAILED (exit $?)")
+  fi
+}
+passed=()
+stage bootstrap - $A bootstrap recipes/tiny/bootstrap.yaml bootstrap.out="$ck" "${data[@]}" \
+  bootstrap.corpus_fraction=0.15 bootstrap.vocab_size=512 "${sizes[@]}"
 models=(verifier.path="$ck/verifier" drafter.path="$ck/drafter-base" ar_drafter.path="$ck/ar-drafter")
 made=(trajectories.out="$out/trajectories" trajectories.temperature=0.7 trajectories.completions_per_prompt=2
       trajectories.max_new_tokens=24 trajectories.store_topk=8)
-$A trajectories recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${data[@]}" "${made[@]}" \
-  trajectories.num_prompts=48 trajectories.batch_size=8
-$A train recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${made[@]}" train.out="$out/run" \
-  train.zero_stage=3 train.bf16="$bf16" "train.losses={ce_streak: 1.0, fkl: 0.5}" train.gamma=4 \
+stage trajectories bootstrap $A trajectories recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${data[@]}" \
+  "${made[@]}" trajectories.num_prompts=48 trajectories.batch_size=8
+stage train trajectories $A train recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${made[@]}" \
+  train.out="$out/run" train.zero_stage=3 train.bf16="$bf16" "train.losses={ce_streak: 1.0, fkl: 0.5}" train.gamma=4 \
   train.micro_batch_size=4 train.max_steps=6 train.save_every=3 train.eval_every=3 train.final_eval_prompts=2
-aligned=$($A latest "$out/run")
+aligned=$($A latest "$out/run" 2>/dev/null || true)
 fp32=(verifier.dtype=float32 drafter.dtype=float32 ar_drafter.dtype=float32)
-$A eval recipes/tiny/eval.yaml "${models[@]}" "${fp32[@]}" "${data[@]}" eval.out="$out/eval" eval.num_prompts=4 \
-  eval.warmup=1 decode.max_new_tokens=32 eval.sampling_temperature=0.8 "eval.compare_drafters={aligned: $aligned}"
+stage eval train $A eval recipes/tiny/eval.yaml "${models[@]}" "${fp32[@]}" "${data[@]}" eval.out="$out/eval" \
+  eval.num_prompts=4 eval.warmup=1 decode.max_new_tokens=32 eval.sampling_temperature=0.8 \
+  "eval.compare_drafters={aligned: $aligned}"
 spiffy=(drafter.path="$aligned" drafter.dtype=float32 "${data[@]}" calibrate.block_length=8 calibrate.budget=4
         decode.max_new_tokens=32)
-$A calibrate recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.out="$out/spiffy" calibrate.num_prompts=4
-$A eval recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.graph="$out/spiffy/draft_graph.json" \
-  eval.out="$out/spiffy/eval" eval.num_prompts=3 eval.warmup=0 "eval.spiffy_budgets=[2,4]"
-$A exact "$out/eval/eval.json" "$out/spiffy/eval/eval.json"
+stage calibrate train $A calibrate recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.out="$out/spiffy" \
+  calibrate.num_prompts=4
+stage spiffy_eval calibrate $A eval recipes/tiny/spiffy.yaml "${spiffy[@]}" \
+  calibrate.graph="$out/spiffy/draft_graph.json" eval.out="$out/spiffy/eval" eval.num_prompts=3 eval.warmup=0 \
+  "eval.spiffy_budgets=[2,4]"
+stage exact eval $A exact "$out/eval/eval.json"
+stage spiffy_exact spiffy_eval $A exact "$out/spiffy/eval/eval.json"
 # The real pairings' recipes (Qwen2.5 + a Dream/DiffuCoder-style remote-code drafter: bf16, ZeRO-2, LoRA; LLaDA-style
 # Spiffy; Gemma 4 + DiffusionGemma: ZeRO-3 bf16; a DFlash drafter trained from scratch), with their Hub ids swapped
 # for tiny random models of the same architectures, through their stages on the recipes' own devices (auto: this GPU).
-# On a CPU the test suite runs the same tests.
+# On a CPU the test suite runs the same tests. They need no stage above.
 if [ "$gpus" -ge 1 ]; then
-  .venv/bin/python -m pytest -q -x -p no:cacheprovider tests/test_recipes.py tests/test_diffusion_gemma.py \
+  stage recipe_tests - "$py" -m pytest -q -p no:cacheprovider tests/test_recipes.py tests/test_diffusion_gemma.py \
     tests/test_dflash.py -k "recipe or train_from_scratch"
 fi
+printf 'gpu_check: %s\n' "${outcomes[@]}"
+for outcome in "${outcomes[@]}"; do
+  if [[ $outcome != *": ok" ]]; then
+    echo "gpu_check: FAILED ($out)"
+    exit 1
+  fi
+done
 echo "gpu_check: passed ($out)"
