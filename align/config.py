@@ -55,6 +55,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 METHOD_NAMES: tuple[str, ...] = (
     "ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps",
     "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
+    "specdiff_cps_tree", "specdiff_cps_tree_cost",
 )
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 # align/losses.py's WINDOW_LOSSES keys, likewise.
@@ -338,9 +339,9 @@ class DecodeSection(Section):
     adl_delta: int = Field(default=4, ge=0)
     #: EMA rate of the generated and accepted lengths
     adl_rho: float = Field(default=0.5, gt=0.0, le=1.0)
-    #: specdiff_tree: draft-tree nodes verified per forward besides the root (the tree is at most γ deep); K·γ
-    #: matches the verifier tokens of self-selection with K candidates. specdiff_tree_cost: the largest tree, of
-    #: which each step verifies the nodes that pay for their cost
+    #: specdiff_tree, specdiff_cps_tree: draft-tree nodes verified per forward besides the root (the tree is at most
+    #: γ deep); K·γ matches the verifier tokens of self-selection with K candidates. specdiff_tree_cost,
+    #: specdiff_cps_tree_cost: the largest tree, of which each step verifies the nodes that pay for their cost
     tree_nodes: int = Field(default=32, ge=1)
     #: n-gram size HF prompt lookup matches against the prompt
     prompt_lookup_tokens: int = Field(default=10, ge=1)

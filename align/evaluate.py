@@ -9,7 +9,7 @@ eval.json, by `schema_version` (a file without the key is version 1):
    tokens_per_s, exact_match (with AR greedy; None sampled), per_position_acceptance (α_i, None where no draft reached
    position i), verifier_forwards, drafter_forwards, new_tokens, wall_s, ideal_speedup; speculative methods also
    overhead, mean_draft_length, draft_s, verify_s, and ADL's and the cost-aware methods' draft_length_trace (first
-   prompt; tree nodes for specdiff_tree_cost). `meta`: command,
+   prompt; tree nodes for specdiff_tree_cost and specdiff_cps_tree_cost). `meta`: command,
    recipe, prompts (the source), num_prompts, date, prompts_sha256, chat_template_sha256, machine (platform,
    processor, cpus, torch_threads, device, dtype), baseline, drafter_spec, drafter, compare_drafters.
 2. Adds, per method, `records`: one per prompt, in prompt order, {index (in this eval), row (in the dataset split),

@@ -110,10 +110,15 @@ def run_sd_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[tor
                           eos_ids=s.eos_ids, generator=gen)
 
 
+def path_search(d: DecodeSection) -> PathSearch:
+    """The CPS settings of a decode section (specdiff_cps* and specdiff_cps_tree)."""
+    return PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight)
+
+
 def _specdiff(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator], cps: bool, adl: bool,
               cost: bool = False):
     d = s.decode
-    search = (PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight), s.proxy) if cps else None
+    search = (path_search(d), s.proxy) if cps else None
     adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if adl else None
     return specdiff_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens, sampling,
                              eos_ids=s.eos_ids, generator=gen, path_search=search, adaptive=adaptive,
@@ -127,10 +132,11 @@ def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: O
 
 
 def run_specdiff_tree(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator],
-                      cost: bool = False):
+                      cost: bool = False, cps: bool = False):
     d = s.decode
     return specdiff_tree_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.tree_nodes, d.max_new_tokens,
-                                  sampling, s.eos_ids, gen, sizing=s.cost_aware_size(ids) if cost else None)
+                                  sampling, s.eos_ids, gen, sizing=s.cost_aware_size(ids) if cost else None,
+                                  path_search=(path_search(d), s.proxy) if cps else None)
 
 
 MethodFn = Callable[[Setup, torch.Tensor, Sampling, Optional[torch.Generator]], tuple[list[int], GenerationStats]]
@@ -149,6 +155,8 @@ METHODS: dict[str, MethodFn] = {
     "specdiff_cost": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=False, cost=True),
     "specdiff_cps_cost": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=False, cost=True),
     "specdiff_tree_cost": lambda s, i, p, g: run_specdiff_tree(s, i, p, g, cost=True),
+    "specdiff_cps_tree": lambda s, i, p, g: run_specdiff_tree(s, i, p, g, cps=True),
+    "specdiff_cps_tree_cost": lambda s, i, p, g: run_specdiff_tree(s, i, p, g, cost=True, cps=True),
 }
 assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
 
@@ -178,7 +186,7 @@ def base_method(name: str) -> str:
 # candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet. A draft
 # tree (specdiff_tree) needs one block: the accepted path's verifier states join the drafter's context.
 DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost",
-                  "specdiff_cps_cost", "specdiff_tree_cost")
+                  "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree", "specdiff_cps_tree_cost")
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")

@@ -43,7 +43,8 @@ def test_every_method_is_reported_and_exact_at_temperature_0(evaluated):
         assert m["exact_match"] == 1.0, name
         assert m["new_tokens"] > 0 and m["wall_s"] > 0 and m["tau"] >= 1.0
     for name in ("sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-                 "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"):
+                 "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree",
+                 "specdiff_cps_tree_cost"):
         m = result["methods"][name]
         alphas = m["per_position_acceptance"]
         assert m["ideal_speedup"] > 0 and m["verifier_forwards"] > 0, name

@@ -29,7 +29,8 @@ PROMPT = torch.tensor([[1, 5, 2]])
 SAMPLING = Sampling(temperature=0.8, top_k=5)  # truncation too: the runtime must sample what it accepts against
 # What our runtime implements; the HF baselines (hf_generate, hf_assisted, prompt_lookup) are HF's own sampling.
 RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-                   "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"]
+                   "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
+                   "specdiff_cps_tree", "specdiff_cps_tree_cost"]
 
 
 def peaky(seed):

@@ -4,13 +4,16 @@ greedy for every drafter kind and node budget; sampling with a tree follows the 
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.config import DrafterSection, ModelSection, RecipeError
 from align.decoding.ar import ar_generate
-from align.decoding.tree import DraftTree, build_draft_tree, keep_path, specdiff_tree_generate, tree_forward
+from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.tree import (DraftTree, build_consistent_draft_tree, build_draft_tree, keep_path,
+                                 specdiff_tree_generate, tree_forward)
 from align.dflash import DFlashDrafter, config_for_verifier
 from align.models import DrafterSpec, drafter_spec_from_config, load_drafter, load_tokenizer, load_verifier, rollback_cache
 from test_sampling_lossless import NEW_TOKENS, PROMPT as SAMPLING_PROMPT, SAMPLING, chi_square_pvalue, exact_joint
@@ -19,6 +22,7 @@ from test_diffusion_gemma import SLIDING_WINDOW as GEMMA_WINDOW, tiny_diffusion_
 from test_verifier_families import COMMON, MASK, VOCAB, families
 
 SLIDING_WINDOW = 8
+PROXY = TrigramModel.fit(np.random.default_rng(0).integers(0, VOCAB, 400), VOCAB)  # the CPS proxy of the trees tested
 FAMILIES = families(SLIDING_WINDOW)  # a window the tests' sequences go past
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +57,29 @@ def test_best_first_tree_takes_the_best_paths_and_orders_parents_first():
     assert tree.children() == [[0, 2], [1], [], [3], []]
     # An end-of-sequence node gets no children: what follows it is thrown away.
     assert build_draft_tree(probs.log(), 4, eos_ids=frozenset({5})).tokens == [5, 6, 7, 8]
+
+
+def test_a_consistent_tree_ranks_each_nodes_children_by_the_path_score():
+    # Depth 1: 5 (0.5) and 6 (0.49); depth 2 prefers 7 to 8 whatever comes before. The proxy has seen "2 5 8" and
+    # "2 6 7" only, so the path score puts 8 under 5 and 7 under 6, where the marginals put 7 under both.
+    probs = torch.full((2, 10), 0.01 / 8)
+    probs[0, 5], probs[0, 6], probs[1, 7], probs[1, 8] = 0.5, 0.49, 0.5, 0.45
+    draft_log_probs = (probs / probs.sum(-1, keepdim=True)).log()
+    proxy = TrigramModel.fit(np.array([2, 5, 8] * 50 + [2, 6, 7] * 50), 10)
+    tree = build_consistent_draft_tree(draft_log_probs, 4, [1, 2], (PathSearch(max_candidates=4), proxy))
+    assert tree.tokens == [5, 6, 7, 8] and tree.parents == [-1, -1, 1, 0]
+    drafter = draft_log_probs.tolist()
+    assert tree.scores == pytest.approx([drafter[0][5], drafter[0][6], drafter[0][6] + drafter[1][7],
+                                         drafter[0][5] + drafter[1][8]])  # the drafter's log-probabilities, as ever
+    plain = build_draft_tree(draft_log_probs, 4)
+    assert plain.tokens == [5, 6, 7, 7] and plain.parents == [-1, -1, 0, 1]
+    # With the drafter's weight at 1 the score is the drafter's alone: the same tree as build_draft_tree's.
+    generator = torch.Generator().manual_seed(0)
+    draft_log_probs = torch.log_softmax(torch.randn(4, 10, generator=generator) * 2, -1)
+    plain = build_draft_tree(draft_log_probs, 20)
+    alone = build_consistent_draft_tree(draft_log_probs, 20, [3], (PathSearch(max_candidates=10, weight=1.0), proxy))
+    assert (alone.tokens, alone.parents, alone.depths) == (plain.tokens, plain.parents, plain.depths)
+    assert alone.scores == pytest.approx(plain.scores)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -114,6 +141,9 @@ def test_greedy_tree_decoding_is_identical_to_ar_for_every_drafter_kind(arch, sh
         for gamma, nodes in ((1, 3), (4, 1), (4, 10), (7, 24)):
             tokens, stats = specdiff_tree_generate(verifier, drafter, spec, prompt, gamma, nodes, 24)
             assert tokens == expected, (prompt.tolist(), gamma, nodes)
+            consistent = specdiff_tree_generate(verifier, drafter, spec, prompt, gamma, nodes, 24,
+                                                path_search=(PathSearch(), PROXY))[0]
+            assert consistent == expected, ("path search", prompt.tolist(), gamma, nodes)
             assert stats.drafter_forwards == stats.verifier_forwards == len(stats.accept_counts)
             assert all(0 <= n <= g for n, g in zip(stats.accept_counts, stats.draft_lengths))
 
@@ -177,6 +207,12 @@ def test_sampling_with_a_branching_tree_follows_the_verifier_distribution():
     spec = DrafterSpec(7, 1, "block_causal")
     samples = first_tokens(lambda g: specdiff_tree_generate(verifier, drafter, spec, SAMPLING_PROMPT, 2, 6,
                                                             NEW_TOKENS, SAMPLING, generator=g))
+    assert chi_square_pvalue(samples, exact_joint(verifier, SAMPLING_PROMPT, SAMPLING)) > 1e-3
+    # Ranked by the path score, the tree holds other branches; the acceptance rule keeps sampling exact.
+    proxy = TrigramModel.fit(np.random.default_rng(1).integers(0, 7, 300), 8)
+    samples = first_tokens(lambda g: specdiff_tree_generate(verifier, drafter, spec, SAMPLING_PROMPT, 2, 6,
+                                                            NEW_TOKENS, SAMPLING, generator=g,
+                                                            path_search=(PathSearch(max_candidates=3), proxy)))
     assert chi_square_pvalue(samples, exact_joint(verifier, SAMPLING_PROMPT, SAMPLING)) > 1e-3
 
 

@@ -38,7 +38,8 @@ def families(sliding_window: int) -> dict[str, Callable[[], PreTrainedModel]]:
 
 FAMILIES = families(SLIDING_WINDOW)
 SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-               "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"]
+               "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree",
+               "specdiff_cps_tree_cost"]
 
 
 def peaky(build, seed):

@@ -16,12 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from align.config import RecipeError
 from align.decoding.acceptance import accept_tree
+from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start
 from align.decoding.sizing import CostAwareSize
 from align.decoding.specdiff import DraftPass
@@ -95,6 +97,56 @@ def build_draft_tree(draft_log_probs: torch.Tensor, num_nodes: int, eos_ids: fro
             heapq.heappush(frontier, (-sibling, depth, rank + 1, parent, parent_score))
         if depth + 1 < depth_limit and token not in eos_ids:
             heapq.heappush(frontier, (negative - log_probs[depth + 1][0], depth + 1, 0, node, -negative))
+    return tree
+
+
+def build_consistent_draft_tree(
+    draft_log_probs: torch.Tensor, num_nodes: int, context_tail: list[int],
+    path_search: tuple[PathSearch, TrigramModel],
+    eos_ids: frozenset[int] = frozenset(),
+) -> DraftTree:
+    """CPS's causal consistency in a tree: the `num_nodes` best nodes by DiffuSpec's path score,
+    Σ λ·log q_d(v) + (1−λ)·log p_proxy(v | the two tokens before v), instead of the drafter's marginals alone, which
+    cannot see whether a token fits the branch it would extend. draft_log_probs: (γ, V); context_tail: the tokens
+    before the draft (≥ 1).
+
+    A node's children are its depth's `max_candidates` most likely drafter tokens, ranked for that node (the proxy
+    reads its path) when it is popped; both terms are ≤ 0, so parents still come before their children. `scores` keep
+    the cumulative drafter log-probability, as `build_draft_tree`'s do."""
+    search, proxy = path_search
+    depth_limit, vocab = draft_log_probs.shape
+    top_log_probs, top_tokens = draft_log_probs.float().topk(min(search.max_candidates, vocab), dim=-1)
+    log_probs, ranked = top_log_probs.double().cpu().numpy(), top_tokens.cpu().numpy()  # (γ, M) each, one host copy
+
+    def ranked_children(depth: int, history: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(combined scores, tokens, drafter log-probabilities) of depth `depth`'s candidates after `history`, best
+        first."""
+        previous = history[-2] if len(history) > 1 else -1
+        combined = (search.weight * log_probs[depth]
+                    + (1 - search.weight) * proxy.log_probs(previous, history[-1], ranked[depth]))
+        order = np.argsort(-combined, kind="stable")
+        return combined[order], ranked[depth][order], log_probs[depth][order]
+
+    tree = DraftTree([], [], [], [])
+    histories = {-1: context_tail[-2:]}  # node -> its path's last two tokens (-1: the root)
+    children = {-1: ranked_children(0, histories[-1])}
+    # Entries: (-score, depth index, rank, parent node, parent score).
+    frontier = [(-float(children[-1][0][0]), 0, 0, -1, 0.0)]
+    while frontier and len(tree) < num_nodes:
+        negative, depth, rank, parent, parent_score = heapq.heappop(frontier)
+        combined, tokens, drafter_log_probs = children[parent]
+        node, token = len(tree), int(tokens[rank])
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.depths.append(depth + 1)
+        tree.scores.append((tree.scores[parent] if parent >= 0 else 0.0) + float(drafter_log_probs[rank]))
+        if rank + 1 < len(tokens):
+            sibling = parent_score + float(combined[rank + 1])
+            heapq.heappush(frontier, (-sibling, depth, rank + 1, parent, parent_score))
+        if depth + 1 < depth_limit and token not in eos_ids:
+            histories[node] = (histories[parent] + [token])[-2:]
+            children[node] = ranked_children(depth + 1, histories[node])
+            heapq.heappush(frontier, (negative - float(children[node][0][0]), depth + 1, 0, node, -negative))
     return tree
 
 
@@ -203,12 +255,13 @@ def specdiff_tree_generate(
     eos_ids: frozenset[int] = frozenset(),
     generator: Optional[torch.Generator] = None,
     sizing: Optional[CostAwareSize] = None,
+    path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
 ) -> tuple[list[int], GenerationStats]:
     """Speculative decoding with a draft tree of `num_nodes` nodes, at most γ deep, from one drafter pass.
     prompt_ids: (1, n). Lossless: greedy outputs equal AR greedy's; sampled ones follow the verifier's distribution
     (`accept_tree`). Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size.
     sizing (cost-aware node budget): `num_nodes` is the largest tree, and `sizing` picks how many of its best-first
-    nodes to verify each step."""
+    nodes to verify each step. path_search: rank the tree's nodes by CPS's score (`build_consistent_draft_tree`)."""
     check_tree_verifier(verifier)
     # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and the
     # accepted path's join its context (they equal a plain forward's over that path, as the logits do).
@@ -223,7 +276,12 @@ def specdiff_tree_generate(
 
         t_draft = time.perf_counter()
         draft_logits = drafting.block_logits(verifier, context, depth_limit)  # (γ, V)
-        tree = build_draft_tree(torch.log_softmax(draft_logits.float(), -1), num_nodes, eos_ids)
+        draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
+        if path_search is None:
+            tree = build_draft_tree(draft_log_probs, num_nodes, eos_ids)
+        else:
+            tail = context[0, -2:].tolist()
+            tree = build_consistent_draft_tree(draft_log_probs, num_nodes, tail, path_search, eos_ids)
         if sizing is not None:
             tree = tree.prefix(sizing.choose(tree.scores, tree.depths, time.perf_counter() - t_draft))
         stats.drafter_forwards += 1
