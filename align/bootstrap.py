@@ -48,10 +48,10 @@ def _hash(obj: Any) -> str:
 
 
 def use_bf16(precision: str) -> bool:
+    """Whether pretraining autocasts to bf16. Bootstrap trains on the CPU, also where there is a GPU, so "auto" asks
+    whether this CPU has native bf16 (emulated bf16 is many times slower), not whether a GPU does."""
     if precision != "auto":
         return precision == "bf16"
-    if torch.cuda.is_available():
-        return True
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

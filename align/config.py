@@ -570,8 +570,8 @@ class BootstrapSection(Section):
     seed: int = 0
     #: CPU threads for pretraining; 0: torch's default
     threads: int = Field(default=0, ge=0)
-    #: auto: bf16 autocast where the hardware has native bf16 (CUDA, AMX, AVX512-BF16), else fp32 (emulated bf16 is
-    #: many times slower)
+    #: auto: bf16 autocast where the CPU (bootstrap trains on the CPU) has native bf16 (AMX, AVX512-BF16), else fp32
+    #: (emulated bf16 is many times slower)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # Sizes from DESIGN §4: a verifier much costlier than the drafter, so that drafting pays on a CPU.
     # The budgets fit a 2-core CPU (README: what they buy there).
