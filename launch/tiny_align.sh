@@ -16,6 +16,6 @@ step=$(.venv/bin/align latest "$out")
 # One interleaved run: the drafter-base and the aligned drafter against the same AR baselines; its report ends with
 # the before/after table. CPS's trigram proxy is fitted on the verifier's own continuations (the trajectories), which
 # suits both drafters better than the corpus.
-.venv/bin/align eval recipes/tiny/eval.yaml eval.methods=[specdiff,specdiff_cps_adl,specdiff_tree] \
+.venv/bin/align eval recipes/tiny/eval.yaml eval.methods=[specdiff,specdiff_cps_adl,specdiff_tree,specdiff_cps_tree] \
   eval.num_prompts=16 eval.sampling_temperature=0 "eval.compare_drafters={aligned: $step}" eval.out="$out/eval" \
   decode.cps_proxy_corpus="$trajectories"
