@@ -28,6 +28,8 @@ def test_trigram_probabilities_by_hand():
     assert np.allclose(got, expected)
     # One token of context: no trigram term.
     assert np.allclose(np.exp(model.log_probs(-1, 1, np.array([2]))), 0.3 * 0.5 + 0.1 * uni(2))
+    # Ids past the vocabulary (a model's padded rows) are unseen tokens; 4·1 + 6 would alias the key of bigram 2 -> 2.
+    assert np.allclose(np.exp(model.log_probs(0, 1, np.array([6, 3, 2]))), [0.1 / 10, 0.1 * uni(3), expected[0]])
 
 
 def test_trigram_round_trips(tmp_path):

@@ -67,9 +67,17 @@ class TrigramModel:
         return int(counts[lo:hi].sum())
 
     def log_probs(self, prev2: int, prev1: int, candidates: np.ndarray) -> np.ndarray:
-        """log p(c | prev2, prev1) for each candidate token c; prev2 = -1 when the context has one token."""
+        """log p(c | prev2, prev1) for each candidate token c; prev2 = -1 when the context has one token.
+
+        A candidate past the tokenizer's vocabulary (a model's padded vocabulary rows: Qwen2.5's logits are wider than
+        its tokenizer) was never seen: it gets the smoothed probability of an unseen token."""
         V = self.vocab_size
         w3, w2, w1 = self.WEIGHTS
+        seen = candidates < V
+        if not seen.all():  # a wider id would index past the counts, or alias another context's key
+            out = np.full(len(candidates), np.log(w1 / (self.unigram.sum() + V)))
+            out[seen] = self.log_probs(prev2, prev1, candidates[seen])
+            return out
         uni = (self.unigram[candidates] + 1) / (self.unigram.sum() + V)
         big_ctx = self._context_count(self.bigram_keys, self.bigram_counts, prev1)
         big = self._count(self.bigram_keys, self.bigram_counts, prev1 * V + candidates) / max(big_ctx, 1)
