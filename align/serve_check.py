@@ -12,7 +12,6 @@ weights, so a larger gap is a bug in one of the two.
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from align.bench import cpu_model
 from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError, drafter_spec_from_config
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
@@ -59,6 +59,13 @@ def report(result: dict[str, Any]) -> str:
              f"{c['max_acceptance_gap']:.0%}); vLLM speedup from the drafter {c['vllm_speedup']:.2f}×.", "",
              f"**{'PASS' if c['passed'] else 'FAIL'}**" + ("" if c["passed"] else f": {c['reason']}"), ""]
     return "\n".join(lines)
+
+
+def served_on() -> str:
+    """The machine in the report's words: the GPU vLLM serves on, if any, and the CPU by name (platform.processor()
+    says only "x86_64" on Linux)."""
+    cpu = f"{cpu_model()}, {torch.get_num_threads()} torch threads"
+    return f"{torch.cuda.get_device_name()}; {cpu}" if torch.cuda.is_available() else cpu
 
 
 def served(result: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
@@ -146,7 +153,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                  "num_prompts": len(prompts), "max_new_tokens": d.max_new_tokens, "gamma": d.gamma,
                  "prompts_sha256": prompt_ids_sha256(prompt_ids), "dtype": vllm_dtype(verifier.dtype),
                  "vllm": plain.vllm_version, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"},
+                 "machine": served_on()},
     }
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
