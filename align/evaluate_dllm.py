@@ -10,7 +10,8 @@ eval.json, by `schema_version` (a file without the key is version 1):
 2. Adds, per method, `records`: one per prompt, in prompt order, {index, row, id, prompt_tokens (as align eval's
    schema 2), new_tokens, nfe, steps, accepted_drafts, wall_s}; a method's nfe, new_tokens and accepted_drafts are
    the sums of its records'. `meta` adds machine (as align eval's: platform, processor, cpu_model, cpus,
-   torch_threads, gpu, device, dtype) and versions.
+   torch_threads, gpu, device, dtype) and versions. Methods and records add context_forwards: of the nfe, a
+   block-causal model's context-cache extensions (one per block; 0 for a bidirectional model).
 """
 
 from __future__ import annotations
@@ -112,10 +113,12 @@ def main(recipe: Recipe, command: str) -> None:
             "speedup": round(vanilla_wall / wall, 4),
             "tokens_per_s": round(new_tokens / wall, 2),
             "accepted_drafts": sum(s.accepted_drafts for s in stats[name]),
+            "context_forwards": sum(s.context_forwards for s in stats[name]),
             "new_tokens": new_tokens,
             "wall_s": round(wall, 4),
             "records": [{**w, "new_tokens": len(t), "nfe": st.nfe, "steps": st.steps,
-                         "accepted_drafts": st.accepted_drafts, "wall_s": round(wl, 6)}
+                         "accepted_drafts": st.accepted_drafts, "context_forwards": st.context_forwards,
+                         "wall_s": round(wl, 6)}
                         for w, t, st, wl in zip(where, tokens[name], stats[name], walls[name])],
         }
     exactness = outputs_claim(spec.attention, tokens, {name: reference for name, (reference, _) in methods.items()})

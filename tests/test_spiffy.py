@@ -234,6 +234,9 @@ def test_calibrate_and_dllm_eval_stages(toy_family, tmp_path, capsys):
     for name, m in result["methods"].items():
         assert m["exact_match"] == 1.0, name
         assert m["nfe_reduction"] >= 1.0 and m["nfe"] > 0
+        # Counted in nfe: the block-causal drafter's context-cache extensions, one per block, so as many as vanilla's.
+        assert m["context_forwards"] == sum(r["context_forwards"] for r in m["records"]), name
+        assert m["context_forwards"] == result["methods"]["vanilla"]["context_forwards"] > 0, name
     # A budget the graph cannot serve, and a graph for another block length, are refused before any work.
     capsys.readouterr()
     assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={tmp_path / 'draft_graph.json'}",
