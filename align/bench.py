@@ -180,3 +180,47 @@ def throughput_table(run_dirs: list[Path], warmup_steps: int = 5) -> str:
         lines.append(f"| {run.name} | {meta['world_size']} | {meta['threads_per_rank']} | {per_rank:.0f} | "
                      f"{per_rank * meta['world_size']:.0f} |")
     return "\n".join(lines)
+
+
+def model_configs(models: list[str]) -> dict[str, Any]:
+    """name -> config, for names of align.config.VERIFIER_ARCHITECTURES or folders / Hub ids with a config.json;
+    raises ValueError naming the first that is neither."""
+    from transformers import AutoConfig
+
+    from align.config import VERIFIER_ARCHITECTURES as NAMED
+
+    configs = {}
+    for name in models:
+        try:
+            configs[name] = (AutoConfig.for_model(NAMED[name][0], **NAMED[name][1]) if name in NAMED
+                             else AutoConfig.from_pretrained(name))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{name}: neither a named architecture ({', '.join(NAMED)}) nor a folder or Hub id with "
+                             f"a config.json ({type(error).__name__})") from None
+    return configs
+
+
+def verify_cost_curves(configs: dict[str, Any], context_len: int, max_tokens: int, dtype: torch.dtype,
+                       device: torch.device, rounds: int = 7) -> dict[str, Any]:
+    """Each config's cost curve (seconds of one cached forward over 1..max_tokens new tokens, `measure_verify_costs`)
+    with random weights, built in `dtype` on `device`: a forward's cost does not depend on the weights' values, so no
+    weights are downloaded. Returns {context_len, machine, models: {name: {parameters, verify_s}}}."""
+    from transformers import AutoModelForCausalLM
+
+    from align.decoding.sizing import measure_verify_costs  # sizing times its forwards with this module's helpers
+
+    report: dict[str, Any] = {"context_len": context_len, "machine": machine(device, dtype), "models": {}}
+    for name, config in configs.items():
+        torch.set_default_dtype(dtype)  # built in the run's dtype on its device: no float32 copy of a 7B model first
+        try:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        with torch.no_grad():
+            costs = measure_verify_costs(model, context_len, max_tokens, rounds=rounds)
+        report["models"][name] = {"parameters": sum(p.numel() for p in model.parameters()), "verify_s": costs}
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report

@@ -17,8 +17,8 @@ from typing import Callable, NoReturn, Optional, Union, get_args
 
 import yaml
 
-from align.config import (Recipe, RecipeError, check_gkd, check_inputs, check_models, check_output, check_train,
-                          eval_models, get_key, load_recipe, train_models)
+from align.config import (VERIFIER_ARCHITECTURES, Recipe, RecipeError, check_gkd, check_inputs, check_models,
+                          check_output, check_train, eval_models, get_key, load_recipe, train_models)
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -167,23 +167,67 @@ def show_exact(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def show_verify_costs(args: argparse.Namespace) -> int:
+    """Print (and with --out write) each model's verifier cost curve on this machine."""
+    import json
+
+    import torch
+
+    from align.bench import model_configs, verify_cost_curves
+
+    try:
+        configs = model_configs(args.models)  # every name checked before any model is built
+    except ValueError as error:
+        print(f"align verify-costs: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        device = None
+    if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
+        print(f"align verify-costs: error: --device {args.device}: not a device this machine has", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    report = verify_cost_curves(configs, args.context, args.max_tokens, dtype, device, args.rounds)
+    for name, curve in report["models"].items():
+        costs, shown = curve["verify_s"], [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= args.max_tokens]
+        print(f"{name} ({curve['parameters'] / 1e6:,.0f} M parameters, {args.dtype}, {device}) ms at n = "
+              + ", ".join(f"{n}: {costs[n - 1] * 1e3:.2f}" for n in shown)
+              + f"; n = {shown[-1]} costs {costs[shown[-1] - 1] / costs[0]:.2f}× n = 1")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "latest":
         parser.add_argument("run", help="an align train run folder (train.out)")
     elif name == "exact":
         parser.add_argument("evals", nargs="+", help="eval.json files")
+    elif name == "verify-costs":
+        parser.add_argument("models", nargs="+", help=f"{', '.join(VERIFIER_ARCHITECTURES)}, or folders / Hub ids "
+                            "with a config.json (random weights: none are downloaded)")
+        parser.add_argument("--context", type=int, default=512, help="cached tokens before each forward")
+        parser.add_argument("--max-tokens", type=int, default=64, help="the largest forward, in new tokens")
+        parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+        parser.add_argument("--device", default=None, help="default: cuda where there is a GPU, else cpu")
+        parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; each size's median is kept")
+        parser.add_argument("--out", help="write the curves (and the machine) as JSON here")
     else:
         parser.add_argument("runs", nargs="+", help="align train run folders")
         parser.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the median")
 
 
-# Commands that read what stages wrote, for scripts (no recipe): name -> (help, function of the parsed arguments).
+# Commands without a recipe, for scripts: what stages wrote, read back; and a benchmark of this machine.
+# name -> (help, function of the parsed arguments).
 TOOLS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "latest": ("print the newest step_<N> checkpoint folder of a training run", show_latest),
     "throughput": ("print a table of training tokens/s (median after warm-up) for training run folders",
                    show_throughput),
     "exact": ("check that every greedy output in eval.json files equals its reference (AR greedy, or vanilla "
               "dLLM decoding); exit 1 if one differs", show_exact),
+    "verify-costs": ("a benchmark: a verifier's cost curve on this machine (one cached forward over 1..N new tokens, "
+                     "random weights in its architecture), which sizes drafts and trees", show_verify_costs),
 }
 
 

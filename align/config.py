@@ -725,6 +725,17 @@ ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal")
 #   family's fill only where the model reads the block (align/models.py `noise_fill`).
 NOISE_KINDS: tuple[str, ...] = ("mask", "uniform")
 
+# Verifiers drafters are paired with: name -> (model_type, the sizes of their Hub config.json), written out so that
+# `align verify-costs` measures their cost curves offline (a GPU machine without the Hub, say).
+VERIFIER_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2.5-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4)),
+    "llama-3.1-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8)),
+}
+
 # Hub dLLM families whose configs do not carry a drafter_spec: model_type -> (logits_shift, attention).
 KNOWN_DLLMS: dict[str, tuple[int, str]] = {
     "llada": (0, "bidirectional"),

@@ -87,6 +87,8 @@ stage spiffy_exact spiffy_eval $A exact "$out/spiffy/eval/eval.json"
 if [ "$gpus" -ge 1 ]; then
   stage recipe_tests - "$py" -m pytest -q -p no:cacheprovider tests/test_recipes.py tests/test_diffusion_gemma.py \
     tests/test_dflash.py -k "recipe or train_from_scratch"
+  # Not a check but a measurement the GPU is needed for: the verifier's cost curve, which sizes drafts and trees.
+  stage verify_costs - $A verify-costs checkpoints/tiny/verifier qwen2.5-7b llama-3.1-8b --out "$out/verify_costs.json"
 fi
 printf 'gpu_check: %s\n' "${outcomes[@]}"
 for outcome in "${outcomes[@]}"; do

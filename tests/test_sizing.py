@@ -110,3 +110,31 @@ def test_the_cost_curve_is_measured_once_and_kept(models):
     bigger = replace(setup, decode=setup.decode.model_copy(update={"tree_nodes": 9}))
     METHODS["specdiff_tree_cost"](bigger, torch.tensor([[1, 2, 3]]), Sampling(), None)
     assert len(bigger.verify_costs) == 10  # a larger tree needs more of the curve: measured again
+
+
+
+def test_verify_costs_writes_a_curve_per_model_and_refuses_an_unknown_one_in_one_line(tmp_path, capsys):
+    """`align verify-costs` (what a GPU's curve looks like, for choosing tree sizes): one non-decreasing curve of
+    --max-tokens sizes per model, with the machine; a name that is no architecture and no config is refused in one
+    line, exit 2, before any model is built. Timings are not checked: they are the benchmark's output, not behaviour."""
+    import json
+
+    from align.cli import main
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    config.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "costs.json"
+    assert main(["verify-costs", str(tmp_path / "tiny"), "--context", "8", "--max-tokens", "5", "--rounds", "1",
+                 "--dtype", "float32", "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    curve = report["models"][str(tmp_path / "tiny")]["verify_s"]
+    assert len(curve) == 5 and curve == sorted(curve) and curve[0] > 0
+    assert report["machine"]["device"] == "cpu" and report["context_len"] == 8
+    assert f"{tmp_path / 'tiny'} (0 M parameters, float32, cpu) ms at n = 1: " in capsys.readouterr().out
+    assert main(["verify-costs", "qwen2.5-7b", str(tmp_path / "nothing-here")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing-here: neither a named architecture (qwen2.5-1.5b, qwen2.5-7b" in err[0]
+    for device in ("gpu0", *(() if torch.cuda.is_available() else ("cuda",))):
+        assert main(["verify-costs", str(tmp_path / "tiny"), "--device", device]) == 2
+        assert f"--device {device}: not a device this machine has" in capsys.readouterr().err
