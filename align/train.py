@@ -113,10 +113,30 @@ def check_data(recipe: Recipe) -> TrainData:
     return TrainData(rows, train_rows, held_out, online)
 
 
+def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
+    """Warn (one line each) about torch extension builds whose lock file is older than any build takes; returns them.
+
+    DeepSpeed compiles its CPU ops (deepspeed_shm_comm) on first use under torch's extension folder, holding a `lock`
+    file meanwhile. A build that was killed (Ctrl-C during a first run) leaves the file, and every later run then
+    waits on it forever without a word (torch's FileBaton): better said before that wait."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # <root>/<extension>/lock; by default one folder per Python/build
+    locks = Path(root).glob("*/lock") if root else Path(get_default_build_root()).glob("*/*/lock")
+    stale = [lock for lock in locks if time.time() - lock.stat().st_mtime > max_age_s]
+    for lock in stale:
+        print(f"align train: warning: {lock} is {(time.time() - lock.stat().st_mtime) / 60:.0f} min old, left by a "
+              f"killed build; DeepSpeed will wait on it forever: delete {lock.parent} if nothing is building it",
+              file=sys.stderr, flush=True)
+    return stale
+
+
 def init_distributed() -> tuple[int, int]:
     """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI)."""
     import deepspeed
 
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        warn_stale_build_locks()
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

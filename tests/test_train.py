@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from conftest import TOY_TRAJECTORIES
 
 from align.cli import main as align
-from align.train import rank_share
+from align.train import rank_share, warn_stale_build_locks
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -228,3 +228,18 @@ def test_the_newer_losses_train_together(trajectories, tmp_path):
     assert rc == 0, log[-3000:]
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert all(math.isfinite(record[n]) and record[n] != 0 for n in names) and record["chain"] < 0, record
+
+
+def test_a_build_lock_left_by_a_killed_build_is_named_before_deepspeed_waits_on_it(tmp_path, monkeypatch, capsys):
+    # A killed deepspeed_shm_comm build left its lock and the next CPU run hung, silently, in this project's own CI.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "building_now").mkdir()
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "building_now" / "lock"
+    stale.touch()
+    fresh.touch()  # another rank compiling at this moment: not stale
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    assert warn_stale_build_locks() == [stale]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "60 min old" in err[0] and f"delete {stale.parent}" in err[0]
+
