@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -69,35 +69,52 @@ class DraftTree:
         return torch.tensor(allowed, dtype=torch.bool, device=device)
 
 
-def build_draft_tree(draft_log_probs: torch.Tensor, num_nodes: int, eos_ids: frozenset[int] = frozenset()) -> DraftTree:
-    """The `num_nodes` best nodes by cumulative drafter log-probability. draft_log_probs: (γ, V), depth d + 1 in row d.
+# A node's children, best first, given its depth index and the last two tokens of its path (the context's for the
+# root's): (ranking scores, tokens, drafter log-probabilities), every score ≤ 0.
+ChildRanking = Callable[[int, list[int]], tuple[list[float], list[int], list[float]]]
 
-    A priority queue over expansions: popping a node pushes its next sibling (the next token of its depth's ranking,
-    same parent) and its first child (the best token one depth down); since log-probabilities are ≤ 0 a node never
-    scores above its parent, so popping order is best-first and parents come before their children. An end-of-sequence
-    node gets no children: tokens after it would be thrown away. Ties are broken by (depth, rank, parent), so the tree
-    is deterministic.
+
+def best_first_tree(depth_limit: int, num_nodes: int, rank_children: ChildRanking, context_tail: list[int],
+                    eos_ids: frozenset[int] = frozenset()) -> DraftTree:
+    """The `num_nodes` best nodes, at most `depth_limit` deep, by the cumulative score `rank_children` gives.
+
+    A priority queue over expansions: popping a node pushes its next sibling (the next of its parent's ranked
+    children) and its first child (the best of its own); since every score is ≤ 0 a node never scores above its
+    parent, so popping order is best-first and parents come before their children. An end-of-sequence node gets no
+    children: tokens after it would be thrown away. Ties are broken by (depth, rank, parent), so the tree is
+    deterministic. `scores` are the cumulative drafter log-probabilities, whatever ranked the nodes.
     """
-    depth_limit, vocab = draft_log_probs.shape
-    top_log_probs, top_tokens = draft_log_probs.float().topk(min(num_nodes, vocab), dim=-1)  # (γ, k)
-    log_probs, ranked = top_log_probs.tolist(), top_tokens.tolist()
-    width = len(ranked[0])
     tree = DraftTree([], [], [], [])
+    tails = {-1: context_tail[-2:]}  # node -> the last two tokens of its path (-1: the root)
+    children = {-1: rank_children(0, tails[-1])}
     # Entries: (-score, depth index, rank, parent node, parent score).
-    frontier = [(-log_probs[0][0], 0, 0, -1, 0.0)]
+    frontier = [(-children[-1][0][0], 0, 0, -1, 0.0)]
     while frontier and len(tree) < num_nodes:
         negative, depth, rank, parent, parent_score = heapq.heappop(frontier)
-        node, token = len(tree), ranked[depth][rank]
+        ranking, tokens, drafter_log_probs = children[parent]
+        node, token = len(tree), tokens[rank]
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.depths.append(depth + 1)
-        tree.scores.append(-negative)
-        if rank + 1 < width:
-            sibling = parent_score + log_probs[depth][rank + 1]
+        tree.scores.append((tree.scores[parent] if parent >= 0 else 0.0) + drafter_log_probs[rank])
+        if rank + 1 < len(tokens):
+            sibling = parent_score + ranking[rank + 1]
             heapq.heappush(frontier, (-sibling, depth, rank + 1, parent, parent_score))
         if depth + 1 < depth_limit and token not in eos_ids:
-            heapq.heappush(frontier, (negative - log_probs[depth + 1][0], depth + 1, 0, node, -negative))
+            tails[node] = (tails[parent] + [token])[-2:]
+            children[node] = rank_children(depth + 1, tails[node])
+            heapq.heappush(frontier, (negative - children[node][0][0], depth + 1, 0, node, -negative))
     return tree
+
+
+def build_draft_tree(draft_log_probs: torch.Tensor, num_nodes: int, eos_ids: frozenset[int] = frozenset()) -> DraftTree:
+    """The `num_nodes` best nodes by cumulative drafter log-probability. draft_log_probs: (γ, V), depth d + 1 in row d.
+    Every node's children are its depth's ranking (the marginals do not see the path)."""
+    depth_limit, vocab = draft_log_probs.shape
+    top_log_probs, top_tokens = draft_log_probs.float().topk(min(num_nodes, vocab), dim=-1)  # (γ, k)
+    log_probs, ranked = top_log_probs.tolist(), top_tokens.tolist()
+    return best_first_tree(depth_limit, num_nodes, lambda depth, _: (log_probs[depth], ranked[depth], log_probs[depth]),
+                           [], eos_ids)
 
 
 def build_consistent_draft_tree(
@@ -111,43 +128,20 @@ def build_consistent_draft_tree(
     before the draft (≥ 1).
 
     A node's children are its depth's `max_candidates` most likely drafter tokens, ranked for that node (the proxy
-    reads its path) when it is popped; both terms are ≤ 0, so parents still come before their children. `scores` keep
-    the cumulative drafter log-probability, as `build_draft_tree`'s do."""
+    reads its path) when it is popped; both terms are ≤ 0, so parents still come before their children."""
     search, proxy = path_search
     depth_limit, vocab = draft_log_probs.shape
     top_log_probs, top_tokens = draft_log_probs.float().topk(min(search.max_candidates, vocab), dim=-1)
     log_probs, ranked = top_log_probs.double().cpu().numpy(), top_tokens.cpu().numpy()  # (γ, M) each, one host copy
 
-    def ranked_children(depth: int, history: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(combined scores, tokens, drafter log-probabilities) of depth `depth`'s candidates after `history`, best
-        first."""
-        previous = history[-2] if len(history) > 1 else -1
+    def rank_children(depth: int, tail: list[int]) -> tuple[list[float], list[int], list[float]]:
+        previous = tail[-2] if len(tail) > 1 else -1
         combined = (search.weight * log_probs[depth]
-                    + (1 - search.weight) * proxy.log_probs(previous, history[-1], ranked[depth]))
+                    + (1 - search.weight) * proxy.log_probs(previous, tail[-1], ranked[depth]))
         order = np.argsort(-combined, kind="stable")
-        return combined[order], ranked[depth][order], log_probs[depth][order]
+        return combined[order].tolist(), ranked[depth][order].tolist(), log_probs[depth][order].tolist()
 
-    tree = DraftTree([], [], [], [])
-    histories = {-1: context_tail[-2:]}  # node -> its path's last two tokens (-1: the root)
-    children = {-1: ranked_children(0, histories[-1])}
-    # Entries: (-score, depth index, rank, parent node, parent score).
-    frontier = [(-float(children[-1][0][0]), 0, 0, -1, 0.0)]
-    while frontier and len(tree) < num_nodes:
-        negative, depth, rank, parent, parent_score = heapq.heappop(frontier)
-        combined, tokens, drafter_log_probs = children[parent]
-        node, token = len(tree), int(tokens[rank])
-        tree.tokens.append(token)
-        tree.parents.append(parent)
-        tree.depths.append(depth + 1)
-        tree.scores.append((tree.scores[parent] if parent >= 0 else 0.0) + float(drafter_log_probs[rank]))
-        if rank + 1 < len(tokens):
-            sibling = parent_score + float(combined[rank + 1])
-            heapq.heappush(frontier, (-sibling, depth, rank + 1, parent, parent_score))
-        if depth + 1 < depth_limit and token not in eos_ids:
-            histories[node] = (histories[parent] + [token])[-2:]
-            children[node] = ranked_children(depth + 1, histories[node])
-            heapq.heappush(frontier, (negative - float(children[node][0][0]), depth + 1, 0, node, -negative))
-    return tree
+    return best_first_tree(depth_limit, num_nodes, rank_children, context_tail, eos_ids)
 
 
 def check_tree_verifier(verifier: PreTrainedModel) -> None:
