@@ -211,12 +211,8 @@ def verify_cost_curves(configs: dict[str, Any], context_len: int, max_tokens: in
 
     report: dict[str, Any] = {"context_len": context_len, "machine": machine(device, dtype), "models": {}}
     for name, config in configs.items():
-        torch.set_default_dtype(dtype)  # built in the run's dtype on its device: no float32 copy of a 7B model first
-        try:
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config).eval()
-        finally:
-            torch.set_default_dtype(torch.float32)
+        with torch.device(device):  # built in the run's dtype on its device: no float32 copy of a 7B model first
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         with torch.no_grad():
             costs = measure_verify_costs(model, context_len, max_tokens, rounds=rounds)
         report["models"][name] = {"parameters": sum(p.numel() for p in model.parameters()), "verify_s": costs}

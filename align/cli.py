@@ -17,7 +17,7 @@ from typing import Callable, NoReturn, Optional, Union, get_args
 
 import yaml
 
-from align.config import (VERIFIER_ARCHITECTURES, Recipe, RecipeError, check_gkd, check_inputs, check_models,
+from align.config import (VERIFIER_ARCHITECTURES, Dtype, Recipe, RecipeError, check_gkd, check_inputs, check_models,
                           check_output, check_train, eval_models, get_key, load_recipe, train_models)
 
 EXIT_BAD_INPUT = 2
@@ -174,6 +174,7 @@ def show_verify_costs(args: argparse.Namespace) -> int:
     import torch
 
     from align.bench import model_configs, verify_cost_curves
+    from align.models import DTYPES
 
     try:
         configs = model_configs(args.models)  # every name checked before any model is built
@@ -187,7 +188,7 @@ def show_verify_costs(args: argparse.Namespace) -> int:
     if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
         print(f"align verify-costs: error: --device {args.device}: not a device this machine has", file=sys.stderr)
         return EXIT_BAD_INPUT
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     report = verify_cost_curves(configs, args.context, args.max_tokens, dtype, device, args.rounds)
     for name, curve in report["models"].items():
         costs, shown = curve["verify_s"], [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= args.max_tokens]
@@ -209,7 +210,7 @@ def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             "with a config.json (random weights: none are downloaded)")
         parser.add_argument("--context", type=int, default=512, help="cached tokens before each forward")
         parser.add_argument("--max-tokens", type=int, default=64, help="the largest forward, in new tokens")
-        parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+        parser.add_argument("--dtype", choices=[d for d in get_args(Dtype) if d != "auto"], default="bfloat16")
         parser.add_argument("--device", default=None, help="default: cuda where there is a GPU, else cpu")
         parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; each size's median is kept")
         parser.add_argument("--out", help="write the curves (and the machine) as JSON here")
