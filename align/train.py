@@ -123,11 +123,11 @@ def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")  # <root>/<extension>/lock; by default one folder per Python/build
     locks = Path(root).glob("*/lock") if root else Path(get_default_build_root()).glob("*/*/lock")
-    stale = [lock for lock in locks if time.time() - lock.stat().st_mtime > max_age_s]
+    ages = {lock: time.time() - lock.stat().st_mtime for lock in locks}
+    stale = [lock for lock, age in ages.items() if age > max_age_s]
     for lock in stale:
-        print(f"align train: warning: {lock} is {(time.time() - lock.stat().st_mtime) / 60:.0f} min old, left by a "
-              f"killed build; DeepSpeed will wait on it forever: delete {lock.parent} if nothing is building it",
-              file=sys.stderr, flush=True)
+        print(f"align train: warning: {lock} is {ages[lock] / 60:.0f} min old, left by a killed build; DeepSpeed will "
+              f"wait on it forever: delete {lock.parent} if nothing is building it", file=sys.stderr, flush=True)
     return stale
 
 

@@ -128,11 +128,10 @@ def causal_path_search(
     # Every candidate's drafter score in one copy to the host (the search itself is small numpy work there).
     rows = [position for position, candidates in enumerate(sets) for _ in candidates]
     flat_scores = draft_log_probs[rows, [token for candidates in sets for token in candidates]].double().cpu().numpy()
-    ends = np.cumsum([len(candidates) for candidates in sets])
+    scores_by_position = np.split(flat_scores, np.cumsum([len(candidates) for candidates in sets])[:-1])
     beams: list[tuple[float, list[int]]] = [(0.0, [])]
-    for position, candidates in enumerate(sets):
+    for candidates, drafter_scores in zip(sets, scores_by_position):
         cand = np.array(candidates)
-        drafter_scores = flat_scores[ends[position] - len(candidates): ends[position]]
         expanded = []
         for score, path in beams:
             if path and path[-1] in eos_ids:
