@@ -308,8 +308,8 @@ def calibrate(traces: list[BlockTrace], mask_id: int, block_length: int, budget:
     graph needs the fewest forwards replayed on the traces (the first listed on a tie). The nodes stay in the
     greedy's order, so the first D of them are the greedy selection for budget D (`DraftGraph.prefix`).
 
-    context_forwards: the forwards that tracing spent outside the blocks' steps (a block-causal model's context-cache
-    extension per block); Spiffy spends them too, so they count on both sides of the replayed NFE reduction."""
+    context_forwards: the forwards that tracing spent outside the blocks' steps (an encoder-decoder's context
+    encoding per block); Spiffy spends them too, so they count on both sides of the replayed NFE reduction."""
     vanilla_forwards = sum(len(trace.states) - 1 for trace in traces) + context_forwards
     graphs: dict[str, tuple[int, DraftGraph]] = {}
     for order in orders:

@@ -10,8 +10,9 @@ eval.json, by `schema_version` (a file without the key is version 1):
 2. Adds, per method, `records`: one per prompt, in prompt order, {index, row, id, prompt_tokens (as align eval's
    schema 2), new_tokens, nfe, steps, accepted_drafts, wall_s}; a method's nfe, new_tokens and accepted_drafts are
    the sums of its records'. `meta` adds machine (as align eval's: platform, processor, cpu_model, cpus,
-   torch_threads, gpu, device, dtype) and versions. Methods and records add context_forwards: of the nfe, a
-   block-causal model's context-cache extensions (one per block; 0 for a bidirectional model).
+   torch_threads, gpu, device, dtype) and versions. Methods and records add context_forwards: of the nfe, an
+   encoder-decoder dLLM's context encodings (DiffusionGemma: one per block; a block-causal LM extends its context
+   cache inside each block's first forward, and a bidirectional one has no cache: 0).
 """
 
 from __future__ import annotations

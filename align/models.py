@@ -407,32 +407,49 @@ def _cached_block_logits(
     model: PreTrainedModel, spec: DrafterSpec, context_ids: torch.Tensor, block_ids: torch.Tensor,
     state: DrafterContext,
 ) -> torch.Tensor:
+    """(B, n) context, (B, γ) model-input block -> (B, γ, V), through the cache."""
+    return _cached_blocks_forward(model, spec, context_ids, block_ids.unsqueeze(1), state)[:, 0]
+
+
+def _cached_blocks_forward(
+    model: PreTrainedModel, spec: DrafterSpec, context_ids: torch.Tensor, blocks: torch.Tensor,
+    state: DrafterContext,
+) -> torch.Tensor:
+    """One forward for the context tokens not yet cached and K candidate blocks after them: (B, n) context,
+    (B, K, b) model-input blocks -> (B, K, b, V). The new context tokens are causal and stay cached; each block sees
+    the whole context and itself only, at the same positions, and never stays in the cache. Folding the context's
+    extension into the blocks' forward makes a draft, or a dLLM block's first step, one model call instead of two."""
     if spec.logits_shift and state.last_logits is None and state.length == context_ids.shape[1]:
         crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
     if state.length > context_ids.shape[1]:
         raise ValueError(f"context shrank from {state.length} to {context_ids.shape[1]} tokens; crop first")
-    # One forward for the context tokens not yet cached and the block together (a draft then costs one drafter
-    # call, not two): the new context tokens are causal, the block sees all the context and itself.
-    cached, n, block_len = state.length, context_ids.shape[1], block_ids.shape[1]
-    new = context_ids[:, cached:]
-    ids = torch.cat([new, block_ids], dim=1)
-    positions = torch.arange(cached, n + block_len, device=ids.device).unsqueeze(0)
-    # Rows of the new tokens and the block only: a new token at position p sees columns <= p, the block sees all.
-    rows = torch.arange(cached, n + block_len, device=ids.device)
-    allowed = torch.arange(n + block_len, device=ids.device)[None, :] <= rows[:, None]
-    allowed[n - cached:] = True
+    cached, n = state.length, context_ids.shape[1]
+    batch, num_blocks, block_len = blocks.shape
+    new, device = n - cached, context_ids.device
+    ids = torch.cat([context_ids[:, cached:], blocks.reshape(batch, -1)], dim=1)
+    positions = torch.cat([torch.arange(cached, n, device=device),
+                           torch.arange(n, n + block_len, device=device).repeat(num_blocks)]).unsqueeze(0)
+    # Columns: cached context, new context, the blocks side by side. Every row sees the cached context; a new
+    # context token the new ones up to itself; a block token all the new context and its own block.
+    which = torch.cat([torch.full((new,), -1, device=device),
+                       torch.arange(num_blocks, device=device).repeat_interleave(block_len)])  # -1: new context
+    allowed = torch.ones(len(which), cached + len(which), dtype=torch.bool, device=device)
+    allowed[:, cached:] = which[:, None] == which[None, :]
+    allowed[:new, cached:cached + new] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    allowed[new:, cached:cached + new] = True
     mask = additive_mask(allowed, model.dtype).unsqueeze(0)
-    kept = block_len + (n > cached)  # the block's logits, and the last new context token's
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True,
-                **keep_logits(model, kept))
-    state.cache.crop(-block_len)  # the block is a guess: it never stays in the context cache
-    if n > cached:
+    kept = num_blocks * block_len + (new > 0)  # the blocks' logits, and the last new context token's
+    out = model(input_ids=ids, position_ids=positions.expand(batch, -1), attention_mask=mask, cache=state.cache,
+                use_cache=True, **keep_logits(model, kept))
+    state.cache.crop(-num_blocks * block_len)  # the blocks are guesses: they never stay in the context cache
+    if new:
         state.length, state.last_logits = n, out.logits[:, -kept]
-    block_out = out.logits[:, -block_len:]  # (B, γ, V)
+    logits = out.logits[:, -num_blocks * block_len:].view(batch, num_blocks, block_len, -1)
     if not spec.logits_shift:
-        return block_out
+        return logits
     # Shifted: block position 0 is predicted by the last context position, position i by block position i-1.
-    return torch.cat([state.last_logits.unsqueeze(1), block_out[:, :-1]], dim=1)
+    first = state.last_logits[:, None, None].expand(-1, num_blocks, -1, -1)
+    return torch.cat([first, logits[:, :, :-1]], dim=2)
 
 
 def shared_context_block_logits(
@@ -444,33 +461,18 @@ def shared_context_block_logits(
 ) -> torch.Tensor:
     """Logits for K candidate blocks that follow the same context, in one forward. (1, n), (K, b) -> (K, b, V).
 
-    For a cached block-causal drafter the K blocks are laid side by side in a single row after the context: each sees
-    the context and itself only, at the same positions, so every row of the result is exactly what `block_logits`
-    gives for that block alone (Spiffy evaluates the real state and all its draft states this way). Other drafters
-    batch the K blocks, each with its own copy of the context.
+    For a cached block-causal drafter the K blocks are laid side by side in a single row after the context (and
+    after any context tokens not cached yet, which this forward caches): each sees the context and itself only, at
+    the same positions, so every row of the result is exactly what `block_logits` gives for that block alone (Spiffy
+    evaluates the real state and all its draft states this way). Other drafters batch the K blocks, each with its
+    own copy of the context.
     """
-    num_blocks, block_len = blocks.shape
+    num_blocks = blocks.shape[0]
     if is_canvas_decoder(model):
         return canvas_logits(model, spec, context_ids, blocks, state)  # one decoder forward, batch K
     if spec.attention != "block_causal" or state is None:
         return block_logits(model, spec, context_ids.expand(num_blocks, -1), blocks)
-    if spec.logits_shift and state.last_logits is None and state.length == context_ids.shape[1]:
-        crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
-    encode_context(model, context_ids, state)
-    n = state.length
-    ids = model_input(model, spec, blocks).reshape(1, -1)
-    positions = torch.arange(n, n + block_len, device=ids.device).repeat(num_blocks).unsqueeze(0)
-    which = torch.arange(num_blocks, device=ids.device).repeat_interleave(block_len)  # block of each block token
-    own_block = which[:, None] == which[None, :]
-    allowed = torch.cat([torch.ones(len(which), n, dtype=torch.bool, device=ids.device), own_block], dim=1)
-    mask = additive_mask(allowed, model.dtype).unsqueeze(0)
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=state.cache, use_cache=True)
-    state.cache.crop(-ids.shape[1])  # the blocks are guesses: they never stay in the context cache
-    logits = out.logits.view(num_blocks, block_len, -1)
-    if not spec.logits_shift:
-        return logits
-    first = state.last_logits.expand(num_blocks, -1).unsqueeze(1)
-    return torch.cat([first, logits[:, :-1]], dim=1)
+    return _cached_blocks_forward(model, spec, context_ids, model_input(model, spec, blocks)[None], state)[0]
 
 
 def canvas_logits(

@@ -29,6 +29,7 @@ from align.models import (
     crop_context,
     drafter_spec_from_config,
     encode_context,
+    shared_context_block_logits,
     load_drafter,
     load_verifier,
 )
@@ -206,6 +207,31 @@ def test_block_causal_cache_equals_reencoding(arch, logits_shift, attn_implement
     # A context shorter than the cache without a crop is a caller's error, not a silent misread.
     with pytest.raises(ValueError, match="crop"):
         block_logits(model, spec, context2[:, :3], block, state)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("logits_shift", [0, 1])
+def test_shared_context_blocks_extend_the_cache_in_the_same_forward(logits_shift, attn_implementation):
+    # A dLLM block's first step (and Spiffy's batched steps) run the context tokens not cached yet and the candidate
+    # blocks in one model call: every block's logits are those of re-encoding its context, and the context stays cached.
+    model = tiny_model("llama", seed=2, attn_implementation=attn_implementation).eval()
+    spec = DrafterSpec(MASK, logits_shift, "block_causal")
+    gen = torch.Generator().manual_seed(3)
+    context = torch.randint(0, MASK, (1, 11), generator=gen)
+    blocks = masked_block(3)
+    blocks[1, 0], blocks[2, 2] = 5, 9  # three candidate states of one block
+    calls = [0]
+    handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        state = encode_context(model, context[:, :4])
+        for n in (8, 11, 11):  # new context tokens, more of them, then none
+            calls[0] = 0
+            shared = shared_context_block_logits(model, spec, context[:, :n], blocks, state)
+            assert calls[0] == 1 and state.length == cache_len(state) == n
+            for k in range(3):
+                assert_same_logits(shared[k], block_logits(model, spec, context[:, :n], blocks[k:k + 1])[0])
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("logits_shift", [0, 1])

@@ -11,13 +11,14 @@ import torch
 from transformers import PreTrainedModel
 
 from align.decoding.generation import truncate
-from align.models import DrafterContext, DrafterSpec, encode_context, shared_context_block_logits
+from align.models import (DrafterContext, DrafterSpec, encode_context, is_canvas_decoder,
+                          shared_context_block_logits)
 
 
 @dataclass
 class DllmStats:
     nfe: int = 0  # model forwards, every one of them
-    context_forwards: int = 0  # of those, a block-causal model's context-cache extensions (one per block)
+    context_forwards: int = 0  # of those, an encoder-decoder's context encodings (one per block)
     steps: int = 0  # state transitions (vanilla: one per block forward; Spiffy: more)
     accepted_drafts: int = 0
     new_tokens: int = 0
@@ -95,8 +96,10 @@ def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.T
     `decode_block(block, context, state, stats)` and appended to the context, until max_new_tokens or an EOS.
 
     A block-causal model keeps an exact context cache; a bidirectional one re-reads context ⊕ block each step
-    (blocks after the current one are not shown to it, as in block-diffusion decoding). Bringing that cache up to date
-    (the prompt, then each decoded block) is a model forward of its own, counted in stats.nfe like every other.
+    (blocks after the current one are not shown to it, as in block-diffusion decoding). A block-causal LM brings that
+    cache up to date (the prompt, then each decoded block) in its block's first forward, as one more causal span of the
+    same model call; an encoder-decoder (DiffusionGemma) needs an encoder forward of its own, counted in stats.nfe
+    like every other forward and in stats.context_forwards.
     """
     stats = DllmStats()
     t0 = time.perf_counter()
@@ -104,7 +107,7 @@ def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.T
     state = DrafterContext.empty(model) if spec.attention == "block_causal" else None
     tokens: list[int] = []
     while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
-        if state is not None:
+        if state is not None and is_canvas_decoder(model):
             encoded = state.length
             encode_context(model, context, state)
             extended = int(state.length > encoded)  # the forward that brought the cache up to date
