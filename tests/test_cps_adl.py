@@ -30,6 +30,13 @@ def test_trigram_probabilities_by_hand():
     assert np.allclose(np.exp(model.log_probs(-1, 1, np.array([2]))), 0.3 * 0.5 + 0.1 * uni(2))
     # Ids past the vocabulary (a model's padded rows) are unseen tokens; 4·1 + 6 would alias the key of bigram 2 -> 2.
     assert np.allclose(np.exp(model.log_probs(0, 1, np.array([6, 3, 2]))), [0.1 / 10, 0.1 * uni(3), expected[0]])
+    # A padded id in the context (a tree node's parent) is an unseen context. As the last token, 6 would index past
+    # the bigram counts, and its trigram prefix 0·4 + 6 is the key of the context (1, 2), followed by 0 in the stream.
+    assert np.allclose(np.exp(model.log_probs(0, 6, np.array([0, 2]))), [0.1 * uni(0), 0.1 * uni(2)])
+    # As the first token only the trigram term goes: bigram 0 -> 1 twice out of 2.
+    assert np.allclose(np.exp(model.log_probs(4, 0, np.array([1]))), 0.3 * 1.0 + 0.1 * uni(1))
+    # Unseen contexts: no bigram or trigram evidence, only the smoothed unigram.
+    assert np.allclose(np.exp(model.log_probs(2, 3, np.array([0]))), 0.1 * uni(0))
 
 
 def test_trigram_round_trips(tmp_path):

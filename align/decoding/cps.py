@@ -32,6 +32,13 @@ class TrigramModel:
         self.unigram = unigram  # (V,) counts
         self.bigram_keys, self.bigram_counts = bigram  # sorted keys b*V + c, counts
         self.trigram_keys, self.trigram_counts = trigram  # sorted keys (a*V + b)*V + c, counts
+        # Context totals, precomputed: a draft tree asks for one context per node, and summing a context's key range
+        # on every call was half of each call's time.
+        self.unigram_probs = (unigram + 1) / (unigram.sum() + vocab_size)  # add-one smoothed
+        self.bigram_context = np.bincount(self.bigram_keys // vocab_size, weights=self.bigram_counts,
+                                          minlength=vocab_size)  # (V,) occurrences of b as a bigram's first token
+        self.trigram_prefixes, starts = np.unique(self.trigram_keys // vocab_size, return_index=True)  # a*V + b
+        self.trigram_context = np.add.reduceat(self.trigram_counts, starts) if len(starts) else starts
 
     @classmethod
     def fit(cls, tokens: np.ndarray, vocab_size: int) -> "TrigramModel":
@@ -61,16 +68,12 @@ class TrigramModel:
         idx = np.searchsorted(keys, query).clip(max=len(keys) - 1)
         return np.where(keys[idx] == query, counts[idx], 0)
 
-    def _context_count(self, keys: np.ndarray, counts: np.ndarray, prefix: int) -> int:
-        """Occurrences of a context, as the sum of the counts of every key that extends it."""
-        lo, hi = np.searchsorted(keys, [prefix * self.vocab_size, (prefix + 1) * self.vocab_size])
-        return int(counts[lo:hi].sum())
-
     def log_probs(self, prev2: int, prev1: int, candidates: np.ndarray) -> np.ndarray:
         """log p(c | prev2, prev1) for each candidate token c; prev2 = -1 when the context has one token.
 
         A candidate past the tokenizer's vocabulary (a model's padded vocabulary rows: Qwen2.5's logits are wider than
-        its tokenizer) was never seen: it gets the smoothed probability of an unseen token."""
+        its tokenizer) was never seen: it gets the smoothed probability of an unseen token; such a token in the context
+        (a tree node's parent) is an unseen context."""
         V = self.vocab_size
         w3, w2, w1 = self.WEIGHTS
         seen = candidates < V
@@ -78,14 +81,19 @@ class TrigramModel:
             out = np.full(len(candidates), np.log(w1 / (self.unigram.sum() + V)))
             out[seen] = self.log_probs(prev2, prev1, candidates[seen])
             return out
-        uni = (self.unigram[candidates] + 1) / (self.unigram.sum() + V)
-        big_ctx = self._context_count(self.bigram_keys, self.bigram_counts, prev1)
-        big = self._count(self.bigram_keys, self.bigram_counts, prev1 * V + candidates) / max(big_ctx, 1)
-        tri = np.zeros(len(candidates))
-        if prev2 >= 0:
-            tri_ctx = self._context_count(self.trigram_keys, self.trigram_counts, prev2 * V + prev1)
-            tri = self._count(self.trigram_keys, self.trigram_counts, (prev2 * V + prev1) * V + candidates) / max(tri_ctx, 1)
-        return np.log(w3 * tri + w2 * big + w1 * uni)
+        mix = w1 * self.unigram_probs[candidates]
+        if prev1 >= V:  # would index past the counts, or alias another context's keys
+            return np.log(mix)
+        bigram_context = self.bigram_context[prev1]
+        if bigram_context:  # an unseen context contributes nothing (its relative frequencies are all 0)
+            mix += w2 / bigram_context * self._count(self.bigram_keys, self.bigram_counts, prev1 * V + candidates)
+        if 0 <= prev2 < V:
+            prefix = prev2 * V + prev1
+            i = int(np.searchsorted(self.trigram_prefixes, prefix))
+            if i < len(self.trigram_prefixes) and self.trigram_prefixes[i] == prefix:
+                mix += w3 / self.trigram_context[i] * self._count(self.trigram_keys, self.trigram_counts,
+                                                                  prefix * V + candidates)
+        return np.log(mix)
 
 
 @dataclass(frozen=True)
