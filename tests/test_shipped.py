@@ -50,7 +50,8 @@ def test_family_loads_offline_in_a_fresh_process_and_writes_python():
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(set(out["vocab"].values())) == 1  # one shared vocabulary
-    assert out["drafter_spec"] == {"mask_token_id": out["mask_token_id"], "logits_shift": 0, "attention": "block_causal"}
+    assert out["drafter_spec"] == {"mask_token_id": out["mask_token_id"], "logits_shift": 0, "attention": "block_causal",
+                                   "noise": "mask", "noise_seed": 0, "kind": "standalone"}
     completion = out["completion"]
     # Recognisably Python: keywords, indentation and the code shapes of the standard library.
     assert sum(word in completion for word in ("def ", "return", "self", '"""', "if ", " = ", "import")) >= 3, completion
