@@ -29,9 +29,9 @@ from align.models import (
     crop_context,
     drafter_spec_from_config,
     encode_context,
-    shared_context_block_logits,
     load_drafter,
     load_verifier,
+    shared_context_block_logits,
 )
 
 VOCAB = 40

@@ -296,7 +296,9 @@ def test_replayed_nfe_reduction_is_what_decoding_the_calibration_prompts_measure
     for prompt in prompts:
         stats = dllm_generate(model, spec, prompt, 16, 8, trace=traces)[1]
         vanilla_nfe, context_forwards = vanilla_nfe + stats.nfe, context_forwards + stats.context_forwards
-    assert context_forwards == 0  # a block-causal LM extends its cache in each block's first forward
+    # No forward of their own: a block-causal LM extends its cache in each block's first forward, a bidirectional
+    # one has no cache.
+    assert context_forwards == 0
     graph = calibrate(traces, MASK, block_length=8, budget=4, orders=("confidence",),
                       context_forwards=context_forwards)
     spiffy_nfe = sum(spiffy_generate(model, spec, prompt, graph, 16)[1].nfe for prompt in prompts)
