@@ -393,7 +393,7 @@ def block_logits(
         return canvas_logits(model, spec, context_ids, block_ids, state)
     block_ids = model_input(model, spec, block_ids)
     if spec.attention == "block_causal" and state is not None:
-        return _cached_block_logits(model, spec, context_ids, block_ids, state)
+        return _cached_blocks_forward(model, spec, context_ids, block_ids.unsqueeze(1), state)[:, 0]
     ids = torch.cat([context_ids, block_ids], dim=1)
     mask = None
     if spec.attention == "block_causal":
@@ -401,14 +401,6 @@ def block_logits(
     kept = block_len + spec.logits_shift  # positions n - shift .. n + γ - 1: the block's predictions and one more
     logits = model(input_ids=ids, attention_mask=mask, **keep_logits(model, kept)).logits[:, -kept:]
     return logits[:, :block_len]
-
-
-def _cached_block_logits(
-    model: PreTrainedModel, spec: DrafterSpec, context_ids: torch.Tensor, block_ids: torch.Tensor,
-    state: DrafterContext,
-) -> torch.Tensor:
-    """(B, n) context, (B, γ) model-input block -> (B, γ, V), through the cache."""
-    return _cached_blocks_forward(model, spec, context_ids, block_ids.unsqueeze(1), state)[:, 0]
 
 
 def _cached_blocks_forward(
@@ -429,14 +421,14 @@ def _cached_blocks_forward(
     ids = torch.cat([context_ids[:, cached:], blocks.reshape(batch, -1)], dim=1)
     positions = torch.cat([torch.arange(cached, n, device=device),
                            torch.arange(n, n + block_len, device=device).repeat(num_blocks)]).unsqueeze(0)
-    # Columns: cached context, new context, the blocks side by side. Every row sees the cached context; a new
-    # context token the new ones up to itself; a block token all the new context and its own block.
-    which = torch.cat([torch.full((new,), -1, device=device),
-                       torch.arange(num_blocks, device=device).repeat_interleave(block_len)])  # -1: new context
-    allowed = torch.ones(len(which), cached + len(which), dtype=torch.bool, device=device)
-    allowed[:, cached:] = which[:, None] == which[None, :]
-    allowed[:new, cached:cached + new] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
-    allowed[new:, cached:cached + new] = True
+    # Rows: new context, then the blocks side by side; columns: the cached context, then the same. Every row sees the
+    # cached context; a new context token the new ones up to itself (the blocks come after it); a block token all
+    # the new context and its own block.
+    rows = ids.shape[1]
+    block_of = torch.arange(num_blocks, device=device).repeat_interleave(block_len)
+    allowed = torch.ones(rows, cached + rows, dtype=torch.bool, device=device)
+    allowed[:new, cached:] = torch.ones(new, rows, dtype=torch.bool, device=device).tril()
+    allowed[new:, cached + new:] = block_of[:, None] == block_of[None, :]
     mask = additive_mask(allowed, model.dtype).unsqueeze(0)
     kept = num_blocks * block_len + (new > 0)  # the blocks' logits, and the last new context token's
     out = model(input_ids=ids, position_ids=positions.expand(batch, -1), attention_mask=mask, cache=state.cache,
