@@ -10,8 +10,8 @@ Masked positions are ranked in one of two orders, chosen at calibration by the f
 - `confidence` (Spiffy's): most confident first. Right for a model whose confidence ranking is stable from one step
   to the next (LLaDA-8B).
 - `nearest` (ours): closest to the position(s) the last step unmasked first, right side before left. A small dLLM
-  tends to decode locally, next to what it just unmasked, and then confidence ranks guess its future poorly (README:
-  how often, on the tiny drafter-base).
+  tends to decode locally, next to what it just unmasked, and then confidence ranks guess its future poorly
+  (docs/results/2026-11-30-spiffy-tiny.md: how often, on the tiny drafter-base).
 Either order only shapes the guesses; the real state is always computed by the vanilla rule, so outputs are the same.
 
 Calibration counts, on vanilla traces, which formulas describe the states 1, 2, ... steps later, and picks a

@@ -3,25 +3,8 @@
 Writes `eval.json`, `report.md` and PNG plots to `eval.out`. Speedups are against the faster of our AR loop and HF
 `generate()`: a slow baseline would inflate every number.
 
-eval.json, by `schema_version` (a file without the key is version 1):
-
-1. `methods.<name>` (the greedy run; `sampling.methods` the sampled one, with `sampling.temperature`): tau, speedup,
-   tokens_per_s, exact_match (with AR greedy; None sampled), per_position_acceptance (α_i, None where no draft reached
-   position i), verifier_forwards, drafter_forwards, new_tokens, wall_s, ideal_speedup; speculative methods also
-   overhead, mean_draft_length, draft_s, verify_s, and ADL's and the cost-aware methods' draft_length_trace (first
-   prompt; tree nodes for specdiff_tree_cost and specdiff_cps_tree_cost). `meta`: command,
-   recipe, prompts (the source), num_prompts, date, prompts_sha256, chat_template_sha256, machine (platform,
-   processor, cpus, torch_threads, device, dtype), baseline, drafter_spec, drafter, compare_drafters.
-2. Adds, per method, `records`: one per prompt, in prompt order, {index (in this eval), row (in the dataset split),
-   id (the dataset's task_id / question_id / eval.id_field, else `sha256:` + 16 hex digits of the prompt's token ids),
-   prompt_tokens, new_tokens, verifier_forwards, drafter_forwards, tau, accepted_lengths (tokens emitted per verifier
-   forward, accepted draft tokens + 1; None for HF's opaque methods), draft_lengths (likewise), wall_s (the median of
-   eval.repeats)}; and `per_position_reached` (drafts that reached each position, the sample size of each α_i).
-   A method's tau is total accepted_lengths / total iterations over its records (speculative methods), or
-   Σ (new_tokens − 1) / Σ verifier_forwards (the others: the prefill gives the first token). `meta` adds versions
-   (python, torch, transformers, align-drafters, deepspeed, datasets; None when not installed), machine.cpu_model
-   (/proc/cpuinfo's model name) and machine.gpu (None without CUDA), and verify_costs_s (the cost-aware methods'
-   measured verifier cost curve, None when none ran).
+What eval.json holds, by `schema_version`, is in docs/evaluation.md ("What `eval.json` holds"), its only
+description.
 """
 
 from __future__ import annotations
@@ -60,7 +43,7 @@ def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sam
     return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
 
 
-SCHEMA_VERSION = 2  # of eval.json: what each version holds is in the module docstring
+SCHEMA_VERSION = 2  # of eval.json: what each version holds is in docs/evaluation.md
 
 
 def position_counts(accept_counts: list[int], draft_lengths: list[int], max_len: int) -> list[int]:

@@ -1,18 +1,8 @@
 """`align eval` with eval.mode=dllm: the drafter decoded as a diffusion LM. Vanilla block decoding against Spiffy
 for each budget D, threshold (parallel) decoding, and threshold + Spiffy; all in one process, interleaved.
 
-eval.json, by `schema_version` (a file without the key is version 1):
-
-1. `methods.<name>`: exact_match, exact_against, nfe, nfe_per_token, nfe_reduction, speedup, tokens_per_s,
-   accepted_drafts, new_tokens, wall_s. `meta`: command, mode ("dllm"), prompts, num_prompts, prompts_sha256,
-   chat_template_sha256, graph, graph_calibrated_on, position_order, block_length, tokens_per_step, threshold,
-   exactness, date, torch_threads.
-2. Adds, per method, `records`: one per prompt, in prompt order, {index, row, id, prompt_tokens (as align eval's
-   schema 2), new_tokens, nfe, steps, accepted_drafts, wall_s}; a method's nfe, new_tokens and accepted_drafts are
-   the sums of its records'. `meta` adds machine (as align eval's: platform, processor, cpu_model, cpus,
-   torch_threads, gpu, device, dtype) and versions. Methods and records add context_forwards: of the nfe, an
-   encoder-decoder dLLM's context encodings (DiffusionGemma: one per block; a block-causal LM extends its context
-   cache inside each block's first forward, and a bidirectional one has no cache: 0).
+What eval.json holds, by `schema_version`, is in docs/evaluation.md ("What `eval.json` holds"), its only
+description.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from align.methods import eos_token_ids
 from align.models import context_length, load_drafter, load_tokenizer
 
 
-SCHEMA_VERSION = 2  # of eval.json: what each version holds is in the module docstring
+SCHEMA_VERSION = 2  # of eval.json: what each version holds is in docs/evaluation.md
 
 
 def methods_for(model: Any, spec: Any, graph: DraftGraph, recipe: Recipe, eos_ids: frozenset[int]

@@ -15,8 +15,8 @@ export HF_HUB_OFFLINE=1
 recipe=recipes/tiny/align.yaml
 root=checkpoints/losses
 losses=${LOSSES:-streak ce_streak streak_tv fkl}
-# The README's loss table's protocol: 800 prompts' trajectories and 150 steps per loss (the main job now trains longer
-# on more; key=value arguments still override these).
+# The protocol of docs/results/2026-11-30-losses*.md: 800 prompts' trajectories and 150 steps per loss (the main job
+# trains longer on more; key=value arguments still override these).
 protocol=(trajectories.num_prompts=800 trajectories.out=data/tiny/trajectories-800 train.max_steps=150 train.save_every=50)
 .venv/bin/align trajectories "$recipe" --num_gpus 2 "${protocol[@]}" "$@"
 compare=()
