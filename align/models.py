@@ -27,12 +27,14 @@ import functools
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DynamicCache)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.masking_utils import find_first_full_attention_index, sliding_window_overlay
 
 from align.config import ModelSection, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
@@ -230,6 +232,80 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, blocked).unsqueeze(-3)
+
+
+# Layer types align builds attention masks for: full causal attention, and a sliding window over positions.
+MASK_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_layer_types(model: PreTrainedModel) -> list[str]:
+    """Each layer's attention type, as transformers' own cache and masks read the model: the config's `layer_types`,
+    or, for a config without them (Mistral, Phi-3, StarCoder2), "sliding_attention" for every layer when
+    `sliding_window` is set. Asked of `get_layer_types_and_kwargs`, the function `DynamicCache(config=)` builds its
+    layers with, rather than re-derived: the sliding cache layers are what hand a forward fewer keys, and those
+    models mask with a window exactly when it says so (Mistral: iff `config.sliding_window` is set)."""
+    text_config = model.config.get_text_config(decoder=True)
+    declared = getattr(text_config, "layer_types", None)
+    return list(declared) if declared else get_layer_types_and_kwargs(text_config)[0]
+
+
+def check_mask_layer_types(model: PreTrainedModel, who: str) -> None:
+    """Refuse, with a one-line RecipeError naming `who`, a model whose layers take masks `attention_masks` cannot
+    build (chunked attention, linear attention, ...)."""
+    unknown = set(attention_layer_types(model)) - set(MASK_LAYER_TYPES)
+    if unknown:
+        raise RecipeError(f"{who}: the model has {', '.join(sorted(unknown))} layers; align builds attention masks "
+                          f"for {' and '.join(MASK_LAYER_TYPES)} only")
+
+
+def attention_masks(
+    model: PreTrainedModel, allowed: torch.Tensor, positions: torch.Tensor, cache: Optional[Cache] = None
+) -> Union[torch.Tensor, dict[str, torch.Tensor]]:
+    """The additive masks of a forward of q new tokens over what `cache` holds, in the form `model` reads them.
+
+    allowed: bool (q, q) or (B, q, q), which new tokens each new token attends to; positions: (q,) or (B, q), their
+    positions. Every new token also sees the cached keys its layer's cache hands back (`get_mask_sizes`: all of a full
+    layer's, the last window−1 of a sliding layer's), all before it. A sliding-window layer's mask hides, on top, every
+    key `sliding_window` or more positions before the query (transformers' own `sliding_window_overlay`), so a
+    forward with these masks computes what the model's own masks would for the same keys at the same positions;
+    a 4-D mask is used as given, so without that the window would be lost (and the mask's width would not match a
+    sliding layer's keys once the cache holds more than the window).
+
+    Returns (B, 1, q, kv) additive masks: one tensor for a model without `layer_types` (Llama; Mistral, whose layers
+    all slide), else a dict per layer type, which such models take (Qwen2, Gemma).
+    """
+    check_mask_layer_types(model, type(model).__name__)
+    text_config = model.config.get_text_config(decoder=True)
+    layer_types = attention_layer_types(model)
+    if allowed.dim() == 2:
+        allowed, positions = allowed[None], positions[None]
+    batch, q = allowed.shape[0], allowed.shape[-1]
+
+    def mask_for(layer_type: str) -> torch.Tensor:
+        sliding = layer_type == "sliding_attention"
+        cached_keys, offset = 0, 0
+        if cache is not None:
+            # The cache layer transformers' own mask functions size the mask of this layer type by.
+            if sliding:
+                layer_idx = cache.is_sliding.index(True) if True in cache.is_sliding else 0
+            else:
+                layer_idx = find_first_full_attention_index(cache)
+            kv_length, offset = cache.get_mask_sizes(q, layer_idx)
+            cached_keys = kv_length - q
+        cached_positions = torch.arange(offset, offset + cached_keys, device=positions.device).expand(batch, -1)
+        key_positions = torch.cat([cached_positions, positions], dim=-1)  # (B, kv)
+        sees = torch.cat([allowed.new_ones(batch, q, cached_keys), allowed], dim=-1)  # (B, q, kv)
+        if sliding:
+            in_window = sliding_window_overlay(text_config.sliding_window)
+            sees = sees & in_window(None, None, positions[:, :, None], key_positions[:, None, :])
+        return additive_mask(sees, model.dtype)
+
+    if getattr(text_config, "layer_types", None):
+        return {layer_type: mask_for(layer_type) for layer_type in set(layer_types)}
+    if len(set(layer_types)) > 1:
+        raise RecipeError(f"{type(model).__name__}: layers of types {sorted(set(layer_types))} without `layer_types` "
+                          "in its config; align cannot tell which mask each layer reads")
+    return mask_for(layer_types[0])
 
 
 def block_causal_allowed(context_len: int, block_len: int, device: torch.device | None = None) -> torch.Tensor:
