@@ -164,6 +164,8 @@ def load_drafter(
     model = _load(section, **overrides)
     if spec.mask_token_id >= vocab_size(model):
         raise RecipeError(f"drafter.mask_token_id: {spec.mask_token_id} is outside the vocabulary ({vocab_size(model)})")
+    if spec.attention == "block_causal" and not is_canvas_decoder(model) and not is_dflash(model):
+        check_mask_layer_types(model, "drafter")  # its block mask is align's: refused now, not at the first draft
     return model, spec
 
 
@@ -442,11 +444,30 @@ def encode_context(
 
 
 def crop_context(state: DrafterContext, length: int) -> None:
-    """Drop cached context beyond `length` tokens (after the verifier rejected part of a draft)."""
+    """Drop cached context beyond `length` tokens (after the verifier rejected part of a draft). Where a sliding-window
+    layer no longer holds the keys that would leave it (`_crop_keeps_the_window`), the cache is emptied instead
+    (state.length 0): the next forward re-encodes the whole context, which gives the same keys."""
     if length < state.length:
-        state.cache.crop(length - state.length)
-        state.length = length
+        if _crop_keeps_the_window(state.cache, state.length - length):
+            state.cache.crop(length - state.length)
+            state.length = length
+        else:
+            state.cache.reset()
+            state.length = 0
         state.last_logits = None  # re-encoding the last token restores it
+
+
+def _crop_keeps_the_window(cache: DynamicCache, tokens: int) -> bool:
+    """Whether dropping the last `tokens` leaves every sliding-window layer the keys its next forward reads (the last
+    window−1 of what remains). transformers cuts a sliding layer back to its last window−1 keys at every crop, past
+    recording or not: the blocks' crop in `_cached_blocks_forward` does, so a later crop reaching further back would
+    leave the layer short of keys its mask still counts."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and getattr(layer, "is_initialized", False):
+            remaining = layer.get_seq_length() - tokens
+            if layer.keys.shape[-2] - tokens < min(remaining, layer.get_max_length() - 1):
+                return False
+    return True
 
 
 def block_logits(
@@ -473,7 +494,8 @@ def block_logits(
     ids = torch.cat([context_ids, block_ids], dim=1)
     mask = None
     if spec.attention == "block_causal":
-        mask = additive_mask(block_causal_allowed(n, block_len, ids.device), model.dtype).unsqueeze(0)
+        positions = torch.arange(n + block_len, device=ids.device)
+        mask = attention_masks(model, block_causal_allowed(n, block_len, ids.device), positions)
     kept = block_len + spec.logits_shift  # positions n - shift .. n + γ - 1: the block's predictions and one more
     logits = model(input_ids=ids, attention_mask=mask, **keep_logits(model, kept)).logits[:, -kept:]
     return logits[:, :block_len]
@@ -497,15 +519,15 @@ def _cached_blocks_forward(
     ids = torch.cat([context_ids[:, cached:], blocks.reshape(batch, -1)], dim=1)
     positions = torch.cat([torch.arange(cached, n, device=device),
                            torch.arange(n, n + block_len, device=device).repeat(num_blocks)]).unsqueeze(0)
-    # Rows: new context, then the blocks side by side; columns: the cached context, then the same. Every row sees the
-    # cached context; a new context token the new ones up to itself (the blocks come after it); a block token all
-    # the new context and its own block.
+    # Rows and columns: new context, then the blocks side by side. A new context token sees the new ones up to itself
+    # (the blocks come after it); a block token all the new context and its own block. Every row also sees the cached
+    # context, through a sliding layer's window where the model has them (`attention_masks`).
     rows = ids.shape[1]
     block_of = torch.arange(num_blocks, device=device).repeat_interleave(block_len)
-    allowed = torch.ones(rows, cached + rows, dtype=torch.bool, device=device)
-    allowed[:new, cached:] = torch.ones(new, rows, dtype=torch.bool, device=device).tril()
-    allowed[new:, cached + new:] = block_of[:, None] == block_of[None, :]
-    mask = additive_mask(allowed, model.dtype).unsqueeze(0)
+    allowed = torch.ones(rows, rows, dtype=torch.bool, device=device)
+    allowed[:new] = allowed[:new].tril()
+    allowed[new:, new:] = block_of[:, None] == block_of[None, :]
+    mask = attention_masks(model, allowed, positions[0], state.cache)
     kept = num_blocks * block_len + (new > 0)  # the blocks' logits, and the last new context token's
     out = model(input_ids=ids, position_ids=positions.expand(batch, -1), attention_mask=mask, cache=state.cache,
                 use_cache=True, **keep_logits(model, kept))

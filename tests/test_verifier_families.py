@@ -2,7 +2,8 @@
 in the test: every speculative method's greedy output is token-identical to AR greedy and to HF `generate()`, also
 past a sliding window, in each of the three ways a config sets one: `layer_types` (Gemma 4 alternates sliding and
 full attention), `sliding_window` alone (Mistral-7B-v0.1, Phi-3-mini: every layer slides) and Qwen2's
-`use_sliding_window` (layers from `max_window_layers` on slide)."""
+`use_sliding_window` (layers from `max_window_layers` on slide); and so are they with a block-causal drafter whose own
+layers slide."""
 
 from typing import Callable
 
@@ -85,3 +86,19 @@ def test_greedy_outputs_equal_ar_for_every_verifier_family(family, drafters):
             assert hf == expected
             for name in SPECULATIVE:
                 assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, shift, name)
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
+def test_greedy_outputs_equal_ar_with_a_sliding_window_drafter(family, drafters):
+    # A block-causal drafter whose layers slide: once the context passes its window, its context cache hands its
+    # sliding layers only the window's keys, and its block mask must be sized and windowed to match (it crashed).
+    _, ar_drafter, proxy = drafters
+    drafter, verifier = peaky(FAMILIES[family], 9), peaky(FAMILIES["llama"], 1)
+    decode = DecodeSection(gamma=4, max_new_tokens=NEW_TOKENS, num_candidates=3)
+    prompt = PROMPTS[0]
+    expected = ar_generate(verifier, prompt, NEW_TOKENS)[0]
+    assert len(prompt[0]) + len(expected) > SLIDING_WINDOW
+    setup = Setup(verifier, drafter, DrafterSpec(MASK, 1, "block_causal"), ar_drafter, None, frozenset(), decode,
+                  proxy, verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
+    for name in SPECULATIVE:
+        assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, name)
