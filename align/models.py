@@ -34,7 +34,8 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModel
                           DynamicCache)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
-from transformers.masking_utils import find_first_full_attention_index, sliding_window_overlay
+from transformers.masking_utils import (find_first_full_attention_index, sliding_window_bidirectional_overlay,
+                                       sliding_window_overlay)
 
 from align.config import ModelSection, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
@@ -268,10 +269,11 @@ def attention_masks(
     allowed: bool (q, q) or (B, q, q), which new tokens each new token attends to; positions: (q,) or (B, q), their
     positions. Every new token also sees the cached keys its layer's cache hands back (`get_mask_sizes`: all of a full
     layer's, the last window−1 of a sliding layer's), all before it. A sliding-window layer's mask hides, on top, every
-    key `sliding_window` or more positions before the query (transformers' own `sliding_window_overlay`), so a
-    forward with these masks computes what the model's own masks would for the same keys at the same positions;
-    a 4-D mask is used as given, so without that the window would be lost (and the mask's width would not match a
-    sliding layer's keys once the cache holds more than the window).
+    key `sliding_window` or more positions before the query (transformers' own `sliding_window_overlay`; for a model
+    made bidirectional, `config.is_causal` false, its `sliding_window_bidirectional_overlay`, every key more than the
+    window away), so a forward with these masks computes what the model's own masks would for the same keys at the
+    same positions; a 4-D mask is used as given, so without that the window would be lost (and the mask's width would
+    not match a sliding layer's keys once the cache holds more than the window).
 
     Returns (B, 1, q, kv) additive masks: one tensor for a model without `layer_types` (Llama; Mistral, whose layers
     all slide), else a dict per layer type, which such models take (Qwen2, Gemma).
@@ -282,6 +284,7 @@ def attention_masks(
     if allowed.dim() == 2:
         allowed, positions = allowed[None], positions[None]
     batch, q = allowed.shape[0], allowed.shape[-1]
+    overlay = sliding_window_overlay if getattr(text_config, "is_causal", True) else sliding_window_bidirectional_overlay
 
     def mask_for(layer_type: str) -> torch.Tensor:
         sliding = layer_type == "sliding_attention"
@@ -298,7 +301,7 @@ def attention_masks(
         key_positions = torch.cat([cached_positions, positions], dim=-1)  # (B, kv)
         sees = torch.cat([allowed.new_ones(batch, q, cached_keys), allowed], dim=-1)  # (B, q, kv)
         if sliding:
-            in_window = sliding_window_overlay(text_config.sliding_window)
+            in_window = overlay(text_config.sliding_window)
             sees = sees & in_window(None, None, positions[:, :, None], key_positions[:, None, :])
         return additive_mask(sees, model.dtype)
 
