@@ -27,12 +27,15 @@ import functools
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DynamicCache)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.masking_utils import (find_first_full_attention_index, sliding_window_bidirectional_overlay,
+                                       sliding_window_overlay)
 
 from align.config import ModelSection, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
@@ -162,6 +165,8 @@ def load_drafter(
     model = _load(section, **overrides)
     if spec.mask_token_id >= vocab_size(model):
         raise RecipeError(f"drafter.mask_token_id: {spec.mask_token_id} is outside the vocabulary ({vocab_size(model)})")
+    if spec.attention == "block_causal" and not is_canvas_decoder(model) and not is_dflash(model):
+        check_mask_layer_types(model, "drafter")  # its block mask is align's: refused now, not at the first draft
     return model, spec
 
 
@@ -230,6 +235,82 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, blocked).unsqueeze(-3)
+
+
+# Layer types align builds attention masks for: full causal attention, and a sliding window over positions.
+MASK_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_layer_types(model: PreTrainedModel) -> list[str]:
+    """Each layer's attention type, as transformers' own cache and masks read the model: the config's `layer_types`,
+    or, for a config without them (Mistral, Phi-3, StarCoder2), "sliding_attention" for every layer when
+    `sliding_window` is set. Asked of `get_layer_types_and_kwargs`, the function `DynamicCache(config=)` builds its
+    layers with, rather than re-derived: the sliding cache layers are what hand a forward fewer keys, and those
+    models mask with a window exactly when it says so (Mistral: iff `config.sliding_window` is set)."""
+    text_config = model.config.get_text_config(decoder=True)
+    declared = getattr(text_config, "layer_types", None)
+    return list(declared) if declared else get_layer_types_and_kwargs(text_config)[0]
+
+
+def check_mask_layer_types(model: PreTrainedModel, who: str) -> None:
+    """Refuse, with a one-line RecipeError naming `who`, a model whose layers take masks `attention_masks` cannot
+    build (chunked attention, linear attention, ...)."""
+    unknown = set(attention_layer_types(model)) - set(MASK_LAYER_TYPES)
+    if unknown:
+        raise RecipeError(f"{who}: the model has {', '.join(sorted(unknown))} layers; align builds attention masks "
+                          f"for {' and '.join(MASK_LAYER_TYPES)} only")
+
+
+def attention_masks(
+    model: PreTrainedModel, allowed: torch.Tensor, positions: torch.Tensor, cache: Optional[Cache] = None
+) -> Union[torch.Tensor, dict[str, torch.Tensor]]:
+    """The additive masks of a forward of q new tokens over what `cache` holds, in the form `model` reads them.
+
+    allowed: bool (q, q) or (B, q, q), which new tokens each new token attends to; positions: (q,) or (B, q), their
+    positions. Every new token also sees the cached keys its layer's cache hands back (`get_mask_sizes`: all of a full
+    layer's, the last window−1 of a sliding layer's), all before it. A sliding-window layer's mask hides, on top, every
+    key `sliding_window` or more positions before the query (transformers' own `sliding_window_overlay`; for a model
+    made bidirectional, `config.is_causal` false, its `sliding_window_bidirectional_overlay`, every key more than the
+    window away), so a forward with these masks computes what the model's own masks would for the same keys at the
+    same positions; a 4-D mask is used as given, so without that the window would be lost (and the mask's width would
+    not match a sliding layer's keys once the cache holds more than the window).
+
+    Returns (B, 1, q, kv) additive masks: one tensor for a model without `layer_types` (Llama; Mistral, whose layers
+    all slide), else a dict per layer type, which such models take (Qwen2, Gemma).
+    """
+    check_mask_layer_types(model, type(model).__name__)
+    text_config = model.config.get_text_config(decoder=True)
+    layer_types = attention_layer_types(model)
+    if allowed.dim() == 2:
+        allowed, positions = allowed[None], positions[None]
+    batch, q = allowed.shape[0], allowed.shape[-1]
+    overlay = sliding_window_overlay if getattr(text_config, "is_causal", True) else sliding_window_bidirectional_overlay
+
+    def mask_for(layer_type: str) -> torch.Tensor:
+        sliding = layer_type == "sliding_attention"
+        cached_keys, offset = 0, 0
+        if cache is not None:
+            # The cache layer transformers' own mask functions size the mask of this layer type by.
+            if sliding:
+                layer_idx = cache.is_sliding.index(True) if True in cache.is_sliding else 0
+            else:
+                layer_idx = find_first_full_attention_index(cache)
+            kv_length, offset = cache.get_mask_sizes(q, layer_idx)
+            cached_keys = kv_length - q
+        cached_positions = torch.arange(offset, offset + cached_keys, device=positions.device).expand(batch, -1)
+        key_positions = torch.cat([cached_positions, positions], dim=-1)  # (B, kv)
+        sees = torch.cat([allowed.new_ones(batch, q, cached_keys), allowed], dim=-1)  # (B, q, kv)
+        if sliding:
+            in_window = overlay(text_config.sliding_window)
+            sees = sees & in_window(None, None, positions[:, :, None], key_positions[:, None, :])
+        return additive_mask(sees, model.dtype)
+
+    if getattr(text_config, "layer_types", None):
+        return {layer_type: mask_for(layer_type) for layer_type in set(layer_types)}
+    if len(set(layer_types)) > 1:
+        raise RecipeError(f"{type(model).__name__}: layers of types {sorted(set(layer_types))} without `layer_types` "
+                          "in its config; align cannot tell which mask each layer reads")
+    return mask_for(layer_types[0])
 
 
 def block_causal_allowed(context_len: int, block_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -366,11 +447,30 @@ def encode_context(
 
 
 def crop_context(state: DrafterContext, length: int) -> None:
-    """Drop cached context beyond `length` tokens (after the verifier rejected part of a draft)."""
+    """Drop cached context beyond `length` tokens (after the verifier rejected part of a draft). Where a sliding-window
+    layer no longer holds the keys that would leave it (`_crop_keeps_the_window`), the cache is emptied instead
+    (state.length 0): the next forward re-encodes the whole context, which gives the same keys."""
     if length < state.length:
-        state.cache.crop(length - state.length)
-        state.length = length
+        if _crop_keeps_the_window(state.cache, state.length - length):
+            state.cache.crop(length - state.length)
+            state.length = length
+        else:
+            state.cache.reset()
+            state.length = 0
         state.last_logits = None  # re-encoding the last token restores it
+
+
+def _crop_keeps_the_window(cache: DynamicCache, tokens: int) -> bool:
+    """Whether dropping the last `tokens` leaves every sliding-window layer the keys its next forward reads (the last
+    window−1 of what remains). transformers cuts a sliding layer back to its last window−1 keys at every crop, past
+    recording or not: the blocks' crop in `_cached_blocks_forward` does, so a later crop reaching further back would
+    leave the layer short of keys its mask still counts."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and getattr(layer, "is_initialized", False):
+            remaining = layer.get_seq_length() - tokens
+            if layer.keys.shape[-2] - tokens < min(remaining, layer.get_max_length() - 1):
+                return False
+    return True
 
 
 def block_logits(
@@ -397,7 +497,8 @@ def block_logits(
     ids = torch.cat([context_ids, block_ids], dim=1)
     mask = None
     if spec.attention == "block_causal":
-        mask = additive_mask(block_causal_allowed(n, block_len, ids.device), model.dtype).unsqueeze(0)
+        positions = torch.arange(n + block_len, device=ids.device)
+        mask = attention_masks(model, block_causal_allowed(n, block_len, ids.device), positions)
     kept = block_len + spec.logits_shift  # positions n - shift .. n + γ - 1: the block's predictions and one more
     logits = model(input_ids=ids, attention_mask=mask, **keep_logits(model, kept)).logits[:, -kept:]
     return logits[:, :block_len]
@@ -421,15 +522,15 @@ def _cached_blocks_forward(
     ids = torch.cat([context_ids[:, cached:], blocks.reshape(batch, -1)], dim=1)
     positions = torch.cat([torch.arange(cached, n, device=device),
                            torch.arange(n, n + block_len, device=device).repeat(num_blocks)]).unsqueeze(0)
-    # Rows: new context, then the blocks side by side; columns: the cached context, then the same. Every row sees the
-    # cached context; a new context token the new ones up to itself (the blocks come after it); a block token all
-    # the new context and its own block.
+    # Rows and columns: new context, then the blocks side by side. A new context token sees the new ones up to itself
+    # (the blocks come after it); a block token all the new context and its own block. Every row also sees the cached
+    # context, through a sliding layer's window where the model has them (`attention_masks`).
     rows = ids.shape[1]
     block_of = torch.arange(num_blocks, device=device).repeat_interleave(block_len)
-    allowed = torch.ones(rows, cached + rows, dtype=torch.bool, device=device)
-    allowed[:new, cached:] = torch.ones(new, rows, dtype=torch.bool, device=device).tril()
-    allowed[new:, cached + new:] = block_of[:, None] == block_of[None, :]
-    mask = additive_mask(allowed, model.dtype).unsqueeze(0)
+    allowed = torch.ones(rows, rows, dtype=torch.bool, device=device)
+    allowed[:new] = allowed[:new].tril()
+    allowed[new:, new:] = block_of[:, None] == block_of[None, :]
+    mask = attention_masks(model, allowed, positions[0], state.cache)
     kept = num_blocks * block_len + (new > 0)  # the blocks' logits, and the last new context token's
     out = model(input_ids=ids, position_ids=positions.expand(batch, -1), attention_mask=mask, cache=state.cache,
                 use_cache=True, **keep_logits(model, kept))

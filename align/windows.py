@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from align.dflash import dflash_window_logits
-from align.models import (DrafterContext, DrafterSpec, additive_mask, canvas_logits, config_vocab_size,
-                          forward_parameters, full_mask_kwargs, is_canvas_decoder)
+from align.models import (DrafterContext, DrafterSpec, additive_mask, attention_masks, canvas_logits,
+                          config_vocab_size, forward_parameters, full_mask_kwargs, is_canvas_decoder)
 
 
 @dataclass
@@ -156,7 +156,10 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: A
     decoder = model.get_decoder()
     if "position_ids" not in forward_parameters(decoder):
         return _whole_model_window_logits(model, spec, batch, mask)
-    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask).last_hidden_state
+    # Per layer type: a sliding layer's window applies in training as it does when drafting (a 4-D mask is used as
+    # given, so the window must be in it).
+    masks = attention_masks(model, batch.attention_mask[:, 0] == 0, batch.position_ids)
+    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=masks).last_hidden_state
     B, W, gamma = batch.targets.shape
     width = hidden.shape[-1]
     index = (batch.block_index[..., None] + torch.arange(gamma, device=hidden.device)).view(B, -1)  # (B, W·γ)

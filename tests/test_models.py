@@ -1,4 +1,4 @@
-"""Tests of align/models.py on real tiny transformers models (Llama and Qwen2, fp32, CPU).
+"""Tests of align/models.py on real tiny transformers models (Llama, Qwen2, Mistral; fp32, CPU).
 
 The central claim of the model layer is that `block_logits` reads the right logits for every DrafterSpec. It is tested
 semantically: tiny drafters are trained on a counting task with their targets placed as each spec says, and then the
@@ -15,13 +15,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from align.config import DrafterSection, RecipeError, VerifierSection
+from align.decoding.dllm import dllm_generate
+from align.decoding.spiffy import spiffy_generate
+from align.draft_graph import calibrate
 from align.models import (
     KNOWN_DLLMS,
     DrafterSpec,
     additive_mask,
+    attention_masks,
     block_causal_allowed,
     block_diffusion_allowed,
     block_logits,
@@ -39,10 +44,17 @@ MASK = VOCAB - 1  # the mask token: the last id of the vocabulary
 FIRST_DIGIT, NUM_DIGITS = 4, 10  # the counting task's "digit" tokens are ids 4..13
 GAMMA = 4  # draft block length
 
+SLIDING_WINDOW = 4  # shorter than the contexts below, so that sliding layers drop keys
+# name -> (config class, model class, config fields). Sliding windows set both ways configs set them: `sliding_window`
+# alone (Mistral: every layer slides) and Qwen2's `use_sliding_window` (layers from `max_window_layers` on slide).
 ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral_sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": SLIDING_WINDOW}),
+    "qwen2_sliding": (Qwen2Config, Qwen2ForCausalLM,
+                      {"use_sliding_window": True, "sliding_window": SLIDING_WINDOW, "max_window_layers": 1}),
 }
+SLIDING_ARCHS = ["mistral_sliding", "qwen2_sliding"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -56,7 +68,8 @@ def _one_thread():
 
 def tiny_model(arch: str, seed: int = 0, vocab: int = VOCAB, bidirectional: bool = False, **config_kwargs):
     """A random tiny causal LM; `bidirectional` sets config.is_causal=False, as load_drafter does."""
-    config_cls, model_cls = ARCHS[arch]
+    config_cls, model_cls, arch_kwargs = ARCHS[arch]
+    config_kwargs = {**arch_kwargs, **config_kwargs}
     if bidirectional:
         config_kwargs["is_causal"] = False
     config = config_cls(
@@ -162,7 +175,7 @@ def cache_len(state) -> int:
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("logits_shift", [0, 1])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", *SLIDING_ARCHS])
 def test_block_causal_cache_equals_reencoding(arch, logits_shift, attn_implementation):
     model = tiny_model(arch, seed=1, attn_implementation=attn_implementation).eval()
     spec = DrafterSpec(MASK, logits_shift, "block_causal")
@@ -184,7 +197,9 @@ def test_block_causal_cache_equals_reencoding(arch, logits_shift, attn_implement
 
     # The verifier rejects part of the draft: crop back, and the accepted tokens then differ from the old ones.
     crop_context(state, 5)
-    assert state.length == cache_len(state) == 5
+    # A sliding layer kept only its window after the blocks' crop: the cache starts over rather than lose keys.
+    restarted = arch in SLIDING_ARCHS
+    assert state.length == cache_len(state) == (0 if restarted else 5)
     context2 = context.clone()
     context2[:, 5:] = (context[:, 5:] + 1) % MASK
     cached = block_logits(model, spec, context2[:, :9], block, state)
@@ -194,13 +209,18 @@ def test_block_causal_cache_equals_reencoding(arch, logits_shift, attn_implement
     # The crop mattered: the stale tokens would have given other logits.
     assert not torch.allclose(expected, reencoded(context[:, :9]), atol=1e-3)
 
-    # Calling again with the same context reuses the cache and gives identical logits.
+    # Calling again with the same context reuses the cache and gives identical logits (equal to rounding after a
+    # restart: a sliding layer then reads its window of cached keys, where the restart's forward had them all).
     again = block_logits(model, spec, context2[:, :9], block, state)
-    assert torch.equal(again, cached)
+    if restarted:
+        assert_same_logits(again, cached)
+    else:
+        assert torch.equal(again, cached)
     assert state.length == cache_len(state) == 9
 
     # Cropping to exactly the next context length (the last position's logits were dropped with the crop).
     crop_context(state, 6)
+    assert state.length == cache_len(state) == (0 if restarted else 6)
     assert_same_logits(block_logits(model, spec, context2[:, :6], block, state), reencoded(context2[:, :6]))
     assert state.length == cache_len(state) == 6
 
@@ -211,10 +231,11 @@ def test_block_causal_cache_equals_reencoding(arch, logits_shift, attn_implement
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("logits_shift", [0, 1])
-def test_shared_context_blocks_extend_the_cache_in_the_same_forward(logits_shift, attn_implementation):
+@pytest.mark.parametrize("arch", ["llama", *SLIDING_ARCHS])
+def test_shared_context_blocks_extend_the_cache_in_the_same_forward(arch, logits_shift, attn_implementation):
     # A dLLM block's first step (and Spiffy's batched steps) run the context tokens not cached yet and the candidate
     # blocks in one model call: every block's logits are those of re-encoding its context, and the context stays cached.
-    model = tiny_model("llama", seed=2, attn_implementation=attn_implementation).eval()
+    model = tiny_model(arch, seed=2, attn_implementation=attn_implementation).eval()
     spec = DrafterSpec(MASK, logits_shift, "block_causal")
     gen = torch.Generator().manual_seed(3)
     context = torch.randint(0, MASK, (1, 11), generator=gen)
@@ -248,6 +269,74 @@ def test_block_logits_empty_context(logits_shift):
     else:
         assert_same_logits(block_logits(model, spec, empty, block, fresh_state), block_logits(model, spec, empty, block))
         assert fresh_state.length == cache_len(fresh_state) == 0
+
+
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_a_sliding_window_drafter_reads_as_its_own_forward_does(arch):
+    # With a one-token block holding a real token, the block-causal mask is the causal one: block_logits, cached or
+    # not, must then give the model's own forward's logits, whose sliding layers leave out keys a window back.
+    model = tiny_model(arch, seed=5).eval()
+    context = torch.randint(0, MASK, (1, 11), generator=torch.Generator().manual_seed(5))  # past the window of 4
+    prefix, token = context[:, :-1], context[:, -1:]
+    with torch.no_grad():
+        plain = model(input_ids=context).logits  # (1, 11, V)
+        # The window matters here: the model's layers under a causal 4-D mask (no window: such a mask is used as
+        # given) read otherwise.
+        unwindowed = model(input_ids=context, attention_mask=additive_mask(
+            torch.ones(11, 11, dtype=torch.bool).tril(), torch.float32)[None]).logits
+        assert not torch.allclose(plain[:, -1], unwindowed[:, -1], atol=1e-3)
+        for shift, expected in ((0, plain[:, -1]), (1, plain[:, -2])):  # shifted: block position 0 is read at n - 1
+            spec = DrafterSpec(MASK, shift, "block_causal")
+            assert_same_logits(block_logits(model, spec, prefix, token)[:, 0], expected)
+            state = encode_context(model, prefix[:, :7])
+            assert_same_logits(block_logits(model, spec, prefix, token, state)[:, 0], expected)
+            assert_same_logits(block_logits(model, spec, prefix, token, state)[:, 0], expected)  # all cached now
+
+
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_dllm_and_spiffy_decoding_of_a_sliding_window_model_runs_past_its_window(arch):
+    # Vanilla dLLM decoding and Spiffy's batched draft states both read blocks through the cached forward.
+    model = tiny_model(arch, seed=6).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # confident preferences, so that Spiffy's drafts are accepted now and then
+    spec = DrafterSpec(MASK, 0, "block_causal")
+    prompt, traces = torch.tensor([[1, 2, 3, 4, 5]]), []
+    expected, _ = dllm_generate(model, spec, prompt, 12, 4, trace=traces)
+    assert len(expected) == 12  # a context of 17 tokens, past the window of 4
+    graph = calibrate(traces, MASK, block_length=4, budget=3)
+    assert spiffy_generate(model, spec, prompt, graph, 12)[0] == expected
+
+
+def test_attention_masks_follow_each_layer_types_cache_and_window():
+    # A cache holding 10 tokens; two new tokens at positions 10 and 11, the second seeing the first.
+    new_allowed = torch.tensor([[True, False], [True, True]])
+    positions = torch.tensor([10, 11])
+
+    def masks(arch):
+        model = tiny_model(arch).eval()
+        state = encode_context(model, torch.arange(10)[None])
+        return attention_masks(model, new_allowed, positions, state.cache)
+
+    full = masks("llama")
+    assert torch.equal(full[0, 0] == 0, torch.cat([torch.ones(2, 10, dtype=torch.bool), new_allowed], 1))
+    # Mistral sets `sliding_window` alone: one mask, over the window−1 = 3 keys its sliding cache hands back
+    # (positions 7..9) and the new ones, a key 4 or more positions before the query hidden.
+    sliding = masks("mistral_sliding")
+    assert isinstance(sliding, torch.Tensor) and sliding.shape == (1, 1, 2, 5)
+    assert (sliding[0, 0] == 0).int().tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    # Qwen2 with `use_sliding_window`: its `layer_types` name a full and a sliding layer, one mask for each.
+    hybrid = masks("qwen2_sliding")
+    assert set(hybrid) == {"full_attention", "sliding_attention"}
+    assert torch.equal(hybrid["full_attention"], full) and torch.equal(hybrid["sliding_attention"], sliding)
+
+
+def test_a_block_causal_drafter_with_layers_align_cannot_mask_is_refused_at_load(tmp_path):
+    model = tiny_model("qwen2", seed=3)
+    model.config.layer_types = ["chunked_attention"] * 2
+    model.config.drafter_spec = DrafterSpec(MASK, 0, "block_causal").to_dict()
+    model.save_pretrained(tmp_path / "drafter")
+    with pytest.raises(RecipeError, match="drafter: the model has chunked_attention layers"):
+        load_drafter(section(str(tmp_path / "drafter")))
 
 
 # --------------------------------------------------------------------------------------------------------------------

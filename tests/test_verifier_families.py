@@ -1,14 +1,18 @@
-"""Verifiers of the families users serve (Llama, Qwen2, Qwen3, Gemma 4 text), tiny and random, built in the test:
-every speculative method's greedy output is token-identical to AR greedy and to HF `generate()`, also past a
-sliding window (Gemma 4 alternates sliding and full attention layers)."""
+"""Verifiers of the families users serve (Llama, Qwen2, Qwen3, Gemma 4 text, Mistral, Phi-3), tiny and random, built
+in the test: every speculative method's greedy output is token-identical to AR greedy and to HF `generate()`, also
+past a sliding window, in each of the three ways a config sets one: `layer_types` (Gemma 4 alternates sliding and
+full attention), `sliding_window` alone (Mistral-7B-v0.1, Phi-3-mini: every layer slides) and Qwen2's
+`use_sliding_window` (layers from `max_window_layers` on slide); and so are they with a block-causal drafter whose own
+layers slide."""
 
 from typing import Callable
 
 import numpy as np
 import pytest
 import torch
-from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          PreTrainedModel, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedModel, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from align.config import DecodeSection
 from align.decoding.ar import ar_generate
@@ -23,8 +27,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
 
 
 def families(sliding_window: int) -> dict[str, Callable[[], PreTrainedModel]]:
-    """A tiny random model of each verifier family, built when called; Gemma 4 alternates sliding and full attention
-    with this window."""
+    """A tiny random model of each verifier family, built when called; those named after a sliding window use this
+    one (Gemma 4 and Qwen2's second layer slide, Mistral's and Phi-3's every layer, set by `sliding_window` alone)."""
     return {
         "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
@@ -33,10 +37,21 @@ def families(sliding_window: int) -> dict[str, Callable[[], PreTrainedModel]]:
         "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
             **COMMON, head_dim=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
             sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])),
+        "mistral_sliding": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=sliding_window)),
+        # Phi-3's default special tokens (32000) lie outside this vocabulary.
+        "phi3_sliding": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, sliding_window=sliding_window, pad_token_id=None,
+                                                           bos_token_id=None, eos_token_id=None)),
+        "qwen2_sliding": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True,
+                                                              sliding_window=sliding_window, max_window_layers=1)),
     }
 
 
 FAMILIES = families(SLIDING_WINDOW)
+# The families added for the ways a config sets a window run the second prompt only (the one on which Phi-3's tree
+# decoding went wrong): the methods' code is the other families', only the masks differ, and tests/test_tree.py checks
+# those node by node.
+WINDOW_FAMILIES = {"mistral_sliding", "phi3_sliding", "qwen2_sliding"}
+PROMPTS = (torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[7, 8, 9]]))
 SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
                "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree",
                "specdiff_cps_tree_cost"]
@@ -64,10 +79,26 @@ def test_greedy_outputs_equal_ar_for_every_verifier_family(family, drafters):
     for shift in (0, 1):
         setup = Setup(verifier, drafter, DrafterSpec(MASK, shift, "block_causal"), ar_drafter, None, frozenset(),
                       decode, proxy, verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
-        for prompt in (torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[7, 8, 9]])):
+        for prompt in PROMPTS[1:] if family in WINDOW_FAMILIES else PROMPTS:
             expected = ar_generate(verifier, prompt, NEW_TOKENS)[0]
             assert len(prompt[0]) + len(expected) > SLIDING_WINDOW
             hf = verifier.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)[0, prompt.shape[1]:].tolist()
             assert hf == expected
             for name in SPECULATIVE:
                 assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, shift, name)
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
+def test_greedy_outputs_equal_ar_with_a_sliding_window_drafter(family, drafters):
+    # A block-causal drafter whose layers slide: once the context passes its window, its context cache hands its
+    # sliding layers only the window's keys, and its block mask must be sized and windowed to match (it crashed).
+    _, ar_drafter, proxy = drafters
+    drafter, verifier = peaky(FAMILIES[family], 9), peaky(FAMILIES["llama"], 1)
+    decode = DecodeSection(gamma=4, max_new_tokens=NEW_TOKENS, num_candidates=3)
+    prompt = PROMPTS[0]
+    expected = ar_generate(verifier, prompt, NEW_TOKENS)[0]
+    assert len(prompt[0]) + len(expected) > SLIDING_WINDOW
+    setup = Setup(verifier, drafter, DrafterSpec(MASK, 1, "block_causal"), ar_drafter, None, frozenset(), decode,
+                  proxy, verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
+    for name in SPECULATIVE:
+        assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, name)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from align.models import DrafterSpec, block_logits
 from align.windows import WINDOW_BUILDERS, topk_window_logits, verifier_window_logits, window_logits
@@ -15,19 +15,23 @@ ROWS = [
 ]
 
 
-def tiny(bidirectional: bool):
+def tiny(bidirectional: bool, sliding: bool = False):
+    """A Llama, or with `sliding` a Qwen2 whose second layer slides over a window of 3 (shorter than the prefixes)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    config = (Qwen2Config(**sizes, use_sliding_window=True, sliding_window=3, max_window_layers=1) if sliding
+              else LlamaConfig(**sizes))
     if bidirectional:
         config.is_causal = False
-    return LlamaForCausalLM(config).eval()
+    return (Qwen2ForCausalLM if sliding else LlamaForCausalLM)(config).eval()
 
 
+@pytest.mark.parametrize("sliding", [False, True])
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
 @pytest.mark.parametrize("shift", [0, 1])
-def test_window_logits_match_the_drafting_helper(attention, shift):
-    model = tiny(attention == "bidirectional")
+def test_window_logits_match_the_drafting_helper(attention, shift, sliding):
+    model = tiny(attention == "bidirectional", sliding)
     spec = DrafterSpec(MASK, shift, attention)
     batch = WINDOW_BUILDERS[attention](ROWS, spec, GAMMA, 3, PAD, np.random.default_rng(0))
     with torch.no_grad():

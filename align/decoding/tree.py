@@ -28,10 +28,7 @@ from align.decoding.generation import GenerationStats, Sampling, finish, finishe
 from align.decoding.sizing import CostAwareSize
 from align.decoding.specdiff import DraftPass
 from align.dflash import HiddenTap, aux_hidden
-from align.models import DrafterSpec, additive_mask
-
-# Layer types a tree mask is built for: full causal attention, and a sliding window over positions.
-TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
+from align.models import DrafterSpec, attention_masks, check_mask_layer_types
 
 
 @dataclass(frozen=True)
@@ -150,11 +147,7 @@ def check_tree_verifier(verifier: PreTrainedModel) -> None:
     if implementation not in ("sdpa", "eager"):
         raise RecipeError(f"specdiff_tree: the verifier's attention ({implementation}) does not take the tree's 4-D "
                           "float mask; use verifier.attn_implementation=sdpa or eager")
-    text_config = verifier.config.get_text_config()
-    unknown = set(getattr(text_config, "layer_types", None) or ()) - set(TREE_LAYER_TYPES)
-    if unknown:
-        raise RecipeError(f"specdiff_tree: the verifier has {', '.join(sorted(unknown))} layers; a tree mask is built "
-                          f"for {' and '.join(TREE_LAYER_TYPES)} only")
+    check_mask_layer_types(verifier, "specdiff_tree")
 
 
 def tree_attention_mask(
@@ -162,32 +155,12 @@ def tree_attention_mask(
 ) -> Union[torch.Tensor, dict[str, torch.Tensor]]:
     """The additive (1, 1, N + 1, kv) mask(s) of a tree forward over the cached prefix, in the form the verifier reads.
 
-    Each row sees the whole cached prefix and its own ancestors. A sliding-window layer (Gemma) sees only keys whose
-    *position* is within the window of the row's position (cached + depth, not its slot in the forward), over the keys
-    its cache layer hands back (`get_mask_sizes`); models with `layer_types` take a dict of masks per layer type.
+    Each row sees the cached prefix and its own ancestors, at position cached + depth (not its slot in the forward):
+    a sliding-window layer's (Gemma's, Mistral's) hides the keys a plain forward over the row's path would leave out
+    of its window (`attention_masks`).
     """
-    text_config = verifier.config.get_text_config()
-    rows = len(tree) + 1
-    depths = torch.tensor([0, *tree.depths], device=device)
-    tree_allowed = tree.ancestors_allowed(device)  # (N + 1, N + 1)
-    layer_types = getattr(text_config, "layer_types", None)
-
-    def mask_for(sliding: bool) -> torch.Tensor:
-        index = next((i for i, layer in enumerate(cache.layers) if getattr(layer, "is_sliding", False) == sliding), 0)
-        kv_length, kv_offset = cache.layers[index].get_mask_sizes(rows) if cache.layers else (rows, 0)
-        cached = cache.get_seq_length()
-        prefix_positions = torch.arange(kv_offset, kv_offset + kv_length - rows, device=device)  # (P,)
-        allowed = torch.cat([torch.ones(rows, len(prefix_positions), dtype=torch.bool, device=device), tree_allowed], 1)
-        if sliding:
-            window = text_config.sliding_window
-            query_positions = cached + depths  # (N + 1,)
-            key_positions = torch.cat([prefix_positions, cached + depths])
-            allowed &= key_positions[None, :] > query_positions[:, None] - window
-        return additive_mask(allowed, verifier.dtype).unsqueeze(0)
-
-    if not layer_types:
-        return mask_for(False)
-    return {kind: mask_for(kind == "sliding_attention") for kind in set(layer_types)}
+    positions = cache.get_seq_length() + torch.tensor([0, *tree.depths], device=device)  # (N + 1,)
+    return attention_masks(verifier, tree.ancestors_allowed(device), positions, cache)
 
 
 def tree_forward(
