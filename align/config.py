@@ -107,6 +107,21 @@ def _project_name(value: str) -> str:
 
 TrackerProject = Annotated[str, AfterValidator(_project_name)]
 
+# A random seed. numpy's legacy seeding (np.random.seed, which transformers' set_seed and vLLM's engine call) takes
+# [0, 2**32 - 1] and torch's generators take at most 2**64 - 1, so a seed outside the first range is refused here
+# rather than mid-run; seeds derived from it (seed * 1_000_003 + chunk in trajectories and bootstrap, seed * 100_003
+# + prompt in decoding) then stay inside torch's.
+SEED_MAX = 2**32 - 1
+
+
+def _seed(value: int) -> int:
+    if not 0 <= value <= SEED_MAX:
+        raise ValueError(f"a seed is an integer in [0, {SEED_MAX}] (2**32 - 1: numpy's and vLLM's range)")
+    return value
+
+
+Seed = Annotated[int, AfterValidator(_seed)]
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # models
@@ -251,7 +266,7 @@ class TrainSection(Section):
     #: LoRA rank; 0: full fine-tuning
     lora_r: int = Field(default=0, ge=0)
     lora_alpha: float = Field(default=16.0, gt=0.0)
-    seed: int = 0
+    seed: Seed = 0
     #: save a checkpoint every N steps (and at the end)
     save_every: int = Field(default=100, ge=1)
     #: held-out simulated accepted length every N steps
@@ -290,7 +305,7 @@ class GkdSection(Section):
     batch_size: int = Field(default=8, ge=1)
     #: length of the drafter's on-policy samples
     max_new_tokens: int = Field(default=64, ge=1)
-    seed: int = 0
+    seed: Seed = 0
     #: experiment trackers, as train.report_to; TRL's trainer writes tensorboard events under <out>/runs
     report_to: ReportTo = Field(default_factory=lambda: ["tensorboard"])
     #: the project the run is filed under in wandb and trackio
@@ -319,7 +334,7 @@ class DecodeSection(Section):
     num_candidates: int = Field(default=4, ge=1)
     #: drafter temperature for self-selection (SpecDiff-2 samples hot, ~1.5-2, for diverse candidates)
     draft_temperature: float = Field(default=1.5, gt=0.0)
-    seed: int = 0
+    seed: Seed = 0
     # DiffuSpec causal-consistency path search (defaults from the paper).
     #: beams kept while searching the draft path
     cps_beam_width: int = Field(default=3, ge=1)
@@ -567,7 +582,7 @@ class BootstrapSection(Section):
     vocab_size: int = Field(default=8192, ge=260)
     #: keep only this fraction of the corpus files (for quick runs and tests); 1.0: all
     corpus_fraction: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: Seed = 0
     #: CPU threads for pretraining; 0: torch's default
     threads: int = Field(default=0, ge=0)
     #: auto: bf16 autocast where the CPU (bootstrap trains on the CPU) has native bf16 (AMX, AVX512-BF16), else fp32
@@ -622,13 +637,47 @@ SECTIONS: tuple[str, ...] = tuple(name for name in Recipe.model_fields if name !
 # --------------------------------------------------------------------------------------------------------------------
 # loading, overrides, validation
 # --------------------------------------------------------------------------------------------------------------------
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one YAML mapping."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"line {line}: key '{key}' is given twice (first at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader, refusing a key given twice in one mapping. YAML forbids it, but PyYAML keeps the last value:
+    a second `train:` section would silently drop the first, a repeated `lr:` the earlier rate."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key of base: an override, not a repeat
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+                seen[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_load(text: str) -> Any:
+    """YAML text as Python values, as yaml.safe_load reads it, but a key given twice in a mapping is an error."""
+    return yaml.load(text, Loader=StrictLoader)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.lr=3e-4` -> (["train", "lr"], 3e-4). Values are read as YAML, so `[4, 8]`, `true` and `null` work."""
     key, sep, raw = text.partition("=")
     if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key):
         raise RecipeError(f"bad override {text!r}: expected key.sub=value, e.g. decode.gamma=8")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
+    except DuplicateKey as e:  # `train.losses={streak: 1, streak: 2}`
+        raise RecipeError(f"{key}: {raw}: key '{e.key}' is given twice") from None
     except yaml.YAMLError:
         value = raw
     # YAML 1.1 reads 1e-4 as a string; a float is what anybody writing it means.
@@ -685,11 +734,13 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
         if not path.is_file():
             raise RecipeError(f"recipe not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError:
             raise RecipeError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
         except OSError as e:
             raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
+        except DuplicateKey as e:
+            raise RecipeError(f"{path}: {e}; give each key once") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
