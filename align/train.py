@@ -302,6 +302,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     """One optimiser step (with accumulation); its metrics, or None when a loss or the updated weights are not
     finite (the update is then not to be kept)."""
     t, rank, world = recipe.train, trainer.rank, trainer.world
+    lr = trainer.schedule.get_last_lr()[0]  # the rate this step's update uses; engine.step() moves the schedule on
     t0 = time.perf_counter()
     positions = [stream_position(step, m, rank, world, recipe) for m in range(t.gradient_accumulation_steps)]
     micro_rows = [[data.rows[data.train_rows[i]] for i in rows_at(p, t.micro_batch_size, t.seed, len(data.train_rows))]
@@ -332,7 +333,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     if world > 1:
         dist.all_reduce(summed)
     return {"step": step + 1, "loss": float(summed.sum()), **dict(zip(totals, summed.tolist())),
-            "lr": trainer.schedule.get_last_lr()[0], "windows": int(counts[0]),
+            "lr": lr, "windows": int(counts[0]),
             "tokens_per_s_per_rank": float(sum(b.target_mask.sum() for b in batches)) / (time.perf_counter() - t0)}
 
 
