@@ -1276,12 +1276,22 @@ def drafter_kind(recipe: Recipe, key: str = "drafter.path") -> str:
 def check_export(recipe: Recipe) -> None:
     """`align export`'s checks beyond its models' (only configs and the files named are read): a speculators export
     takes a DFlash drafter; export.eval is an eval.json of speculative methods (the card's table reads τ and speedup);
-    calibrate.graph is a draft graph."""
+    the checkpoint's meta.json, when there, is readable; calibrate.graph is a draft graph."""
     if recipe.export.format == "speculators" and drafter_kind(recipe) != "dflash":
         raise RecipeError(f"export.format: speculators takes a DFlash drafter; {recipe.drafter.path} is a standalone "
                           "diffusion drafter (export.format=align)")
     if recipe.export.eval is not None:
         read_eval(recipe.export.eval, "export.eval", ("tau", "speedup"))
+    # The training run's records beside a checkpoint go into the card (its recipe, base model, final τ).
+    meta = Path(recipe.drafter.path) / "meta.json"
+    if meta.is_file():
+        try:
+            readable = isinstance(json.loads(meta.read_text(encoding="utf-8")), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            readable = False
+        if not readable:
+            raise RecipeError(f"drafter.path: {meta} is not a JSON object (align train writes it with each "
+                              "checkpoint); restore it, or delete it to export without the run's records")
     if recipe.calibrate.graph is not None:
         from align.draft_graph import DraftGraph
 

@@ -501,6 +501,14 @@ def test_export_eval_that_is_no_eval_json_is_refused_before_the_stage(capsys, st
     assert not (tmp_path / "export").exists()
 
 
+def test_export_refuses_a_checkpoint_whose_meta_json_is_unreadable(capsys, started, tmp_path):
+    drafter = copy_model(DRAFTER, tmp_path / "step_3")
+    (drafter / "meta.json").write_text('{"step": 3, "reci')  # cut short
+    line = refused(capsys, started, "export", "recipes/tiny/eval.yaml", f"drafter.path={drafter}",
+                   f"export.out={tmp_path / 'export'}")
+    assert line.startswith(f"align export: error: drafter.path: {drafter / 'meta.json'} is not a JSON object"), line
+
+
 @pytest.mark.parametrize("stage, recipe", [("export", "eval.yaml"), ("eval", "spiffy.yaml")])
 def test_a_malformed_draft_graph_is_refused_before_the_stage(capsys, started, bad_files, tmp_path, stage, recipe):
     line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"calibrate.graph={bad_files['graph']}",
