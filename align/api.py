@@ -204,6 +204,7 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
         if value is not None:
             tree[name] = {**models, **_model(value, name)}
     recipe = _validate(tree)
+    chosen_eos = None if eos_token_id is None else _eos(eos_token_id, "eos_token_id")  # checked before any loading
     # Configs and weights files only: a wrong folder, a drafter that is no diffusion drafter, mismatched vocabularies
     # are refused before seconds (or minutes, for a Hub model) go into loading weights.
     check_models(recipe, [f"{name}.path" for name, value in given.items() if value is not None])
@@ -212,7 +213,7 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
     model = load_verifier(recipe.verifier)
     diffusion, spec = load_drafter(recipe.drafter, tokenizer) if drafter is not None else (None, None)
     autoregressive = load_ar_drafter(recipe.ar_drafter) if ar_drafter is not None else None
-    eos_ids = eos_token_ids(model, tokenizer) if eos_token_id is None else _eos(eos_token_id, "eos_token_id")
+    eos_ids = eos_token_ids(model, tokenizer) if chosen_eos is None else chosen_eos
     return Pair(recipe, model, tokenizer, template, diffusion, spec, autoregressive, eos_ids)
 
 

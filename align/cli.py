@@ -20,6 +20,7 @@ import yaml
 from align.config import (VERIFIER_ARCHITECTURES, Dtype, Recipe, RecipeError, check_calibrate, check_eval,
                           check_export, check_gkd, check_inputs, check_models, check_new_tokens, check_output,
                           check_train, check_trajectories, eval_models, get_key, load_recipe, train_models)
+from align.launch import integer_in
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -222,20 +223,6 @@ def show_verify_costs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= low (argparse then refuses anything else in one line, naming the option)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"an integer >= {low} is expected, got {text!r}")
-        return value
-
-    return parse
-
-
 def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "latest":
         parser.add_argument("run", help="an align train run folder (train.out)")
@@ -244,16 +231,16 @@ def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     elif name == "verify-costs":
         parser.add_argument("models", nargs="+", help=f"{', '.join(VERIFIER_ARCHITECTURES)}, or folders / Hub ids "
                             "with a config.json (random weights: none are downloaded)")
-        parser.add_argument("--context", type=_at_least(1), default=512, help="cached tokens before each forward")
-        parser.add_argument("--max-tokens", type=_at_least(1), default=64, help="the largest forward, in new tokens")
+        parser.add_argument("--context", type=integer_in(1), default=512, help="cached tokens before each forward")
+        parser.add_argument("--max-tokens", type=integer_in(1), default=64, help="the largest forward, in new tokens")
         parser.add_argument("--dtype", choices=[d for d in get_args(Dtype) if d != "auto"], default="bfloat16")
         parser.add_argument("--device", default=None, help="default: cuda where there is a GPU, else cpu")
-        parser.add_argument("--rounds", type=_at_least(1), default=7,
+        parser.add_argument("--rounds", type=integer_in(1), default=7,
                             help="interleaved rounds; each size's median is kept")
         parser.add_argument("--out", help="write the curves (and the machine) as JSON here")
     else:
         parser.add_argument("runs", nargs="+", help="align train run folders")
-        parser.add_argument("--warmup-steps", type=_at_least(0), default=5, help="first steps left out of the median")
+        parser.add_argument("--warmup-steps", type=integer_in(0), default=5, help="first steps left out of the median")
 
 
 # Commands without a recipe, for scripts: what stages wrote, read back; and a benchmark of this machine.

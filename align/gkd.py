@@ -8,6 +8,7 @@ this module only adapts the trajectories to it and saves the result as a plain H
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,6 @@ class TrajectoryCollator:
 
 def main(recipe: Recipe, command: str) -> None:
     from transformers import AutoModelForCausalLM
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from align.data import check_rows_fit, load_checked_trajectories
 
@@ -59,6 +59,11 @@ def main(recipe: Recipe, command: str) -> None:
     prompt_lengths = [len(p) for p in data["prompt_ids"]]
     for new_key in ("trajectories.max_new_tokens", "gkd.max_new_tokens"):
         check_rows_fit(recipe, prompt_lengths, new_key, get_key(recipe, new_key), ("verifier.path", "ar_drafter.path"))
+    # TRL files its GKD trainer under trl.experimental and warns on import that such APIs may change; align's tests
+    # cover the trainer it drives, and the warning, which a user cannot act on, would stand before any later line.
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
     tokenizer = load_tokenizer(recipe.ar_drafter.path)
     student = AutoModelForCausalLM.from_pretrained(recipe.ar_drafter.path, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(recipe.verifier.path, dtype=torch.float32)

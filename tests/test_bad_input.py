@@ -718,3 +718,17 @@ def test_api_conversations_follow_the_stages_rule(tmp_path):
     assert cut.prompt_token_ids == asked.prompt_token_ids
     with pytest.raises(RecipeError, match=r"^prompt 0: the conversation holds only assistant turns, so no prompt$"):
         chat.generate([answered[1:]], method="ar")
+
+
+@pytest.mark.parametrize("argv, why", [
+    # deepspeed ran these on the local machine without a word: 0 processes became the default, a missing hostfile
+    # "local resources only"
+    (["--num_gpus", "0"], "argument --num_gpus: an integer >= 1 is expected, got '0'"),
+    (["--num_nodes", "-1"], "argument --num_nodes: an integer >= 1 is expected, got '-1'"),
+    (["--master_port", "70000"], "argument --master_port: an integer in [1, 65535] is expected, got '70000'"),
+    (["--hostfile", "/nonexistent/hostfile"], "argument --hostfile: no such file: /nonexistent/hostfile"),
+])
+@pytest.mark.parametrize("stage", ["train", "trajectories"])
+def test_launcher_options_out_of_range_are_refused(capsys, started, stage, argv, why):
+    line = refused(capsys, started, stage, "recipes/tiny/align.yaml", *argv)
+    assert why in line, line
