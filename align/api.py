@@ -19,6 +19,7 @@ by default (methods.eos_token_ids); `eos_token_id=[]` turns that off.
 from __future__ import annotations
 
 import difflib
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
@@ -27,8 +28,8 @@ import torch
 from pydantic import ValidationError
 
 from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe,
-                          RecipeError, check_models, one_line)
-from align.data import chat_template as template_for, render_prompt
+                          RecipeError, check_context, check_models, one_line)
+from align.data import chat_template as template_for, conversation, render_prompt
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
 from align.methods import (DFLASH_METHODS, METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
@@ -146,14 +147,14 @@ class Pair:
         if isinstance(prompt, str):
             ids = render_prompt(self.tokenizer, prompt, self.chat_template)
         elif _is_messages(prompt):
-            for k, message in enumerate(prompt):
-                if not (isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
-                    raise RecipeError(f"{where}: message {k} is not a {{role, content}} of strings ({message!r:.80})")
+            # The stages' rule for a conversation (well-formed messages, trailing assistant turns cut, not only
+            # assistant turns), so that a prompt reads the same here as in a prompt file.
+            messages = conversation([dict(m) for m in prompt], where)
             if self.chat_template is None:
                 why = "chat_template='off'" if self.recipe.data.chat_template == "off" else \
                     f"the tokenizer of {self.recipe.verifier.path} has none"
                 raise RecipeError(f"{where}: chat messages need a chat template ({why}); pass text or token ids")
-            ids = render_prompt(self.tokenizer, [dict(m) for m in prompt], self.chat_template)
+            ids = render_prompt(self.tokenizer, messages, self.chat_template)
         elif _is_ids(prompt):
             ids = [int(t) for t in prompt]
             vocab = self.verifier.config.get_text_config().vocab_size
@@ -164,9 +165,7 @@ class Pair:
                               f"(got {type(prompt).__name__}: {str(prompt)[:80]})")
         if not ids:
             raise RecipeError(f"{where}: empty; the verifier needs at least one token to continue")
-        if len(ids) + max_new_tokens > context:
-            raise RecipeError(f"{where} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
-                              f"verifier's context of {context}")
+        check_context(where, len(ids), "max_new_tokens", max_new_tokens, context, "the verifier's")  # as every stage
         return ids
 
     def _proxy(self, decode: DecodeSection) -> TrigramModel:
@@ -205,6 +204,7 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
         if value is not None:
             tree[name] = {**models, **_model(value, name)}
     recipe = _validate(tree)
+    chosen_eos = None if eos_token_id is None else _eos(eos_token_id, "eos_token_id")  # checked before any loading
     # Configs and weights files only: a wrong folder, a drafter that is no diffusion drafter, mismatched vocabularies
     # are refused before seconds (or minutes, for a Hub model) go into loading weights.
     check_models(recipe, [f"{name}.path" for name, value in given.items() if value is not None])
@@ -213,7 +213,7 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
     model = load_verifier(recipe.verifier)
     diffusion, spec = load_drafter(recipe.drafter, tokenizer) if drafter is not None else (None, None)
     autoregressive = load_ar_drafter(recipe.ar_drafter) if ar_drafter is not None else None
-    eos_ids = eos_token_ids(model, tokenizer) if eos_token_id is None else _eos(eos_token_id, "eos_token_id")
+    eos_ids = eos_token_ids(model, tokenizer) if chosen_eos is None else chosen_eos
     return Pair(recipe, model, tokenizer, template, diffusion, spec, autoregressive, eos_ids)
 
 
@@ -252,11 +252,29 @@ def _model(value: ModelArg, name: str) -> dict[str, Any]:
     raise RecipeError(f"{name}: a local folder, a Hub id or a mapping of its settings (got {type(value).__name__})")
 
 
+def _token_id(value: Any) -> Optional[int]:
+    """An integer token id (an int, a numpy integer, a one-element integer tensor), or None. A bool is no id."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()  # a Python int, float or bool, checked as one
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # ints and numpy integers; floats, strings and the rest refuse
+    except TypeError:
+        return None
+
+
 def _eos(value: EosArg, name: str) -> frozenset[int]:
-    ids = [value] if isinstance(value, int) else list(value) if isinstance(value, Iterable) else None
-    if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise RecipeError(f"{name}: a token id or a list of them ([]: never stop early), got {value!r}")
-    return frozenset(ids)
+    # A tensor is read as its ids: iterating a 0-d tensor raises, and a 1-d one yields tensors.
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        value = value.flatten().tolist()
+    one = _token_id(value)
+    items = [one] if one is not None else (
+        [_token_id(t) for t in value] if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+        and not isinstance(value, torch.Tensor) else [None])
+    if any(t is None or t < 0 for t in items):
+        raise RecipeError(f"{name}: a token id or a list of them ([]: never stop early), got {value!r:.80}")
+    return frozenset(t for t in items if t is not None)
 
 
 def _is_messages(value: Any) -> bool:

@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from align.config import Recipe, RecipeError
+from align.config import Recipe, RecipeError, fits_context, model_context
 from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_prompt, template_sha256,
                         tiny_prompts_path)
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import POSITION_ORDERS, calibrate
 from align.methods import eos_token_ids
-from align.models import context_length, load_drafter, load_tokenizer
+from align.models import load_drafter, load_tokenizer
 
 
 def main(recipe: Recipe, command: str) -> None:
@@ -25,14 +25,20 @@ def main(recipe: Recipe, command: str) -> None:
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.drafter.path)
     prompt_ids = [render_prompt(tokenizer, p, template) for p in prompts]
+    # Calibration only needs typical prompts: an over-long one (the context rule every stage applies) is skipped,
+    # and when none is left the stage is refused from the drafter's config, before its weights load.
+    context, _ = model_context(recipe, ("drafter.path",))
+    usable = [ids for ids in prompt_ids if fits_context(len(ids), recipe.decode.max_new_tokens, context)]
+    if not usable:
+        raise RecipeError(f"calibrate.prompts: every prompt of {path} is too long: with decode.max_new_tokens="
+                          f"{recipe.decode.max_new_tokens} none fits the drafter's context of {context} tokens "
+                          f"(the shortest has {min(map(len, prompt_ids))})")
     model, spec = load_drafter(recipe.drafter, tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
     t0 = time.perf_counter()
     traces: list[BlockTrace] = []
     nfe = context_forwards = 0
-    for ids in tqdm(prompt_ids, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
-        if len(ids) + recipe.decode.max_new_tokens > context_length(model.config):
-            continue  # calibration only needs typical prompts; an over-long one is skipped, not fatal
+    for ids in tqdm(usable, desc="vanilla traces", unit="prompt", dynamic_ncols=True):
         prompt = torch.tensor([ids], device=model.device)  # (1, n)
         _, stats = dllm_generate(model, spec, prompt, recipe.decode.max_new_tokens, c.block_length, c.tokens_per_step,
                                  eos_ids=eos_ids, trace=traces, trace_token_rank=c.max_token_rank)

@@ -17,8 +17,10 @@ from typing import Callable, NoReturn, Optional, Union, get_args
 
 import yaml
 
-from align.config import (VERIFIER_ARCHITECTURES, Dtype, Recipe, RecipeError, check_gkd, check_inputs, check_models,
-                          check_output, check_train, eval_models, get_key, load_recipe, train_models)
+from align.config import (VERIFIER_ARCHITECTURES, Dtype, Recipe, RecipeError, check_calibrate, check_eval,
+                          check_export, check_gkd, check_inputs, check_models, check_new_tokens, check_output,
+                          check_train, check_trajectories, eval_models, get_key, load_recipe, train_models)
+from align.launch import integer_in
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -31,6 +33,7 @@ def _none(recipe: Recipe) -> tuple[str, ...]:
 def _served_drafter(recipe: Recipe) -> str:
     from align.vllm_engine import served_drafter_kind  # vLLM's environment, serve_check.drafter, decode.gamma
 
+    check_new_tokens(recipe, "decode.max_new_tokens", ("verifier.path",))
     return served_drafter_kind(recipe)
 
 
@@ -77,7 +80,7 @@ STAGES: dict[str, Stage] = {
         "sample verifier completions of training prompts into checksummed Arrow chunks (resumable, multi-rank)",
         "align.trajectories", ("verifier", "trajectories", "data"), models=lambda r: ("verifier.path",),
         prompts=lambda r: (("data.train_prompts", "verifier.path"),), outputs=("trajectories.out",),
-        folders=("data.dir",), launcher=True,
+        folders=("data.dir",), launcher=True, check=check_trajectories,
     ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
@@ -93,13 +96,14 @@ STAGES: dict[str, Stage] = {
         "calibrate a Spiffy draft graph for the drafter decoded as a diffusion LM, from 20-50 prompts",
         "align.calibrate", ("drafter", "calibrate", "decode", "data"),
         models=lambda r: ("drafter.path",), prompts=lambda r: (("calibrate.prompts", "drafter.path"),),
-        outputs=("calibrate.out",), folders=("data.dir",),
+        outputs=("calibrate.out",), folders=("data.dir",), check=check_calibrate,
     ),
     "eval": Stage(
         "compare decoding methods (AR, HF baselines, SD-AR, SpecDiff, self-selection, CPS, ADL) on prompts",
         lambda recipe: EVAL_MODULES[recipe.eval.mode],
         ("verifier", "drafter", "ar_drafter", "decode", "eval", "calibrate", "data"),
         models=eval_models, file_keys=("calibrate.graph",), outputs=("eval.out",), folders=("data.dir",),
+        check=check_eval,
         # in dllm mode the drafter decodes alone, with its own tokenizer
         prompts=lambda r: (("eval.prompts", "drafter.path" if r.eval.mode == "dllm" else "verifier.path"),),
     ),
@@ -107,7 +111,7 @@ STAGES: dict[str, Stage] = {
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
         "align.export", ("drafter", "verifier", "calibrate", "export"),
         models=lambda r: ("drafter.path", *(("verifier.path",) if r.export.format == "speculators" else ())),
-        file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",),
+        file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",), check=check_export,
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),
@@ -151,16 +155,16 @@ def show_throughput(args: argparse.Namespace) -> int:
 
 def show_exact(args: argparse.Namespace) -> int:
     """Exit 1 unless every temperature-0 method of every eval.json matched its reference token for token."""
-    import json
+    from align.config import read_eval
 
+    try:  # every file read and checked before any line is printed: a bad one is a refusal, not a half report
+        evaluations = {path: read_eval(path, "align exact", ("exact_match",)) for path in args.evals}
+    except RecipeError as e:
+        print(f"align exact: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     failed = 0
-    for path in args.evals:
-        try:
-            methods = json.loads(Path(path).read_text())["methods"]
-        except (OSError, ValueError, KeyError):
-            print(f"align exact: error: {path} is not an eval.json written by align eval", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        for name, m in methods.items():
+    for path, evaluation in evaluations.items():
+        for name, m in evaluation["methods"].items():
             print(f"{path}: {name}: exact_match {m['exact_match']:.2f}")
             failed += m["exact_match"] != 1.0
     print("every greedy output identical to its reference" if not failed else f"{failed} methods differ")
@@ -174,20 +178,37 @@ def show_verify_costs(args: argparse.Namespace) -> int:
     import torch
 
     from align.bench import model_configs, verify_cost_curves
-    from align.models import DTYPES
+    from align.config import check_output_file
+    from align.models import DTYPES, context_length
+
+    def refuse(message: str) -> int:
+        print(f"align verify-costs: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
     try:
         configs = model_configs(args.models)  # every name checked before any model is built
     except ValueError as error:
-        print(f"align verify-costs: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(str(error))
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
         device = None
     if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
-        print(f"align verify-costs: error: --device {args.device}: not a device this machine has", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(f"--device {args.device}: not a device this machine has")
+    # Everything the benchmark could fail on at its end is checked before it starts (minutes on a 7B model).
+    for name, config in configs.items():
+        try:
+            longest = context_length(config)
+        except RecipeError:
+            continue  # no stated limit: the forward itself will say
+        if args.context + args.max_tokens > longest:
+            return refuse(f"--context {args.context} + --max-tokens {args.max_tokens} exceeds {name}'s context of "
+                          f"{longest} tokens")
+    if args.out:
+        try:
+            check_output_file("--out", args.out)
+        except RecipeError as e:
+            return refuse(str(e))
     dtype = DTYPES[args.dtype]
     report = verify_cost_curves(configs, args.context, args.max_tokens, dtype, device, args.rounds)
     for name, curve in report["models"].items():
@@ -196,7 +217,9 @@ def show_verify_costs(args: argparse.Namespace) -> int:
               + ", ".join(f"{n}: {costs[n - 1] * 1e3:.2f}" for n in shown)
               + f"; n = {shown[-1]} costs {costs[shown[-1] - 1] / costs[0]:.2f}× n = 1")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        from align.checkpoint import write_text_atomic
+
+        write_text_atomic(Path(args.out), json.dumps(report, indent=2))
     return 0
 
 
@@ -208,15 +231,16 @@ def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     elif name == "verify-costs":
         parser.add_argument("models", nargs="+", help=f"{', '.join(VERIFIER_ARCHITECTURES)}, or folders / Hub ids "
                             "with a config.json (random weights: none are downloaded)")
-        parser.add_argument("--context", type=int, default=512, help="cached tokens before each forward")
-        parser.add_argument("--max-tokens", type=int, default=64, help="the largest forward, in new tokens")
+        parser.add_argument("--context", type=integer_in(1), default=512, help="cached tokens before each forward")
+        parser.add_argument("--max-tokens", type=integer_in(1), default=64, help="the largest forward, in new tokens")
         parser.add_argument("--dtype", choices=[d for d in get_args(Dtype) if d != "auto"], default="bfloat16")
         parser.add_argument("--device", default=None, help="default: cuda where there is a GPU, else cpu")
-        parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; each size's median is kept")
+        parser.add_argument("--rounds", type=integer_in(1), default=7,
+                            help="interleaved rounds; each size's median is kept")
         parser.add_argument("--out", help="write the curves (and the machine) as JSON here")
     else:
         parser.add_argument("runs", nargs="+", help="align train run folders")
-        parser.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the median")
+        parser.add_argument("--warmup-steps", type=integer_in(0), default=5, help="first steps left out of the median")
 
 
 # Commands without a recipe, for scripts: what stages wrote, read back; and a benchmark of this machine.

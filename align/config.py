@@ -107,6 +107,21 @@ def _project_name(value: str) -> str:
 
 TrackerProject = Annotated[str, AfterValidator(_project_name)]
 
+# A random seed. numpy's legacy seeding (np.random.seed, which transformers' set_seed and vLLM's engine call) takes
+# [0, 2**32 - 1] and torch's generators take at most 2**64 - 1, so a seed outside the first range is refused here
+# rather than mid-run; seeds derived from it (seed * 1_000_003 + chunk in trajectories and bootstrap, seed * 100_003
+# + prompt in decoding) then stay inside torch's.
+SEED_MAX = 2**32 - 1
+
+
+def _seed(value: int) -> int:
+    if not 0 <= value <= SEED_MAX:
+        raise ValueError(f"a seed is an integer in [0, {SEED_MAX}] (2**32 - 1: numpy's and vLLM's range)")
+    return value
+
+
+Seed = Annotated[int, AfterValidator(_seed)]
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # models
@@ -251,7 +266,7 @@ class TrainSection(Section):
     #: LoRA rank; 0: full fine-tuning
     lora_r: int = Field(default=0, ge=0)
     lora_alpha: float = Field(default=16.0, gt=0.0)
-    seed: int = 0
+    seed: Seed = 0
     #: save a checkpoint every N steps (and at the end)
     save_every: int = Field(default=100, ge=1)
     #: held-out simulated accepted length every N steps
@@ -290,7 +305,7 @@ class GkdSection(Section):
     batch_size: int = Field(default=8, ge=1)
     #: length of the drafter's on-policy samples
     max_new_tokens: int = Field(default=64, ge=1)
-    seed: int = 0
+    seed: Seed = 0
     #: experiment trackers, as train.report_to; TRL's trainer writes tensorboard events under <out>/runs
     report_to: ReportTo = Field(default_factory=lambda: ["tensorboard"])
     #: the project the run is filed under in wandb and trackio
@@ -319,7 +334,7 @@ class DecodeSection(Section):
     num_candidates: int = Field(default=4, ge=1)
     #: drafter temperature for self-selection (SpecDiff-2 samples hot, ~1.5-2, for diverse candidates)
     draft_temperature: float = Field(default=1.5, gt=0.0)
-    seed: int = 0
+    seed: Seed = 0
     # DiffuSpec causal-consistency path search (defaults from the paper).
     #: beams kept while searching the draft path
     cps_beam_width: int = Field(default=3, ge=1)
@@ -567,7 +582,7 @@ class BootstrapSection(Section):
     vocab_size: int = Field(default=8192, ge=260)
     #: keep only this fraction of the corpus files (for quick runs and tests); 1.0: all
     corpus_fraction: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: Seed = 0
     #: CPU threads for pretraining; 0: torch's default
     threads: int = Field(default=0, ge=0)
     #: auto: bf16 autocast where the CPU (bootstrap trains on the CPU) has native bf16 (AMX, AVX512-BF16), else fp32
@@ -622,13 +637,47 @@ SECTIONS: tuple[str, ...] = tuple(name for name in Recipe.model_fields if name !
 # --------------------------------------------------------------------------------------------------------------------
 # loading, overrides, validation
 # --------------------------------------------------------------------------------------------------------------------
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one YAML mapping."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"line {line}: key '{key}' is given twice (first at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader, refusing a key given twice in one mapping. YAML forbids it, but PyYAML keeps the last value:
+    a second `train:` section would silently drop the first, a repeated `lr:` the earlier rate."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key of base: an override, not a repeat
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+                seen[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_load(text: str) -> Any:
+    """YAML text as Python values, as yaml.safe_load reads it, but a key given twice in a mapping is an error."""
+    return yaml.load(text, Loader=StrictLoader)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.lr=3e-4` -> (["train", "lr"], 3e-4). Values are read as YAML, so `[4, 8]`, `true` and `null` work."""
     key, sep, raw = text.partition("=")
     if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key):
         raise RecipeError(f"bad override {text!r}: expected key.sub=value, e.g. decode.gamma=8")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
+    except DuplicateKey as e:  # `train.losses={streak: 1, streak: 2}`
+        raise RecipeError(f"{key}: {raw}: key '{e.key}' is given twice") from None
     except yaml.YAMLError:
         value = raw
     # YAML 1.1 reads 1e-4 as a string; a float is what anybody writing it means.
@@ -685,11 +734,13 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
         if not path.is_file():
             raise RecipeError(f"recipe not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError:
             raise RecipeError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
         except OSError as e:
             raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
+        except DuplicateKey as e:
+            raise RecipeError(f"{path}: {e}; give each key once") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
@@ -1093,9 +1144,10 @@ def check_train(recipe: Recipe) -> None:
 
 
 def check_gkd(recipe: Recipe) -> None:
-    """`align gkd`'s checks beyond its models'."""
+    """`align gkd`'s checks beyond its models' (the trajectories are checked by the stage, before any model loads)."""
     from align.tracking import check_trackers
 
+    check_new_tokens(recipe, "gkd.max_new_tokens", ("verifier.path", "ar_drafter.path"))
     check_trackers("gkd.report_to", recipe.gkd.report_to, recipe.gkd.project)
 
 
@@ -1126,3 +1178,178 @@ def check_output(key: str, value: str, writable: bool = True) -> None:
     if writable and not os.access(existing, os.W_OK | os.X_OK):
         needed = "" if existing == path else f" (needed to create {value})"
         raise RecipeError(f"{key}: {existing} is not writable{needed}")
+
+
+def check_output_file(key: str, value: str) -> None:
+    """An output file is not a folder, and its folder is one, or can be created, and is writable (as check_output)."""
+    path = Path(value)
+    if path.is_dir():
+        raise RecipeError(f"{key}: {value} is a folder; a file name is expected")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RecipeError(f"{key}: {existing} is a file, so {value} cannot be created under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(f"{key}: {existing} is not writable (needed to write {value})")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the context rule: one place, every stage (trajectories, train, gkd, calibrate, eval, serve-check) and the Python API
+# --------------------------------------------------------------------------------------------------------------------
+def context_length(config: Any) -> int:
+    """The longest sequence a model is built for: `max_position_embeddings` (on the text part of multimodal configs:
+    Gemma 4, DiffusionGemma), or `max_sequence_length` in LLaDA's OLMo-style config. Read from a config, so that
+    stages check lengths before any weights load."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = getattr(text, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+    if length is None:
+        raise RecipeError(f"{getattr(config, 'model_type', 'model')}: its config gives no maximum sequence length")
+    return int(length)
+
+
+def fits_context(tokens: int, new_tokens: int, context: int) -> bool:
+    """The rule: `tokens` read and `new_tokens` produced after them fit a model built for `context` positions. Past
+    it, positions are ones the model never saw (RoPE extrapolates poorly): outputs degrade without any error."""
+    return tokens + new_tokens <= context
+
+
+def check_context(where: str, tokens: int, new_key: str, new_tokens: int, context: int, whose: str) -> None:
+    """fits_context, or the one-line refusal every stage gives: `where` has `tokens` tokens; with `new_key`=
+    `new_tokens` it exceeds `whose` context."""
+    if not fits_context(tokens, new_tokens, context):
+        raise RecipeError(f"{where} has {tokens} tokens; with {new_key}={new_tokens} it exceeds {whose} context of "
+                          f"{context}")
+
+
+def model_context(recipe: Recipe, keys: Iterable[str]) -> tuple[int, str]:
+    """The shortest context of the models at `keys` (checked as check_models checks them), and that model's key."""
+    found = [(context_length(load_model_config(key, model_section(recipe, key))), key) for key in keys]
+    return min(found)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# files other stages wrote, read back: checked for their shape before any work
+# --------------------------------------------------------------------------------------------------------------------
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN != NaN
+
+
+def read_eval(path: str, key: Optional[str], numbers: tuple[str, ...]) -> dict[str, Any]:
+    """An eval.json as `align eval` writes it: a JSON object whose `methods` map each method to an object whose
+    `numbers` fields are numbers. Anything else is a RecipeError (prefixed by `key` when given) naming the file and
+    the first field that is wrong, so a reader never fails halfway through its work."""
+    where = f"{key}: " if key else ""
+
+    def bad(why: str) -> RecipeError:
+        return RecipeError(f"{where}{path} is not an eval.json written by align eval ({why})")
+
+    if Path(path).is_dir():
+        raise RecipeError(f"{where}{path} is a folder; an eval.json file is expected")
+    try:
+        evaluation = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{where}no such file: {path}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise bad(f"not readable JSON: {first_line(e)}") from None
+    if not isinstance(evaluation, dict) or not isinstance(evaluation.get("methods"), dict):
+        raise bad("no `methods` object")
+    if not evaluation["methods"]:
+        raise bad("`methods` is empty")
+    if not isinstance(evaluation.get("meta", {}), dict):
+        raise bad("`meta` is not an object")
+    for name, row in evaluation["methods"].items():
+        if not isinstance(row, dict):
+            raise bad(f"methods.{name} is not an object")
+        for field in numbers:
+            if not _number(row.get(field)):
+                raise bad(f"methods.{name}.{field} is {json.dumps(row.get(field))}, a number is expected")
+    return evaluation
+
+
+def drafter_kind(recipe: Recipe, key: str = "drafter.path") -> str:
+    """The drafter's DrafterSpec kind (standalone or dflash), from its config alone (check_drafter)."""
+    section = model_section(recipe, key)
+    return check_drafter(key, section, load_model_config(key, section), recipe.verifier.path).kind
+
+
+def check_export(recipe: Recipe) -> None:
+    """`align export`'s checks beyond its models' (only configs and the files named are read): a speculators export
+    takes a DFlash drafter; export.eval is an eval.json of speculative methods (the card's table reads τ and speedup);
+    the checkpoint's meta.json, when there, is readable; calibrate.graph is a draft graph."""
+    if recipe.export.format == "speculators" and drafter_kind(recipe) != "dflash":
+        raise RecipeError(f"export.format: speculators takes a DFlash drafter; {recipe.drafter.path} is a standalone "
+                          "diffusion drafter (export.format=align)")
+    if recipe.export.eval is not None:
+        read_eval(recipe.export.eval, "export.eval", ("tau", "speedup"))
+    # The training run's records beside a checkpoint go into the card (its recipe, base model, final τ).
+    meta = Path(recipe.drafter.path) / "meta.json"
+    if meta.is_file():
+        try:
+            readable = isinstance(json.loads(meta.read_text(encoding="utf-8")), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            readable = False
+        if not readable:
+            raise RecipeError(f"drafter.path: {meta} is not a JSON object (align train writes it with each "
+                              "checkpoint); restore it, or delete it to export without the run's records")
+    if recipe.calibrate.graph is not None:
+        from align.draft_graph import DraftGraph
+
+        DraftGraph.load(Path(recipe.calibrate.graph))
+
+
+# What a DFlash drafter cannot run (align/methods.py's DFLASH_METHODS are the others of METHOD_MODELS' drafter
+# methods; a test checks it): self-selection samples several drafts from one standalone drafter pass.
+NOT_DFLASH_METHODS: tuple[str, ...] = ("specdiff2_select",)
+
+
+def check_eval(recipe: Recipe) -> None:
+    """`align eval`'s checks beyond its models', from configs and the files named: the drafter can run the methods,
+    the draft graph is one (dllm mode decodes with it, at the recipe's block length and tokens per step), and the new
+    tokens leave room for a prompt in the models' context."""
+    e, c = recipe.eval, recipe.calibrate
+    check_new_tokens(recipe, "decode.max_new_tokens", eval_models(recipe))
+    if e.mode == "speculative" and "drafter.path" in eval_models(recipe):
+        bad = [m for m in e.methods if m in NOT_DFLASH_METHODS]
+        if bad and drafter_kind(recipe) == "dflash":
+            from align.methods import DFLASH_METHODS
+
+            raise RecipeError(f"eval.methods: {bad[0]} does not run a DFlash drafter ({recipe.drafter.path}); its "
+                              f"methods are {', '.join(DFLASH_METHODS)}")
+    if e.mode == "dllm":
+        if c.graph is None:
+            raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align "
+                              "calibrate)")
+        from align.draft_graph import DraftGraph
+
+        graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)
+        for budget in e.spiffy_budgets:
+            graph.prefix(budget)
+
+
+def check_new_tokens(recipe: Recipe, new_key: str, model_keys: Iterable[str]) -> None:
+    """`new_key` new tokens leave room for a prompt of at least one token in every model's context."""
+    keys = tuple(model_keys)
+    if not keys:
+        return
+    context, key = model_context(recipe, keys)
+    new_tokens = get_key(recipe, new_key)
+    if not fits_context(1, new_tokens, context):
+        raise RecipeError(f"{new_key}: {new_tokens} new tokens leave no room for a prompt in the context of "
+                          f"{get_key(recipe, key)} ({context} tokens, {key})")
+
+
+def check_calibrate(recipe: Recipe) -> None:
+    """`align calibrate`'s checks beyond its models': the new tokens leave room for a prompt in the drafter's
+    context (each prompt is checked by the stage, before the drafter's weights load)."""
+    check_new_tokens(recipe, "decode.max_new_tokens", ("drafter.path",))
+
+
+def check_trajectories(recipe: Recipe) -> None:
+    """`align trajectories`'s checks beyond its models': room for a prompt in the verifier's context, and with
+    backend vllm, vLLM's environment."""
+    check_new_tokens(recipe, "trajectories.max_new_tokens", ("verifier.path",))
+    if recipe.trajectories.backend == "vllm":
+        from align.vllm_engine import vllm_python
+
+        vllm_python()

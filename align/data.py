@@ -14,9 +14,10 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
-from align.config import Recipe, RecipeError, first_line, get_key, hub_offline, is_hub_id, model_section
+from align.config import (Recipe, RecipeError, check_context, first_line, fits_context, get_key, hub_offline,
+                          is_hub_id, model_context, model_section)
 from align.corpus import ensure_data
 
 if TYPE_CHECKING:
@@ -123,9 +124,10 @@ def _read_dataset(path: str, split: str, key: str, split_key: str, config: Optio
             raise RecipeError(f"{key}: cannot read {path} as {what} ({why})") from None
 
 
-def _conversation(messages: list[Any], where: str) -> list[dict[str, str]]:
+def conversation(messages: list[Any], where: str) -> list[dict[str, str]]:
     """Chat messages as the prompt: every message a {role, content} of strings; trailing assistant turns (the answer
-    a chat dataset stores) are cut, so the conversation ends on the turn the model answers."""
+    a chat dataset stores) are cut, so the conversation ends on the turn the model answers. The one rule for chat
+    prompts: every stage's prompt sources and the Python API's prompts go through it."""
     for k, message in enumerate(messages):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
@@ -150,7 +152,7 @@ def _as_prompt(value: Any, where: str) -> Optional[Prompt]:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value[0] or None
     if isinstance(value, list) and all(isinstance(v, dict) for v in value):
-        return _conversation(value, where)
+        return conversation(value, where)
     raise RecipeError(f"{where}: neither a string nor a list of chat messages ({type(value).__name__}: "
                       f"{str(value)[:80]})")
 
@@ -328,11 +330,8 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt], template: Optional[str
     encoded = []
     for i, prompt in enumerate(prompts):
         ids = render_prompt(tokenizer, prompt, template)
-        if len(ids) + max_new_tokens > context:
-            raise RecipeError(
-                f"eval.prompts: prompt {i} has {len(ids)} tokens; with decode.max_new_tokens={max_new_tokens} it "
-                f"exceeds the model's context of {context} (use shorter prompts or fewer new tokens)"
-            )
+        check_context(f"eval.prompts: prompt {i}", len(ids), "decode.max_new_tokens", max_new_tokens, context,
+                      "the model's")
         # On the CPU: prompts are checked before any model is loaded; callers move them to the model's device.
         encoded.append(torch.tensor([ids], dtype=torch.long, device="cpu"))
     return encoded
@@ -417,3 +416,21 @@ def check_trajectories_match(recipe: Recipe, manifest: dict[str, Any]) -> None:
                           f"{name(made_with)}, the recipe ({recipe.data.chat_template}, {recipe.verifier.path}) gives "
                           f"{name(wanted)} (rerun align trajectories into another trajectories.out, or set "
                           "data.chat_template to match)")
+
+
+def load_checked_trajectories(recipe: Recipe) -> Any:
+    """The trajectories of trajectories.out, as every stage that trains on them reads them (align train, align gkd):
+    refused when the manifest disagrees with the recipe (check_trajectories_match) or a chunk fails its checksum."""
+    check_trajectories_match(recipe, read_trajectory_manifest(recipe.trajectories.out))
+    return load_trajectories(recipe.trajectories.out)
+
+
+def check_rows_fit(recipe: Recipe, tokens: list[int], new_key: str, new_tokens: int, model_keys: Iterable[str]) -> None:
+    """Every trajectory fits the context of the models at `model_keys` (fits_context) when a stage reads `tokens[i]`
+    of row i and produces `new_tokens` (the value of `new_key`) after them; else one line naming the first row."""
+    context, key = model_context(recipe, model_keys)
+    for i, n in enumerate(tokens):
+        if not fits_context(n, new_tokens, context):
+            raise RecipeError(f"{new_key}: row {i} of {recipe.trajectories.out} reads {n} tokens; with {new_key}="
+                              f"{new_tokens} it exceeds the context of {get_key(recipe, key)} ({context} tokens, "
+                              f"{key}); make trajectories with shorter prompts or fewer new tokens")

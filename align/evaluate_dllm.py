@@ -15,14 +15,14 @@ import torch
 
 from align.bench import interleaved, machine, report_json, versions
 from align.checkpoint import write_text_atomic
-from align.config import Recipe, RecipeError
+from align.config import Recipe, RecipeError, model_context
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
 from align.methods import eos_token_ids
-from align.models import context_length, load_drafter, load_tokenizer
+from align.models import load_drafter, load_tokenizer
 
 
 SCHEMA_VERSION = 2  # of eval.json: what each version holds is in docs/evaluation.md
@@ -76,9 +76,11 @@ def main(recipe: Recipe, command: str) -> None:
     # The dLLM decodes alone, so its own tokenizer's chat template renders the prompts (as in align calibrate).
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.drafter.path)
     rows = eval_prompt_rows(recipe)
+    # The drafter's config bounds the prompts: a too-long one is refused before any weights load.
+    encoded = encode_prompts(tokenizer, [r.prompt for r in rows], template, recipe.decode.max_new_tokens,
+                             model_context(recipe, ("drafter.path",))[0])
     model, spec = load_drafter(recipe.drafter, tokenizer)
-    prompts = [ids.to(model.device) for ids in encode_prompts(tokenizer, [r.prompt for r in rows], template,
-                                                              recipe.decode.max_new_tokens, context_length(model.config))]
+    prompts = [ids.to(model.device) for ids in encoded]
     where = prompt_places(rows, prompts)
     eos_ids = eos_token_ids(model, tokenizer)
     methods = methods_for(model, spec, graph, recipe, eos_ids)

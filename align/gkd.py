@@ -8,13 +8,14 @@ this module only adapts the trajectories to it and saves the result as a plain H
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from align.checkpoint import save_merged
-from align.config import Recipe, check_inputs
+from align.config import Recipe, check_inputs, get_key
 from align.models import load_tokenizer
 from align.tracking import open_trackers, resolve
 
@@ -45,13 +46,24 @@ class TrajectoryCollator:
 
 def main(recipe: Recipe, command: str) -> None:
     from transformers import AutoModelForCausalLM
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from align.data import load_trajectories
+    from align.data import check_rows_fit, load_checked_trajectories
 
     check_inputs(recipe, model_keys=("verifier.path", "ar_drafter.path"))
     g = recipe.gkd
-    data = load_trajectories(recipe.trajectories.out)
+    # The trajectories align train would take, checked as it checks them (manifest against the recipe, checksums),
+    # before any model loads: the two drafters are compared on equal data.
+    data = load_checked_trajectories(recipe)
+    # Student and teacher read each prompt with its completion (at most trajectories.max_new_tokens), and on-policy
+    # steps sample gkd.max_new_tokens after the prompt.
+    prompt_lengths = [len(p) for p in data["prompt_ids"]]
+    for new_key in ("trajectories.max_new_tokens", "gkd.max_new_tokens"):
+        check_rows_fit(recipe, prompt_lengths, new_key, get_key(recipe, new_key), ("verifier.path", "ar_drafter.path"))
+    # TRL files its GKD trainer under trl.experimental and warns on import that such APIs may change; align's tests
+    # cover the trainer it drives, and the warning, which a user cannot act on, would stand before any later line.
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
     tokenizer = load_tokenizer(recipe.ar_drafter.path)
     student = AutoModelForCausalLM.from_pretrained(recipe.ar_drafter.path, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(recipe.verifier.path, dtype=torch.float32)

@@ -10,19 +10,43 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
 
+def integer_in(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (argparse refuses anything else in one line naming the option)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            wanted = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{wanted} is expected, got {text!r}")
+        return value
+
+    return parse
+
+
+def existing_file(text: str) -> str:
+    """An argparse type: a file that exists (deepspeed would run locally, without a word, on a missing hostfile)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
 def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
-    """The DeepSpeed launcher's options that `align train` and `align trajectories` forward."""
+    """The DeepSpeed launcher's options that `align train` and `align trajectories` forward, checked here: the runner
+    takes --num_gpus 0 or a missing hostfile as "run here, on whatever there is"."""
     group = parser.add_argument_group("launcher (forwarded to the deepspeed runner)")
-    group.add_argument("--num_gpus", type=int, default=None, help="processes per node (CPU: ranks on gloo)")
-    group.add_argument("--num_nodes", type=int, default=None, help="nodes to use from the hostfile")
-    group.add_argument("--hostfile", default=None, help="MPI-style hostfile: 'host slots=N' per line")
+    group.add_argument("--num_gpus", type=integer_in(1), default=None, help="processes per node (CPU: ranks on gloo)")
+    group.add_argument("--num_nodes", type=integer_in(1), default=None, help="nodes to use from the hostfile")
+    group.add_argument("--hostfile", type=existing_file, default=None,
+                       help="MPI-style hostfile: 'host slots=N' per line")
     group.add_argument("--master_addr", default=None, help="address of rank 0 (multi-node)")
-    group.add_argument("--master_port", type=int, default=None, help="port of rank 0")
+    group.add_argument("--master_port", type=integer_in(1, 65535), default=None, help="port of rank 0")
 
 
 def deepspeed_command(recipe: str, overrides: list[str], num_gpus: Optional[int] = None,

@@ -43,7 +43,7 @@ from align.dflash import DFlashDrafter, config_for_verifier, is_dflash
 # The DrafterSpec and its checks need no torch, so that cli can check a drafter's config before loading anything; they
 # live in align/config.py and are part of this module's interface.
 from align.config import (ATTENTION_MODES, CANVAS_DECODER_FAMILIES, KNOWN_DLLMS, Attention,  # noqa: F401
-                          DrafterSpec, check_vocab_compatible, drafter_spec_from_config)
+                          DrafterSpec, check_vocab_compatible, context_length, drafter_spec_from_config)
 
 # --------------------------------------------------------------------------------------------------------------------
 # devices, dtypes
@@ -198,16 +198,6 @@ def config_vocab_size(model: PreTrainedModel) -> int:
     """The vocabulary the model's config declares (on its text part for multimodal configs): unlike the output
     embeddings' shape, it is known under ZeRO-3, which partitions the weights away between forwards."""
     return int(model.config.get_text_config().vocab_size)
-
-
-def context_length(config: Any) -> int:
-    """The longest sequence a model is built for: `max_position_embeddings` (on the text part of multimodal configs:
-    Gemma 4, DiffusionGemma), or `max_sequence_length` in LLaDA's OLMo-style config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    length = getattr(text, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
-    if length is None:
-        raise RecipeError(f"{getattr(config, 'model_type', 'model')}: its config gives no maximum sequence length")
-    return int(length)
 
 
 def forward_parameters(model: Any) -> set[str]:

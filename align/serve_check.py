@@ -22,14 +22,14 @@ import torch
 
 from align.bench import cpu_model
 from align.checkpoint import write_text_atomic
-from align.config import Recipe, RecipeError, drafter_spec_from_config
+from align.config import Recipe, RecipeError, drafter_spec_from_config, model_context
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.dflash import load_speculators_dflash, write_speculators_folder
 from align.methods import eos_token_ids
-from align.models import context_length, load_drafter, load_tokenizer, load_verifier
+from align.models import load_drafter, load_tokenizer, load_verifier
 from align.vllm_engine import ServeResult, serve, served_drafter_kind, vllm_dtype
 
 EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed
@@ -81,9 +81,10 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
     s, d = recipe.serve_check, recipe.decode
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
-    verifier = load_verifier(recipe.verifier)
+    # The verifier's config bounds the prompts: a too-long one is refused before any weights load.
     prompts = encode_prompts(tokenizer, eval_prompts(recipe), template, d.max_new_tokens,
-                             context_length(verifier.config))
+                             model_context(recipe, ("verifier.path",))[0])
+    verifier = load_verifier(recipe.verifier)
     eos_ids = eos_token_ids(verifier, tokenizer)
     with tempfile.TemporaryDirectory(prefix="align-serve-check-") as tmp:
         if kind == "align":

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from align.checkpoint import merged_model, save_merged, step_folders, write_text_atomic  # noqa: E402
 from align.config import (Recipe, RecipeError, check_models, check_output, check_train, load_recipe,  # noqa: E402
                           train_models)
-from align.data import check_trajectories_match, load_trajectories, read_trajectory_manifest  # noqa: E402
+from align.data import check_rows_fit, load_checked_trajectories  # noqa: E402
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
 from align.launch import strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
@@ -89,11 +89,9 @@ class Trainer:
 def check_data(recipe: Recipe) -> TrainData:
     """Load the trajectories and refuse, before any model is loaded, what cannot train as the recipe says."""
     t = recipe.train
-    manifest = read_trajectory_manifest(recipe.trajectories.out)
-    check_trajectories_match(recipe, manifest)
     needs_verifier = any(needs_verifier_distributions(name) for name in t.losses)
     online = t.labels_online()
-    rows = load_trajectories(recipe.trajectories.out)
+    rows = load_checked_trajectories(recipe)
     if needs_verifier and not online and "topk_ids" not in rows.column_names:
         raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "
                           "trajectories.store_topk > 0 when making the trajectories")
@@ -101,6 +99,12 @@ def check_data(recipe: Recipe) -> TrainData:
     if t.gamma > longest:
         raise RecipeError(f"train.gamma: {t.gamma} is longer than every completion in {recipe.trajectories.out} "
                           f"(longest {longest} tokens): no window could be filled; use train.gamma <= {longest}")
+    # A window drawn at the last completion token reads the n - 1 tokens before it and drafts γ positions after them,
+    # in the drafter (a DFlash drafter: the verifier it is built on) and in a verifier that labels it in the step.
+    readers = ("verifier.path",) if recipe.dflash is not None else (
+        "drafter.path", *(("verifier.path",) if online else ()))
+    check_rows_fit(recipe, [len(p) + len(c) - 1 for p, c in zip(rows["prompt_ids"], rows["completion_ids"])],
+                   "train.gamma", t.gamma, readers)
     median = statistics.median(len(c) for c in rows["completion_ids"])
     if t.gamma > median and int(os.environ.get("RANK", 0)) == 0:
         print(f"align train: warning: train.gamma={t.gamma} is longer than half the completions (median {median:g} "
@@ -302,6 +306,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     """One optimiser step (with accumulation); its metrics, or None when a loss or the updated weights are not
     finite (the update is then not to be kept)."""
     t, rank, world = recipe.train, trainer.rank, trainer.world
+    lr = trainer.schedule.get_last_lr()[0]  # the rate this step's update uses; engine.step() moves the schedule on
     t0 = time.perf_counter()
     positions = [stream_position(step, m, rank, world, recipe) for m in range(t.gradient_accumulation_steps)]
     micro_rows = [[data.rows[data.train_rows[i]] for i in rows_at(p, t.micro_batch_size, t.seed, len(data.train_rows))]
@@ -332,7 +337,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     if world > 1:
         dist.all_reduce(summed)
     return {"step": step + 1, "loss": float(summed.sum()), **dict(zip(totals, summed.tolist())),
-            "lr": trainer.schedule.get_last_lr()[0], "windows": int(counts[0]),
+            "lr": lr, "windows": int(counts[0]),
             "tokens_per_s_per_rank": float(sum(b.target_mask.sum() for b in batches)) / (time.perf_counter() - t0)}
 
 

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from align.checkpoint import atomic_folder, write_text_atomic
-from align.config import Recipe, RecipeError, check_inputs, get_key
+from align.config import Recipe, RecipeError, check_context, check_inputs, get_key, model_context
 from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, file_sha256, load_prompts,
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path)
 from align.models import load_tokenizer, load_verifier, resolve_device, resolve_dtype
@@ -133,6 +133,12 @@ def main(recipe: Recipe, command: str) -> None:
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
     prompts = [render_prompt(tokenizer, p, template) for p in load_prompts(recipe, "data.train_prompts", source)]
+    # The verifier's context bounds each prompt and its completion, as in every stage (eval refuses the same prompts),
+    # checked from its config before it loads: training on a continuation past it would teach degraded text.
+    context, _ = model_context(recipe, ("verifier.path",))
+    for i, ids in enumerate(prompts):
+        check_context(f"data.train_prompts: prompt {i}", len(ids), "trajectories.max_new_tokens", t.max_new_tokens,
+                      context, "the verifier's")
     settings = settings_of(recipe, prompts, template)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(t.out)

@@ -11,6 +11,7 @@ serving check (`serve`: the same prompts greedily at batch 1, with or without a 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -37,10 +38,30 @@ def vllm_python(key: str = "trajectories.backend") -> Path:
         candidates = [repo / VENV / "bin" / "python", Path.cwd() / VENV / "bin" / "python"]
     for python in candidates:
         if python.is_file() and os.access(python, os.X_OK):
+            problem = _lacks_vllm(str(python))
+            if problem:
+                raise RecipeError(f"{key}: {python} {problem}; build vLLM's environment with `bash "
+                                  "launch/setup_vllm.sh`, or set ALIGN_VLLM_PYTHON to a python that has vllm")
             return python
     where = f"ALIGN_VLLM_PYTHON={override} is not an executable" if override else f"no {candidates[0]}"
     raise RecipeError(f"{key}: vllm needs vLLM's own environment ({where}); build it with "
                       "`bash launch/setup_vllm.sh`, or set ALIGN_VLLM_PYTHON to a python that has vllm")
+
+
+@functools.lru_cache(maxsize=None)
+def _lacks_vllm(python: str) -> Optional[str]:
+    """Why `python` cannot run the worker (None: it can), asked without importing vllm (seconds): it runs, and finds
+    vllm on its path. Otherwise the worker would die at its first import, after the stage started."""
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"does not run as a Python interpreter ({type(e).__name__})"
+    if done.returncode == 3:
+        return "has no vllm installed"
+    if done.returncode:
+        return f"does not run as a Python interpreter (exit {done.returncode})"
+    return None
 
 
 @dataclass

@@ -155,8 +155,15 @@ def test_the_verifier_is_not_a_drafter_even_with_a_spec(capsys, started):
 @pytest.mark.parametrize("stage, recipe", [("train", "align.yaml"), ("calibrate", "spiffy.yaml"), ("eval", "eval.yaml"),
                                            ("eval", "spiffy.yaml"), ("export", "eval.yaml"), ("gkd", "align.yaml"),
                                            ("trajectories", "align.yaml"), ("bootstrap", "bootstrap.yaml")])
-def test_shipped_models_pass_the_checks(capsys, started, stage, recipe):
-    assert run(stage, f"recipes/tiny/{recipe}") == 0, capsys.readouterr().err
+def test_shipped_models_pass_the_checks(capsys, started, tmp_path, stage, recipe):
+    extra = []
+    if (stage, recipe) == ("eval", "spiffy.yaml"):  # dllm eval decodes with a calibrated graph, given as the README does
+        from align.draft_graph import DraftGraph
+
+        DraftGraph(tuple(frozenset((i, 1) for i in range(1, k + 1)) for k in range(1, 11)), 32).save(
+            tmp_path / "draft_graph.json")
+        extra = [f"calibrate.graph={tmp_path / 'draft_graph.json'}"]
+    assert run(stage, f"recipes/tiny/{recipe}", *extra) == 0, capsys.readouterr().err
     assert started == [stage]
 
 
@@ -435,3 +442,293 @@ def test_good_prompt_sources_pass_the_checks(capsys, started, chats, tmp_path):
     assert run("eval", "recipes/tiny/eval.yaml", f"eval.prompts={chats['hub']}", "eval.prompt_field=prompt",
                f"eval.out={tmp_path / 'out'}") == 0, capsys.readouterr().err
     assert started == ["trajectories", "eval"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 9. files other stages wrote, and configs, checked before any work (issue 24: findings 7, 10, 11)
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dflash_drafter(tmp_path_factory) -> Path:
+    """A DFlash drafter (random weights) on the shipped tiny verifier, saved as align train saves one."""
+    import torch
+
+    from align.checkpoint import save_merged
+    from align.config import DFlashSection, VerifierSection
+    from align.models import load_tokenizer, new_dflash_drafter
+
+    section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")
+    tokenizer = load_tokenizer(str(VERIFIER))
+    torch.manual_seed(0)
+    drafter, _ = new_dflash_drafter(section, DFlashSection(intermediate_size=64), section, tokenizer, 4)
+    folder = tmp_path_factory.mktemp("dflash") / "step_1"
+    save_merged(drafter, tokenizer, folder, {})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory) -> dict[str, Path]:
+    """eval.json and draft_graph.json files that are not what their readers expect."""
+    import json
+
+    root = tmp_path_factory.mktemp("bad_files")
+    contents = {
+        "not_json.json": "{nope", "list.json": "[1, 2]", "no_methods.json": json.dumps({"meta": {}}),
+        "empty_methods.json": json.dumps({"methods": {}}),
+        "row_not_object.json": json.dumps({"methods": {"ar": 1.0}}),
+        "null_exact.json": json.dumps({"methods": {"ar": {"tau": 1.0, "speedup": 1.0, "exact_match": None}}}),
+        "no_exact.json": json.dumps({"methods": {"ar": {"tau": 1.0, "speedup": 1.0}}}),
+        "no_tau.json": json.dumps({"methods": {"ar": {"speedup": 1.0, "exact_match": 1.0}}}),
+        "string_tau.json": json.dumps({"methods": {"ar": {"tau": "fast", "speedup": 1.0, "exact_match": 1.0}}}),
+        "graph.json": json.dumps({"version": 1, "nodes": "oops"}),
+    }
+    for name, text in contents.items():
+        (root / name).write_text(text)
+    (root / "folder.json").mkdir()
+    return {name.removesuffix(".json"): root / name for name in [*contents, "folder.json"]}
+
+
+@pytest.mark.parametrize("name, why", [
+    ("not_json", "not readable JSON"), ("list", "no `methods` object"), ("no_methods", "no `methods` object"),
+    ("empty_methods", "`methods` is empty"), ("row_not_object", "methods.ar is not an object"),
+    ("no_tau", "methods.ar.tau is null, a number is expected"),
+    ("string_tau", 'methods.ar.tau is "fast", a number is expected'), ("folder", "is a folder"),
+])
+def test_export_eval_that_is_no_eval_json_is_refused_before_the_stage(capsys, started, bad_files, tmp_path, name,
+                                                                      why):
+    line = refused(capsys, started, "export", "recipes/tiny/eval.yaml", f"export.eval={bad_files[name]}",
+                   f"export.out={tmp_path / 'export'}")
+    assert line.startswith("align export: error: export.eval: ") and why in line, line
+    assert not (tmp_path / "export").exists()
+
+
+def test_export_refuses_a_checkpoint_whose_meta_json_is_unreadable(capsys, started, tmp_path):
+    drafter = copy_model(DRAFTER, tmp_path / "step_3")
+    (drafter / "meta.json").write_text('{"step": 3, "reci')  # cut short
+    line = refused(capsys, started, "export", "recipes/tiny/eval.yaml", f"drafter.path={drafter}",
+                   f"export.out={tmp_path / 'export'}")
+    assert line.startswith(f"align export: error: drafter.path: {drafter / 'meta.json'} is not a JSON object"), line
+
+
+@pytest.mark.parametrize("stage, recipe", [("export", "eval.yaml"), ("eval", "spiffy.yaml")])
+def test_a_malformed_draft_graph_is_refused_before_the_stage(capsys, started, bad_files, tmp_path, stage, recipe):
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"calibrate.graph={bad_files['graph']}",
+                   f"{stage}.out={tmp_path / 'out'}")
+    assert f"calibrate.graph: {bad_files['graph']}: " in line, line
+
+
+@pytest.mark.parametrize("name, why", [
+    ("null_exact", "methods.ar.exact_match is null, a number is expected"),
+    ("no_exact", "methods.ar.exact_match is null, a number is expected"),
+    ("not_json", "not readable JSON"), ("row_not_object", "methods.ar is not an object"), ("folder", "is a folder"),
+])
+def test_exact_refuses_an_eval_json_it_cannot_judge(capsys, bad_files, name, why):
+    assert run("exact", bad_files[name]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("align exact: error: ") and why in captured.err and captured.err.count("\n") == 1
+    assert captured.out == ""  # nothing half-reported before the refusal
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--context", "0"], "argument --context: an integer >= 1 is expected, got '0'"),
+    (["--max-tokens", "-3"], "argument --max-tokens: an integer >= 1 is expected, got '-3'"),
+    (["--rounds", "0"], "argument --rounds: an integer >= 1 is expected, got '0'"),
+    (["--rounds", "two"], "argument --rounds: an integer >= 1 is expected, got 'two'"),
+    (["--context", "4000"], "--context 4000 + --max-tokens 64 exceeds "),
+    (["--out", "{tmp}"], "--out: {tmp} is a folder; a file name is expected"),
+    (["--out", "{tmp}/file/costs.json"], "--out: {tmp}/file is a file, so {tmp}/file/costs.json cannot be created under it"),
+])
+def test_verify_costs_refuses_bad_arguments_before_the_benchmark(capsys, monkeypatch, tmp_path, argv, why):
+    import align.bench
+
+    monkeypatch.setattr(align.bench, "verify_cost_curves", lambda *a, **k: pytest.fail("the benchmark started"))
+    (tmp_path / "file").write_text("keep")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert run("verify-costs", VERIFIER, "--device", "cpu", *argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("align verify-costs: error: ") and why.format(tmp=tmp_path) in err, err
+    assert err.count("\n") == 1 and (tmp_path / "file").read_text() == "keep"
+
+
+def test_throughput_refuses_a_negative_warm_up(capsys, tmp_path):
+    assert run("throughput", tmp_path, "--warmup-steps", "-1") == 2
+    assert "argument --warmup-steps: an integer >= 0 is expected, got '-1'" in capsys.readouterr().err
+
+
+def test_speculators_export_of_a_standalone_drafter_is_refused_from_its_config(capsys, started, tmp_path):
+    line = refused(capsys, started, "export", "recipes/tiny/eval.yaml", "export.format=speculators",
+                   f"export.out={tmp_path / 'export'}")
+    assert "export.format: speculators takes a DFlash drafter; " in line and "standalone" in line
+
+
+def test_self_selection_with_a_dflash_drafter_is_refused_from_its_config(capsys, started, dflash_drafter, tmp_path):
+    line = refused(capsys, started, "eval", "recipes/tiny/eval.yaml", f"drafter.path={dflash_drafter}",
+                   "eval.methods=[specdiff, specdiff2_select]", f"eval.out={tmp_path / 'eval'}")
+    assert line.startswith("align eval: error: eval.methods: specdiff2_select does not run a DFlash drafter"), line
+    assert run("eval", "recipes/tiny/eval.yaml", f"drafter.path={dflash_drafter}", "eval.methods=[specdiff]",
+               f"eval.out={tmp_path / 'eval'}") == 0 and started == ["eval"]
+
+
+def test_not_dflash_methods_are_the_drafter_methods_dflash_cannot_run():
+    from align.config import METHOD_MODELS, NOT_DFLASH_METHODS
+    from align.methods import DFLASH_METHODS
+
+    drafted = {m for m, keys in METHOD_MODELS.items() if "drafter.path" in keys}
+    assert set(NOT_DFLASH_METHODS) == drafted - set(DFLASH_METHODS)
+
+
+@pytest.mark.parametrize("stage, recipe, key", [
+    ("trajectories", "align.yaml", "trajectories.max_new_tokens"), ("eval", "eval.yaml", "decode.max_new_tokens"),
+    ("eval", "spiffy.yaml", "decode.max_new_tokens"), ("calibrate", "spiffy.yaml", "decode.max_new_tokens"),
+    ("gkd", "align.yaml", "gkd.max_new_tokens"),
+])
+def test_new_tokens_that_fill_the_context_are_refused_from_the_configs(capsys, started, tmp_path, stage, recipe, key):
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"{key}=1024", "calibrate.graph=null",
+                   f"{stage}.out={tmp_path / 'out'}")
+    assert line.startswith(f"align {stage}: error: {key}: 1024 new tokens leave no room for a prompt"), line
+
+
+@pytest.fixture
+def long_prompt(tmp_path) -> Path:
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"prompt": "' + "def f(): return 1\\n" * 300 + '"}\n')
+    return path
+
+
+@pytest.fixture
+def no_weights(monkeypatch) -> list[str]:
+    """Model weights loaded by any stage (none may be for input refused from configs)."""
+    import align.calibrate
+    import align.evaluate_dllm
+    import align.trajectories
+
+    loaded: list[str] = []
+    for module in (align.trajectories, align.calibrate, align.evaluate_dllm):
+        for name in ("load_verifier", "load_drafter"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda *a, name=name, **k: loaded.append(name) or pytest.fail(
+                    f"{name} was called before the refusal"))
+    return loaded
+
+
+@pytest.mark.parametrize("stage, recipe, key, expected", [
+    # trajectories once sampled past the verifier's context (eval refused the same prompts); calibrate refused only
+    # after loading the drafter when every prompt was too long
+    ("trajectories", "align.yaml", "data.train_prompts", "data.train_prompts: prompt 0 has "),
+    ("calibrate", "spiffy.yaml", "calibrate.prompts", "calibrate.prompts: every prompt of "),
+])
+def test_prompts_past_the_context_are_refused_before_weights_load(capsys, no_weights, long_prompt, tmp_path, stage,
+                                                                  recipe, key, expected):
+    out = tmp_path / "out"
+    assert run(stage, f"recipes/tiny/{recipe}", f"{key}={long_prompt}", f"{stage}.out={out}") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"align {stage}: error: {expected}") and err.count("\n") == 1, err
+    assert not out.exists() and not no_weights
+
+
+def test_dllm_eval_refuses_a_too_long_prompt_before_weights_load(capsys, no_weights, long_prompt, tmp_path):
+    from align.draft_graph import DraftGraph
+
+    graph = tmp_path / "graph.json"
+    DraftGraph((frozenset({(1, 1)}),), block_length=32).save(graph)
+    assert run("eval", "recipes/tiny/spiffy.yaml", f"eval.prompts={long_prompt}", f"calibrate.graph={graph}",
+               "eval.spiffy_budgets=[1]", f"eval.out={tmp_path / 'out'}") == 2
+    err = capsys.readouterr().err
+    assert "eval.prompts: prompt 0 has " in err and err.count("\n") == 1 and not no_weights, err
+
+
+@pytest.fixture(scope="module")
+def toy(toy_trajectories, tmp_path_factory) -> dict[str, Path]:
+    """The toy family and trajectories, with a drafter and an AR drafter whose context is shorter than the rows."""
+    root, traj = toy_trajectories
+    short = tmp_path_factory.mktemp("short")
+    return {"root": root, "traj": traj,
+            "drafter": copy_model(root / "ck" / "drafter-base", short / "drafter", max_position_embeddings=16),
+            "ar_drafter": copy_model(root / "ck" / "ar-drafter", short / "ar", max_position_embeddings=16)}
+
+
+def toy_args(toy: dict[str, Path], tmp_path: Path) -> list[str]:
+    from conftest import TOY_TRAJECTORIES
+
+    ck = toy["root"] / "ck"
+    return [f"verifier.path={ck / 'verifier'}", f"drafter.path={ck / 'drafter-base'}",
+            f"ar_drafter.path={ck / 'ar-drafter'}", f"trajectories.out={toy['traj']}", *TOY_TRAJECTORIES,
+            f"data.dir={toy['root'] / 'data'}", f"train.out={tmp_path / 'train'}", f"gkd.out={tmp_path / 'gkd'}",
+            "train.gamma=4", "train.final_eval_prompts=0"]
+
+
+def test_training_windows_past_the_drafters_context_are_refused(toy, tmp_path):
+    from align.config import load_recipe
+    from align.train import check_data
+
+    recipe = load_recipe("recipes/tiny/align.yaml", [*toy_args(toy, tmp_path), f"drafter.path={toy['drafter']}"])
+    with pytest.raises(RecipeError, match=r"^train.gamma: row 0 of .* reads \d+ tokens; with train.gamma=4 it exceeds "
+                                          r"the context of .*drafter \(16 tokens, drafter.path\)"):
+        check_data(recipe)
+    check_data(load_recipe("recipes/tiny/align.yaml", toy_args(toy, tmp_path)))  # the toy drafter's own context
+
+
+@pytest.mark.parametrize("override, expected", [
+    # align train refuses these trajectories; gkd once trained on them
+    ("trajectories.temperature=0.9", "trajectories.temperature: the trajectories in "),
+    ("trajectories.max_new_tokens=20", "trajectories.max_new_tokens: the trajectories in "),
+    ("ar_drafter.path={short} gkd.max_new_tokens=2", "trajectories.max_new_tokens: row "),
+])
+def test_gkd_checks_the_trajectories_as_train_does_before_loading_models(capsys, monkeypatch, toy, tmp_path, override,
+                                                                         expected):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("a model was loaded before the refusal"))
+    assert run("gkd", "recipes/tiny/align.yaml", *toy_args(toy, tmp_path),
+               *override.format(short=toy["ar_drafter"]).split()) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"align gkd: error: {expected}") and err.count("\n") == 1, err
+    assert not (tmp_path / "gkd").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 10. the Python API's arguments: the stages' rules, RecipeErrors (issue 24: findings 7, 10)
+# --------------------------------------------------------------------------------------------------------------------
+def test_api_token_ids_and_seeds_are_checked_as_the_recipe_checks_them():
+    import numpy as np
+    import torch
+
+    import align
+
+    pair = align.load(verifier=str(VERIFIER))
+    expected = pair.generate("def f():", method="ar", max_new_tokens=4, eos_token_id=[5])[0].token_ids
+    for eos in (torch.tensor(5), torch.tensor([5]), np.int64(5), [np.int32(5)]):  # a 0-d tensor raised TypeError
+        assert pair.generate("def f():", method="ar", max_new_tokens=4, eos_token_id=eos)[0].token_ids == expected
+    for eos in (torch.tensor(5.0), torch.tensor(True), [1.5], "</s>"):
+        with pytest.raises(RecipeError, match=r"^eos_token_id: a token id or a list of them"):
+            pair.generate("def f():", method="ar", eos_token_id=eos)
+    with pytest.raises(RecipeError, match=r"^decode\.seed: a seed is an integer in \[0, 4294967295\]"):
+        pair.generate("def f():", method="ar", seed=2**70)  # an OverflowError in torch's generator before
+
+
+def test_api_conversations_follow_the_stages_rule(tmp_path):
+    import align
+    from test_chat_data import with_template
+
+    chat = align.load(verifier=str(with_template(VERIFIER, tmp_path / "verifier")))
+    question = [{"role": "user", "content": "def add(a, b):"}]
+    answered = [*question, {"role": "assistant", "content": "    return a + b"}]
+    # A chat dataset's row ends with its answer: the stages cut it, leaving the turn the model answers; so does the API.
+    asked, cut = chat.generate([question, answered], method="ar", max_new_tokens=2)
+    assert cut.prompt_token_ids == asked.prompt_token_ids
+    with pytest.raises(RecipeError, match=r"^prompt 0: the conversation holds only assistant turns, so no prompt$"):
+        chat.generate([answered[1:]], method="ar")
+
+
+@pytest.mark.parametrize("argv, why", [
+    # deepspeed ran these on the local machine without a word: 0 processes became the default, a missing hostfile
+    # "local resources only"
+    (["--num_gpus", "0"], "argument --num_gpus: an integer >= 1 is expected, got '0'"),
+    (["--num_nodes", "-1"], "argument --num_nodes: an integer >= 1 is expected, got '-1'"),
+    (["--master_port", "70000"], "argument --master_port: an integer in [1, 65535] is expected, got '70000'"),
+    (["--hostfile", "/nonexistent/hostfile"], "argument --hostfile: no such file: /nonexistent/hostfile"),
+])
+@pytest.mark.parametrize("stage", ["train", "trajectories"])
+def test_launcher_options_out_of_range_are_refused(capsys, started, stage, argv, why):
+    line = refused(capsys, started, stage, "recipes/tiny/align.yaml", *argv)
+    assert why in line, line

@@ -191,3 +191,44 @@ def test_empty_recipe_file_is_refused(tmp_path):
         assert "empty recipe" in refused(recipe=tmp_path / "r.yaml")
     (tmp_path / "r.yaml").write_text("{}\n")  # an explicit empty mapping: all defaults
     assert load_recipe(tmp_path / "r.yaml") == Recipe()
+
+
+@pytest.mark.parametrize("text, line", [
+    # a second section drops the first; a repeated key replaces the earlier value; nested and flow mappings alike
+    ("train:\n  lr: 1.0e-3\ndecode:\n  gamma: 4\ntrain:\n  max_steps: 5\n", "line 5: key 'train' is given twice "
+     "(first at line 1)"),
+    ("train:\n  lr: 1.0e-3\n  max_steps: 4\n  lr: 1.0e-2\n", "line 4: key 'lr' is given twice (first at line 2)"),
+    ("train: {losses: {streak: 1.0, streak: 2.0}}\n", "line 1: key 'streak' is given twice (first at line 1)"),
+])
+def test_a_key_given_twice_in_a_recipe_is_refused_naming_it_and_its_lines(tmp_path, text, line):
+    (tmp_path / "r.yaml").write_text(text)
+    assert refused(recipe=tmp_path / "r.yaml") == f"{tmp_path / 'r.yaml'}: {line}; give each key once"
+
+
+def test_a_key_given_twice_in_an_override_value_is_refused():
+    assert refused(["train.losses={streak: 1, streak: 2}"]) == \
+        "train.losses: {streak: 1, streak: 2}: key 'streak' is given twice"
+
+
+def test_a_merge_key_may_be_overridden(tmp_path):
+    # `<<: *base` then one of base's keys is YAML's way to override, not a repeat.
+    (tmp_path / "r.yaml").write_text("decode: &d {gamma: 4, top_k: 3}\ngkd:\n  <<: {max_steps: 3, lr: 1.0e-3}\n"
+                                     "  max_steps: 5\n")
+    recipe = load_recipe(tmp_path / "r.yaml")
+    assert recipe.gkd.max_steps == 5 and recipe.gkd.lr == 1e-3 and recipe.decode.gamma == 4
+
+
+SEED_KEYS = [key for key, name in schema_keys() if name.endswith("seed")]
+
+
+def test_every_seed_is_a_seed():
+    assert SEED_KEYS == ["train.seed", "gkd.seed", "decode.seed", "bootstrap.seed"]
+
+
+@pytest.mark.parametrize("key", SEED_KEYS)
+def test_seeds_out_of_range_are_refused(key):
+    # -1 once passed and crashed training at its first step (numpy refuses negative seeds); 2**70 crashed mid-eval.
+    for value in (-1, 2**32, 2**70):
+        message = refused([f"{key}={value}"])
+        assert message.startswith(f"{key}: a seed is an integer in [0, 4294967295]"), message
+    assert load_recipe(None, [f"{key}={2**32 - 1}"]) and load_recipe(None, [f"{key}=0"])

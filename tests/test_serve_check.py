@@ -105,7 +105,12 @@ def test_refusals_are_one_line_before_any_work(prompt_file, tmp_path, capsys, mo
 
     started = []
     monkeypatch.setattr(align.serve_check, "main", lambda *_: started.append(1))
+    import align.vllm_engine
+
     monkeypatch.setenv("ALIGN_VLLM_PYTHON", str(Path(__import__("sys").executable)))  # any python: never started
+    assert serve_check(prompt_file, checkpoint, tmp_path / "out") == 2  # ... but one without vllm is refused
+    assert "has no vllm installed" in capsys.readouterr().err
+    monkeypatch.setattr(align.vllm_engine, "_lacks_vllm", lambda python: None)  # taken as vLLM's, for the cases below
     cases = [
         (ROOT / "checkpoints" / "tiny" / "drafter-base", [], "standalone diffusion drafter, which vLLM cannot serve"),
         (tmp_path / "missing", [], "is not a drafter folder"),

@@ -228,6 +228,8 @@ def test_the_newer_losses_train_together(trajectories, tmp_path):
     assert rc == 0, log[-3000:]
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert all(math.isfinite(record[n]) and record[n] != 0 for n in names) and record["chain"] < 0, record
+    # The rate the step used (no warm-up: the peak), not the next step's (0 after the last: the cosine's end).
+    assert record["lr"] == 3e-3, record
 
 
 def test_a_build_lock_left_by_a_killed_build_is_named_before_deepspeed_waits_on_it(tmp_path, monkeypatch, capsys):
