@@ -39,7 +39,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from align.checkpoint import merged_model, save_merged, step_folders, write_text_atomic  # noqa: E402
+from align.checkpoint import (check_output_owner, folder_lock, mark_folder, merged_model, save_merged, step_folders,  # noqa: E402
+                              write_text_atomic)
 from align.config import (Recipe, RecipeError, check_models, check_output, check_train, load_recipe,  # noqa: E402
                           train_models)
 from align.data import check_trajectories_match, load_trajectories, read_trajectory_manifest  # noqa: E402
@@ -417,6 +418,8 @@ def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> dict[str, fl
 def main(recipe: Recipe, command: str) -> int:
     t, out = recipe.train, Path(recipe.train.out)
     data = check_data(recipe)
+    if int(os.environ.get("RANK", 0)) == 0:
+        mark_folder(out, "train")
     rank, world = init_distributed()
     trainer = build_trainer(recipe, data, rank, world)
     start = resume(trainer, out)
@@ -471,7 +474,9 @@ def script(argv: list[str]) -> int:
         check_models(recipe, train_models(recipe))
         check_train(recipe)
         check_output("train.out", recipe.train.out)
-        return main(recipe, shlex.join(["align/train.py", *args]))
+        check_output_owner("train.out", recipe.train.out, "train")
+        with folder_lock("train.out", recipe.train.out):
+            return main(recipe, shlex.join(["align/train.py", *args]))
     except RecipeError as e:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank would say the same
             print(f"align train: error: {e}", file=sys.stderr)

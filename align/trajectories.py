@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from align.checkpoint import atomic_folder, write_text_atomic
+from align.checkpoint import atomic_folder, mark_folder, write_text_atomic
 from align.config import Recipe, RecipeError, check_inputs, get_key
 from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, file_sha256, load_prompts,
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path)
@@ -109,7 +109,7 @@ def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) ->
     """Write a chunk atomically, with its files' checksums."""
     from datasets import Dataset
 
-    with atomic_folder(folder) as tmp:
+    with atomic_folder(folder, "trajectories") as tmp:
         Dataset.from_list(rows).save_to_disk(str(tmp))
         checksums = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.arrow"))}
         tokens = sum(len(r["completion_ids"]) for r in rows)
@@ -141,6 +141,7 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"trajectories.out: {out} holds trajectories made with other settings; "
                           "choose another folder or delete it")
     rank, world = rank_and_world()
+    mark_folder(out, "trajectories")  # every check passed
     verifier = start_vllm(recipe) if t.backend == "vllm" else load_verifier(recipe.verifier)
     produce = sample_chunk_vllm if t.backend == "vllm" else sample_chunk
     starts = list(range(0, len(prompts), t.batch_size))
