@@ -29,6 +29,13 @@ def _none(recipe: Recipe) -> tuple[str, ...]:
     return ()
 
 
+def _train_checks(recipe: Recipe) -> None:
+    from align.train import check_resume  # the run folder's settings: a changed recipe is refused before launching
+
+    check_train(recipe)
+    check_resume(recipe)
+
+
 def _served_drafter(recipe: Recipe) -> str:
     from align.vllm_engine import served_drafter_kind  # vLLM's environment, serve_check.drafter, decode.gamma
 
@@ -86,7 +93,7 @@ STAGES: dict[str, Stage] = {
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
         "align.train", ("drafter", "dflash", "verifier", "trajectories", "train"), models=train_models,
-        check=check_train, outputs=("train.out",), launcher=True,
+        check=_train_checks, outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",

@@ -197,6 +197,66 @@ def test_a_refused_bootstrap_leaves_data_dir_and_its_models_as_they_were(toy_fam
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# 3, 5. a run resumes only with its own settings; a finished run adds nothing
+# --------------------------------------------------------------------------------------------------------------------
+def train_args(trajectories, out, *extra):
+    root, traj = trajectories
+    return ["train", "recipes/tiny/align.yaml", f"drafter.path={root / 'ck' / 'drafter-base'}",
+            f"verifier.path={root / 'ck' / 'verifier'}", f"trajectories.out={traj}", *TOY_TRAJECTORIES,
+            f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=2", "train.micro_batch_size=2",
+            "train.warmup_steps=0", "train.eval_every=100", "train.max_steps=2", "train.final_eval_prompts=1", *extra]
+
+
+def align_process(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "align", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), timeout=600)
+
+
+def test_a_run_resumes_only_with_its_settings_and_a_finished_one_adds_nothing(toy_trajectories, tmp_path, capsys):
+    out = tmp_path / "run"
+    done = align_process(*train_args(toy_trajectories, out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = (out / "metrics.jsonl").read_text()
+    assert sum("final_tau" in line for line in metrics.splitlines()) == 1
+    assert json.loads((out / MARKER).read_text())["written_by"] == "train"
+    # Rerun as it was: complete, nothing appended (finding 5).
+    again = align_process(*train_args(toy_trajectories, out))
+    assert again.returncode == 0 and "is complete (2 of 2 steps)" in again.stdout, again.stderr[-3000:]
+    assert (out / "metrics.jsonl").read_text() == metrics
+    before = snapshot(out)
+    root, _ = toy_trajectories
+    copy = shutil.copytree(root / "ck" / "drafter-base", tmp_path / "drafter-copy")
+    # Another learning rate, drafter, loss, or a DFlash drafter: refused in one line naming the keys (finding 3),
+    # before DeepSpeed (in-process here: nothing but the recipe checks runs).
+    for override, named in (("train.lr=1e-2", "train.lr 0.001, now 0.01"), (f"drafter.path={copy}", "drafter.path"),
+                            ("train.losses={fkl: 1.0}", "train.losses"), ("dflash.num_layers=1", "dflash None")):
+        line = refused(capsys, *train_args(toy_trajectories, out, override))
+        assert line.startswith(f"align train: error: train.out: {out} holds a run made with other settings") \
+            and named in line, line
+    line = refused(capsys, *train_args(toy_trajectories, out, "train.max_steps=1"))
+    assert "train.max_steps: 1 is below step 2" in line, line
+    assert snapshot(out) == before
+    # What may change: the length (a longer run would continue), saving, evaluation, reporting.
+    from align.train import check_resume
+
+    assert check_resume(load_recipe("recipes/tiny/align.yaml", train_args(toy_trajectories, out, "train.max_steps=5",
+                                    "train.save_every=1", "train.report_to=none")[2:])) == 2
+
+
+def test_a_run_from_before_run_json_is_compared_with_its_checkpoints_recipe(toy_trajectories, tmp_path):
+    from align.train import check_resume
+
+    out = tmp_path / "old"
+    args = train_args(toy_trajectories, out)[2:]
+    recipe = load_recipe("recipes/tiny/align.yaml", args)
+    training_run(out)
+    (out / "step_1" / "meta.json").write_text(json.dumps({"step": 1, "recipe": recipe.to_dict()}))
+    assert check_resume(recipe) == 1
+    with pytest.raises(RecipeError, match=r"train.gamma 4, now 6"):
+        check_resume(load_recipe("recipes/tiny/align.yaml", [*args, "train.gamma=6"]))
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # 4. a folder a run writes is locked
 # --------------------------------------------------------------------------------------------------------------------
 def test_a_folder_lock_refuses_a_second_holder_and_never_outlives_its_process(tmp_path, monkeypatch):
