@@ -31,14 +31,21 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+# Recipe key -> its name in the manifest's settings: with the prompts (the keys of PROMPT_KEYS decide which, and how
+# they are rendered), what makes a set of trajectories; a folder holds one set.
+SETTING_KEYS: dict[str, str] = {
+    **TRAJECTORY_KEYS,  # what align train compares with its own recipe (verifier, temperature, top_p, max_new_tokens)
+    "trajectories.completions_per_prompt": "completions_per_prompt", "trajectories.store_topk": "store_topk",
+    "trajectories.batch_size": "batch_size", "trajectories.backend": "backend", "train.seed": "seed",
+}
+PROMPT_KEYS = ("trajectories.num_prompts", "data.train_prompts", "data.train_split", "data.prompt_column",
+               "data.chat_template", "data.dir")
+
+
 def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[str]) -> dict[str, Any]:
-    t = recipe.trajectories
     return {
-        # what align train compares with its own recipe (verifier, temperature, top_p, max_new_tokens)
-        **{name: get_key(recipe, key) for key, name in TRAJECTORY_KEYS.items()},
-        "completions_per_prompt": t.completions_per_prompt, "store_topk": t.store_topk, "batch_size": t.batch_size,
-        "backend": t.backend,
-        "seed": recipe.train.seed, "num_prompts": len(prompt_ids),
+        **{name: get_key(recipe, key) for key, name in SETTING_KEYS.items()},
+        "num_prompts": len(prompt_ids),
         # the token ids the verifier read, and the chat template that rendered them (align train compares it)
         "prompts_sha256": prompt_ids_sha256(prompt_ids), "chat_template_sha256": template_sha256(template),
     }

@@ -326,3 +326,113 @@ def test_a_second_run_into_a_folder_in_use_is_refused(capsys, started, held, toy
     assert line == f"align {stage}: error: {key}: {folder} is in use by another align run (pid {pid}); wait for " \
                    "it to end, or choose another folder"
     assert not started and not folder.exists()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 6. the README's commands, in any order: folders they share are made with the same settings
+# --------------------------------------------------------------------------------------------------------------------
+COMMAND = re.compile(r"(?:^|[\s;(])(?:\S*/)?align (trajectories|train) (.*)$")
+SCRIPT = re.compile(r"(?:^|\s)bash (launch/\w+\.sh)((?: [^\s`|;&]+)*)")
+ASSIGNMENT = re.compile(r"^(\w+)=(\(.*\)|[^\s$()`]+)$")
+
+
+def logical_lines(text: str) -> list[str]:
+    """Lines with backslash continuations and multi-line array assignments joined, comments dropped."""
+    lines, pending = [], ""
+    for raw in text.splitlines():
+        line = pending + (" " if pending else "") + raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1].strip()
+        elif re.match(r"^\w+=\(", line) and ")" not in line:
+            pending = line
+        else:
+            pending = ""
+            lines.append(line)
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def commands_of(lines: list[str], arguments: list[str], origin: str):
+    """(origin, stage, recipe, overrides) of each `align trajectories|train` the lines run, variables with literal
+    values substituted; a command still naming a variable (a loop's, a command's output) is left out."""
+    variables: dict[str, list[str]] = {}
+    for line in lines:
+        found = ASSIGNMENT.match(line)
+        if found:
+            value = found.group(2)
+            variables[found.group(1)] = shlex.split(value[1:-1]) if value.startswith("(") else [value]
+            continue
+        expanded = line.replace('"$@"', " ".join(map(shlex.quote, arguments)))
+        for name, value in variables.items():
+            quoted = " ".join(map(shlex.quote, value))
+            expanded = expanded.replace(f'"${{{name}[@]}}"', quoted).replace(f'"${name}"', quoted)
+            expanded = re.sub(rf"\${name}\b|\${{{name}}}", lambda _: shlex.quote(value[0]), expanded)
+        script = SCRIPT.search(expanded)
+        if script:
+            path = ROOT / script.group(1)
+            yield from commands_of(logical_lines(path.read_text()), shlex.split(script.group(2)), f"{origin} -> "
+                                   f"{script.group(1)}")
+            continue
+        found = COMMAND.search(expanded)
+        if not found:
+            continue
+        try:
+            tokens = shlex.split(found.group(2), comments=True)
+        except ValueError:
+            continue
+        cut = next((i for i, t in enumerate(tokens) if t in ("|", "||", "&&", ";") or t.startswith(("2>", ">"))),
+                   len(tokens))
+        tokens = tokens[:cut]
+        if not tokens or any("$" in t for t in tokens):
+            continue
+        overrides = [t for t in tokens[1:] if "=" in t and not t.startswith("-")]
+        yield origin, found.group(1), tokens[0], overrides
+
+
+def readme_commands():
+    text = (ROOT / "README.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        yield from commands_of(logical_lines(block), [], "README.md")
+    for span in re.findall(r"`([^`\n]*(?:\n[^`\n]*)?)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+        yield from commands_of([" ".join(span.split())], [], "README.md")
+
+
+def all_commands():
+    """Every README command (and the scripts it runs), every launch script, and each recipe run as it is."""
+    yield from readme_commands()
+    for script in sorted((ROOT / "launch").glob("*.sh")):
+        yield from commands_of(logical_lines(script.read_text()), [], str(script.relative_to(ROOT)))
+    import yaml
+
+    for recipe in sorted((ROOT / "recipes").rglob("*.yaml")):
+        sections = yaml.safe_load(recipe.read_text()) or {}
+        for stage, section in (("trajectories", "trajectories"), ("train", "train")):
+            if section in sections:
+                yield str(recipe.relative_to(ROOT)), stage, str(recipe.relative_to(ROOT)), []
+
+
+def test_commands_that_share_a_folder_make_it_with_the_same_settings():
+    from align.train import run_settings
+    from align.trajectories import PROMPT_KEYS, SETTING_KEYS
+
+    found = list(all_commands())
+    # The parser does see the commands that once collided.
+    assert any(o.endswith("tiny_dflash.sh") and s == "trajectories" for o, s, _, _ in found)
+    assert any("trajectories.out=data/tiny/trajectories-800" in " ".join(v) for o, _, _, v in found
+               if o.startswith("README.md -> "))
+    made: dict[tuple[str, str], dict[str, tuple[str, dict]]] = {}
+    for origin, stage, recipe_path, overrides in found:
+        recipe = load_recipe(recipe_path, overrides)
+        command = f"{origin}: align {stage} {recipe_path} {' '.join(overrides)}".strip()
+        folders = [("trajectories.out", {k: get_key(recipe, k) for k in (*SETTING_KEYS, *PROMPT_KEYS)})]
+        if stage == "train":
+            folders.append(("train.out", run_settings(recipe.to_dict())))
+        for key, settings in folders:
+            made.setdefault((key, os.path.normpath(str(get_key(recipe, key)))), {})[command] = settings
+    clashes = []
+    for (key, folder), by_command in made.items():
+        (first, settings), *others = by_command.items()
+        for command, other in others:
+            differ = sorted(k for k in settings if settings[k] != other.get(k))
+            if differ:
+                clashes.append(f"{key} {folder}: {first!r} and {command!r} differ in {differ}")
+    assert not clashes, "\n".join(clashes)
