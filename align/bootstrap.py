@@ -28,9 +28,9 @@ import torch
 from tqdm.auto import tqdm
 
 from align import __version__
-from align.checkpoint import atomic_file, atomic_folder, save_merged
+from align.checkpoint import atomic_file, atomic_folder, mark_folder, save_merged
 from align.config import PretrainSection, Recipe, RecipeError
-from align.corpus import SPLITS, build_data, prompt_sets, read_manifest
+from align.corpus import SPLITS, build_data, prompt_sets, read_corpus, read_manifest
 from align.losses import mdlm, next_token
 from align.models import DrafterSpec, additive_mask, block_diffusion_allowed
 
@@ -258,10 +258,17 @@ def main(recipe: Recipe, command: str) -> None:
         torch.set_num_threads(cfg.threads)
     bf16 = use_bf16(cfg.precision)
     print(f"bootstrap: corpus -> {data_dir}, models -> {out}, precision {'bf16' if bf16 else 'fp32'}")
-    corpus, digest = build_data(data_dir, cfg.corpus_fraction)
+    # Every check first: a refused bootstrap must leave data.dir and bootstrap.out as they were.
+    corpus = read_corpus(cfg.corpus_fraction)
     empty = [s for s in SPLITS if not corpus[s]]
     if empty:
         raise RecipeError(f"bootstrap.corpus_fraction: {cfg.corpus_fraction} leaves no {'/'.join(empty)} files; raise it")
+    tok_dir = out / "tokenizer"
+    if "tokenizer" not in cfg.parts and not (tok_dir / "tokenizer_config.json").is_file():
+        raise RecipeError(f"bootstrap.parts: there is no tokenizer at {tok_dir} to build the other parts with; include "
+                          "'tokenizer'")
+    digest = build_data(data_dir, corpus, cfg.corpus_fraction)
+    mark_folder(out, "bootstrap")
     common = {"corpus_hash": digest, "vocab_size": cfg.vocab_size, "seed": cfg.seed,
               "corpus_fraction": cfg.corpus_fraction, "align": __version__}
     provenance = {"command": command, "corpus_hash": digest, "python": platform.python_version(),
@@ -269,19 +276,16 @@ def main(recipe: Recipe, command: str) -> None:
 
     from transformers import AutoTokenizer
 
-    tok_dir = out / "tokenizer"
     tok_hash = _hash({"part": "tokenizer", **common})
     if "tokenizer" in cfg.parts and (cfg.force or (read_manifest(tok_dir) or {}).get("config_hash") != tok_hash):
         t0 = time.time()
-        with atomic_folder(tok_dir) as tmp:
+        with atomic_folder(tok_dir, "bootstrap") as tmp:
             train_tokenizer([r["text"] for r in corpus["train"]], cfg.vocab_size, tmp)
             (tmp / "manifest.json").write_text(json.dumps(
                 {"part": "tokenizer", "config_hash": tok_hash, "vocab_size": cfg.vocab_size,
                  "special_tokens": {"eos": EOT, "pad": PAD, "mask": MASK}, "wall_time_s": round(time.time() - t0, 1),
                  **provenance}, indent=2))
         print(f"[tokenizer] {cfg.vocab_size} tokens -> {tok_dir}")
-    if not (tok_dir / "tokenizer_config.json").is_file():
-        raise SystemExit(f"bootstrap: no tokenizer at {tok_dir}; include 'tokenizer' in bootstrap.parts")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     tok_manifest = read_manifest(tok_dir) or {}
 
@@ -322,6 +326,7 @@ def main(recipe: Recipe, command: str) -> None:
         if part == "verifier":
             manifest["samples"] = greedy_samples(model, tokenizer, test_prompts)
         # Weights ship in bf16 (half the size); the runtime upcasts on CPU.
-        save_merged(model.to(torch.bfloat16), tokenizer, final, {"manifest.json": json.dumps(manifest, indent=2)})
+        save_merged(model.to(torch.bfloat16), tokenizer, final, {"manifest.json": json.dumps(manifest, indent=2)},
+                    kind="bootstrap")
         shutil.rmtree(out / ".work" / part, ignore_errors=True)
         print(f"[{part}] -> {final}")

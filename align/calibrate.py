@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from align.checkpoint import mark_folder
 from align.config import Recipe, RecipeError, fits_context, model_context
 from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_prompt, template_sha256,
                         tiny_prompts_path)
@@ -56,7 +56,7 @@ def main(recipe: Recipe, command: str) -> None:
         context_forwards=context_forwards,
     )
     graph.meta["seconds"] = round(time.perf_counter() - t0, 1)  # tracing and the node search
-    out = Path(c.out) / "draft_graph.json"
+    out = mark_folder(c.out, "calibrate") / "draft_graph.json"
     graph.save(out)
     replayed = ", ".join(f"{order} {x:.2f}x" for order, x in graph.meta["replayed_nfe_reduction"].items())
     print(f"calibrated {graph.budget} nodes ({graph.position_order} order; NFE reduction replayed on the traces: "

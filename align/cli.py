@@ -11,6 +11,7 @@ import importlib
 import os
 import shlex
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn, Optional, Union, get_args
@@ -28,6 +29,13 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopp
 
 def _none(recipe: Recipe) -> tuple[str, ...]:
     return ()
+
+
+def _train_checks(recipe: Recipe) -> None:
+    from align.train import check_resume  # the run folder's settings: a changed recipe is refused before launching
+
+    check_train(recipe)
+    check_resume(recipe)
 
 
 def _served_drafter(recipe: Recipe) -> str:
@@ -57,8 +65,11 @@ class Stage:
     #: the prompt sources the stage reads, given the recipe: (source key, the model key whose tokenizer renders them),
     #: checked by data.check_prompts (source, split, column, messages, chat template)
     prompts: Callable[[Recipe], tuple[tuple[str, str], ...]] = lambda recipe: ()
-    #: recipe keys naming folders the stage writes: each must be a folder, or creatable, and writable
+    #: recipe keys naming folders the stage writes: each must be a folder, or creatable, and writable, and new, empty
+    #: or already the stage's (checkpoint.check_output_owner); each is locked while the stage runs
     outputs: tuple[str, ...] = ()
+    #: those of `outputs` the stage replaces whole (deleting what was there): only an earlier output of its own kind
+    replaces: tuple[str, ...] = ()
     #: folders the stage writes only when something is missing (data.dir: the tiny data, built on first use): only a
     #: file in their way is refused, since a complete one may well be read-only
     folders: tuple[str, ...] = ()
@@ -85,7 +96,7 @@ STAGES: dict[str, Stage] = {
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
         "align.train", ("drafter", "dflash", "verifier", "trajectories", "train"), models=train_models,
-        check=check_train, outputs=("train.out",), launcher=True,
+        check=_train_checks, outputs=("train.out",), launcher=True,
     ),
     "gkd": Stage(
         "DistillSpec baseline: distil the AR drafter from the verifier on the trajectories with TRL's GKD trainer",
@@ -111,7 +122,8 @@ STAGES: dict[str, Stage] = {
         "write a Hub-ready folder (weights, DrafterSpec, tokenizer, draft graph, eval, model card); --push-to-hub",
         "align.export", ("drafter", "verifier", "calibrate", "export"),
         models=lambda r: ("drafter.path", *(("verifier.path",) if r.export.format == "speculators" else ())),
-        file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",), check=check_export,
+        file_keys=("calibrate.graph", "export.eval"), outputs=("export.out",), replaces=("export.out",),
+        check=check_export,
         flags=(("--push-to-hub", "export.push_to_hub"), ("--revision", "export.revision"),
                ("--commit-message", "export.commit_message")),
     ),
@@ -178,7 +190,7 @@ def show_verify_costs(args: argparse.Namespace) -> int:
     import torch
 
     from align.bench import model_configs, verify_cost_curves
-    from align.config import check_output_file
+    from align.checkpoint import check_output_file
     from align.models import DTYPES, context_length
 
     def refuse(message: str) -> int:
@@ -206,7 +218,7 @@ def show_verify_costs(args: argparse.Namespace) -> int:
                           f"{longest} tokens")
     if args.out:
         try:
-            check_output_file("--out", args.out)
+            check_output_file("--out", args.out, "models")
         except RecipeError as e:
             return refuse(str(e))
     dtype = DTYPES[args.dtype]
@@ -347,15 +359,42 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
     """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
     check_inputs(recipe, file_keys=stage.file_keys)
     check_models(recipe, stage.models(recipe))
+    from align.checkpoint import check_output_owner
+
+    written = {key: Path(str(get_key(recipe, key))) for key in (*stage.outputs, *stage.folders)}
+    for key, folder in written.items():
+        check_output(key, str(folder), writable=key in stage.outputs)
+        # Its recipe section is the kind of output a folder holds (data.dir: data, serve_check.out: serve_check).
+        check_output_owner(key, folder, key.split(".")[0], replaced=key in stage.replaces)
+    same = [(a, b) for i, a in enumerate(written) for b in list(written)[i + 1:]
+            if written[a].resolve() == written[b].resolve()]
+    if same:
+        a, b = same[0]
+        raise RecipeError(f"{b}: {written[b]} is also {a}; each of a stage's outputs needs a folder of its own")
+    # After the outputs: reading the tiny prompts builds data.dir on first use.
     for key, model_key in stage.prompts(recipe):
         from align.data import check_prompts  # reads datasets and tokenizers: only for the stages that need them
 
         check_prompts(recipe, key, model_key)
-    for key in stage.outputs:
-        check_output(key, str(get_key(recipe, key)))
-    for key in stage.folders:
-        check_output(key, str(get_key(recipe, key)), writable=False)
     stage.check(recipe)
+
+
+def hold_outputs(stage: Stage, recipe: Recipe, args: argparse.Namespace) -> ExitStack:
+    """The locks of the stage's output folders (RecipeError when another run holds one), held until the returned
+    stack closes. Ranks spread over hosts by a launcher lock for themselves (rank 0), since they cannot see this
+    process's locks."""
+    from align.checkpoint import folder_lock
+
+    held = ExitStack()
+    if stage.launcher and not (args.hostfile is None and args.num_nodes in (None, 1)):
+        return held
+    try:
+        for key in stage.outputs:
+            held.enter_context(folder_lock(key, str(get_key(recipe, key))))
+    except BaseException:
+        held.close()
+        raise
+    return held
 
 
 def _run(argv: list[str]) -> int:
@@ -376,9 +415,15 @@ def _run(argv: list[str]) -> int:
     try:
         recipe = load_recipe(args.recipe, overrides)
         check_stage(stage, recipe)
+        held = hold_outputs(stage, recipe, args) if stage.module is not None else ExitStack()
     except RecipeError as e:
         print(f"align {args.stage}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    with held:
+        return _start(stage, recipe, args, argv)
+
+
+def _start(stage: Stage, recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
     if stage.module is None:
         if args.get is not None:
             try:

@@ -1180,20 +1180,6 @@ def check_output(key: str, value: str, writable: bool = True) -> None:
         raise RecipeError(f"{key}: {existing} is not writable{needed}")
 
 
-def check_output_file(key: str, value: str) -> None:
-    """An output file is not a folder, and its folder is one, or can be created, and is writable (as check_output)."""
-    path = Path(value)
-    if path.is_dir():
-        raise RecipeError(f"{key}: {value} is a folder; a file name is expected")
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise RecipeError(f"{key}: {existing} is a file, so {value} cannot be created under it")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise RecipeError(f"{key}: {existing} is not writable (needed to write {value})")
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # the context rule: one place, every stage (trajectories, train, gkd, calibrate, eval, serve-check) and the Python API
 # --------------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 from typing import Iterator
 
-from align.checkpoint import atomic_file, write_text_atomic
+from align.checkpoint import atomic_file, mark_folder, write_text_atomic
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 # Folders of the stdlib that are not "the library": its own tests (near-duplicates of library code, and the test
@@ -115,13 +115,14 @@ def read_manifest(folder: Path) -> dict | None:
         return None
 
 
-def build_data(data_dir: Path, fraction: float = 1.0) -> tuple[dict[str, list[dict[str, str]]], str]:
-    """Read the corpus, write it (as `datasets` JSONL splits) and the prompt sets under data_dir unless the folder
-    already holds this very corpus; return it and its hash."""
-    corpus = read_corpus(fraction)
+def build_data(data_dir: Path, corpus: dict[str, list[dict[str, str]]], fraction: float) -> str:
+    """Write `corpus` (read_corpus(fraction): read, and checked by the caller, before anything is written) as
+    `datasets` JSONL splits, and its prompt sets, under data_dir unless the folder already holds this very corpus;
+    return its hash."""
     digest = corpus_hash(corpus)
     manifest = read_manifest(data_dir)
     if manifest is None or manifest.get("corpus_hash") != digest:
+        mark_folder(data_dir, "data")
         for split in SPLITS:
             write_jsonl(corpus[split], data_dir / "corpus" / f"{split}.jsonl")
         prompts = prompt_sets(corpus)
@@ -136,7 +137,7 @@ def build_data(data_dir: Path, fraction: float = 1.0) -> tuple[dict[str, list[di
             "prompts": {s: len(r) for s, r in prompts.items()},
             "corpus_fraction": fraction,
         }, indent=2))
-    return corpus, digest
+    return digest
 
 
 def ensure_data(data_dir: str | Path, fraction: float = 1.0, model_dir: str | Path | None = None) -> Path:
@@ -148,7 +149,7 @@ def ensure_data(data_dir: str | Path, fraction: float = 1.0, model_dir: str | Pa
     if not (data_dir / "manifest.json").is_file():
         print(f"align: building the tiny corpus and prompt sets from the Python standard library into {data_dir}",
               file=sys.stderr)
-        build_data(data_dir, fraction)
+        build_data(data_dir, read_corpus(fraction), fraction)
     if model_dir is not None:
         trained_on = (read_manifest(model_dir) or {}).get("corpus_hash")
         built = read_manifest(data_dir) or {}

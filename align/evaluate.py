@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig
 
 from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
-from align.checkpoint import write_text_atomic
+from align.checkpoint import mark_folder, write_text_atomic
 from align.config import Recipe, RecipeError, eval_models
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
@@ -342,8 +342,7 @@ def main(recipe: Recipe, command: str) -> None:
             if name.startswith("specdiff") and (other_spec.kind != "dflash" or name in DFLASH_METHODS):
                 setups[f"{name}@{label}"] = replace(setup, drafter=other, spec=other_spec)
     names = list(setups)
-    out = Path(e.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = mark_folder(e.out, "eval")
 
     print(f"eval: {len(prompts)} prompts, {d.max_new_tokens} new tokens, γ={d.gamma}, methods: {', '.join(names)}")
     greedy = run_all(setups, prompts, Sampling(), e.warmup, e.repeats, d.seed, "temperature 0")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from align.checkpoint import atomic_folder
+from align.checkpoint import MARKER, atomic_folder
 from align.config import (
     CANVAS_DECODER_FAMILIES, HUB_LICENSES, Recipe, RecipeError, check_file, check_inputs, hub_offline, hub_snapshot,
     is_hub_id,
@@ -547,7 +547,7 @@ def build_folder(recipe: Recipe, command: str, out: Path) -> None:
     source = model_folder(recipe.drafter.path)  # a Hub id's files are in the Hub cache
     if (source / "adapter_config.json").is_file():
         raise RecipeError(f"drafter.path: {source} is a LoRA adapter; export a merged step_<N> folder from align train")
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, "export") as tmp:
         if recipe.export.format == "speculators":
             fill_speculators_folder(recipe, command, source, tmp)
         else:
@@ -625,7 +625,7 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
 def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
     from align.models import drafter_spec_from_config, load_tokenizer
 
-    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", "*.tmp"), dirs_exist_ok=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", "*.tmp", MARKER), dirs_exist_ok=True)
     config = json.loads((tmp / "config.json").read_text())
     if "drafter_spec" not in config:
         from transformers import AutoConfig
@@ -667,8 +667,9 @@ def push(folder: Path, recipe: Recipe) -> None:
     api.create_repo(e.push_to_hub, private=e.private, exist_ok=True)
     if e.revision != "main":
         api.create_branch(e.push_to_hub, branch=e.revision, exist_ok=True)
+    # The marker says the local folder is an export align may replace; it means nothing on the Hub.
     api.upload_folder(folder_path=str(folder), repo_id=e.push_to_hub, revision=e.revision,
-                      commit_message=e.commit_message)
+                      commit_message=e.commit_message, ignore_patterns=[MARKER])
 
 
 def main(recipe: Recipe, command: str) -> None:

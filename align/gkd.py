@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from align.checkpoint import save_merged
+from align.checkpoint import mark_folder, save_merged
 from align.config import Recipe, check_inputs, get_key
 from align.models import load_tokenizer
 from align.tracking import open_trackers, resolve
@@ -67,7 +66,7 @@ def main(recipe: Recipe, command: str) -> None:
     tokenizer = load_tokenizer(recipe.ar_drafter.path)
     student = AutoModelForCausalLM.from_pretrained(recipe.ar_drafter.path, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(recipe.verifier.path, dtype=torch.float32)
-    out = Path(g.out)
+    out = mark_folder(g.out, "gkd")  # TRL's trainer writes into it from here on
     trackers, run_name = resolve(g.report_to), g.run_name or out.resolve().name
     # TRL's trainer reports to the trackers itself (tensorboard under <out>/runs). The wandb run is opened here, in the
     # run folder with the recipe as its config, and TRL's callback logs into it instead of starting one in the
@@ -86,5 +85,5 @@ def main(recipe: Recipe, command: str) -> None:
         wandb_run.close()
     final = out / "final"
     save_merged(trainer.model, tokenizer, final, {"meta.json": json.dumps(
-        {"command": command, "recipe": recipe.to_dict(), "log": trainer.state.log_history}, indent=2)})
+        {"command": command, "recipe": recipe.to_dict(), "log": trainer.state.log_history}, indent=2)}, kind="gkd")
     print(f"gkd: distilled AR drafter -> {final}")

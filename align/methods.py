@@ -233,6 +233,6 @@ def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
                          add_special_tokens=False)["input_ids"]
     stream = np.fromiter((t for doc in docs for t in (doc if doc and doc[-1] == eos else [*doc, eos])), dtype=np.int64)
     model = TrigramModel.fit(stream, len(tokenizer))
-    with atomic_folder(folder) as tmp:
+    with atomic_folder(folder, "data") as tmp:
         model.save(tmp, source=str(source))
     return model

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from align.bench import cpu_model
-from align.checkpoint import write_text_atomic
+from align.checkpoint import mark_folder, write_text_atomic
 from align.config import Recipe, RecipeError, drafter_spec_from_config, model_context
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
 from align.decoding.ar import ar_generate
@@ -156,8 +156,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                  "vllm": plain.vllm_version, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "machine": served_on()},
     }
-    out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = mark_folder(s.out, "serve_check")
     write_text_atomic(out / "serve_check.json", json.dumps(result, indent=2))
     text = report(result)
     write_text_atomic(out / "report.md", text)

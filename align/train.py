@@ -11,6 +11,8 @@ state for exact resume) and `metrics.jsonl`, and sends the metrics to the tracke
 events in `<train.out>/tensorboard` by default). A re-run resumes from the last checkpoint and reproduces the losses
 an uninterrupted run would have had: every batch is a function of (seed, step, rank).
 A checkpoint is only ever written from finite weights, so `latest` never points at a poisoned state.
+A run resumes only with the settings it was started with (`<train.out>/run.json`; MAY_CHANGE_ON_RESUME lists what may
+differ), a finished run says so and does nothing, and the run folder is locked while a run writes it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import shlex  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -39,10 +42,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from align.checkpoint import merged_model, save_merged, step_folders, write_text_atomic  # noqa: E402
+from align.checkpoint import (check_output_owner, folder_lock, mark_folder, merged_model, save_merged,  # noqa: E402
+                              step_folders, write_text_atomic)
 from align.config import (Recipe, RecipeError, check_models, check_output, check_train, load_recipe,  # noqa: E402
                           train_models)
-from align.data import check_rows_fit, load_checked_trajectories  # noqa: E402
+from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories  # noqa: E402
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
 from align.launch import strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
@@ -53,6 +57,15 @@ from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, ver
                            verifier_window_logits, window_logits)
 
 EXIT_NOT_FINITE = 3
+# The recipe sections that define a run, and what in them may change when it resumes: how far it runs (the cosine
+# schedule is recomputed for the new length), how often it saves, evaluates and reports, where its run folder is, and
+# the devices. Every other key, and the trajectories it reads (their settings hash), would make the resumed run
+# continue another run's weights and optimiser state: `align train` refuses it and names the keys.
+RUN_SECTIONS = ("drafter", "dflash", "verifier", "train")
+MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_every", "train.eval_every",
+                                  "train.final_eval_prompts", "train.report_to", "train.project", "train.run_name",
+                                  "drafter.device", "verifier.device"})
+RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
 # One prompt in HELD_OUT_EVERY is kept out of training, for the simulated accepted length and the final real τ.
 HELD_OUT_EVERY = 20
 
@@ -115,6 +128,99 @@ def check_data(recipe: Recipe) -> TrainData:
         raise RecipeError(f"trajectories.out: {recipe.trajectories.out} holds only held-out prompts (one in "
                           f"{HELD_OUT_EVERY} is held out, the first among them); make trajectories of more prompts")
     return TrainData(rows, train_rows, held_out, online)
+
+
+def run_settings(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The keys that define a run (section.key -> value; dflash whole, since its presence decides the drafter), from
+    a resolved recipe (Recipe.to_dict(), or the one a checkpoint's meta.json holds). Model paths that exist are made
+    absolute: the same folder named from elsewhere is the same run."""
+    flat: dict[str, Any] = {}
+    for section in RUN_SECTIONS:
+        value = recipe.get(section)
+        if section == "dflash" or not isinstance(value, dict):
+            flat[section] = value
+        else:
+            flat.update({f"{section}.{key}": v for key, v in value.items()})
+    for key in ("drafter.path", "verifier.path"):
+        if isinstance(flat.get(key), str) and Path(flat[key]).exists():
+            flat[key] = str(Path(flat[key]).resolve())
+    return {key: value for key, value in flat.items() if key not in MAY_CHANGE_ON_RESUME}
+
+
+def trajectory_settings_hash(recipe: Recipe) -> Optional[str]:
+    try:
+        return json.loads((Path(recipe.trajectories.out) / TRAJECTORY_MANIFEST).read_text()).get("settings_hash")
+    except (OSError, ValueError, AttributeError):
+        return None  # check_data names a missing or unreadable manifest
+
+
+def recorded_run(out: Path) -> Optional[dict[str, Any]]:
+    """The settings the run in `out` was started with: its run.json, or, for a run from before run.json, the recipe
+    in its newest checkpoint's meta.json; None for a new run."""
+    try:
+        return json.loads((out / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        pass
+    folders = step_folders(out)
+    try:
+        return {"settings": run_settings(json.loads((folders[-1][1] / "meta.json").read_text())["recipe"])}
+    except (IndexError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def resume_step(out: Path) -> int:
+    """The step of the DeepSpeed state a rerun resumes from (ds_state/latest names it), 0 without one."""
+    try:
+        found = re.fullmatch(r"step_(\d+)", (out / "ds_state" / "latest").read_text().strip())
+    except OSError:
+        return 0
+    return int(found.group(1)) if found else 0
+
+
+def check_resume(recipe: Recipe) -> int:
+    """The step the run in train.out resumes from (0: a new run), once the recipe is known to continue it: refused
+    (RecipeError), before any model is loaded, when the run was made with other settings (run_settings, or other
+    trajectories) or is already past train.max_steps."""
+    out = Path(recipe.train.out)
+    recorded = recorded_run(out)
+    if recorded is not None:
+        now = {**run_settings(recipe.to_dict()), "trajectories": trajectory_settings_hash(recipe)}
+        then = {**recorded.get("settings", {}), "trajectories": recorded.get("trajectories")}
+        # A key only one side has is a schema change between align versions; an unknown trajectories hash (a record
+        # from before run.json, or a missing manifest, which check_data names) is not compared.
+        differ = [key for key, value in now.items() if key in then and then[key] != value
+                  and not (key == "trajectories" and None in (value, then[key]))]
+        if differ:
+            shown = "; ".join(f"{key} {then[key]!r}, now {now[key]!r}" if key != "trajectories" else
+                              f"the trajectories in {recipe.trajectories.out} (another settings hash)" for key in differ)
+            raise RecipeError(f"train.out: {out} holds a run made with other settings ({shown}); resume it with "
+                              "the settings it was started with, or choose another train.out")
+    step = resume_step(out)
+    if step > recipe.train.max_steps:
+        raise RecipeError(f"train.max_steps: {recipe.train.max_steps} is below step {step}, where the run in {out} "
+                          f"already is; use train.max_steps >= {step}, or choose another train.out")
+    return step
+
+
+def finished(recipe: Recipe, step: int) -> bool:
+    """Whether the run resumed at `step` has nothing left to do: every step, and the final τ when asked for."""
+    t = recipe.train
+    if step < t.max_steps:
+        return False
+    try:
+        meta = json.loads((Path(t.out) / f"step_{step}" / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return t.final_eval_prompts == 0 or "final_tau" in meta
+
+
+def record_run(recipe: Recipe) -> None:
+    """Mark train.out as a training run and keep the settings it starts with (kept as they are on a resume)."""
+    out = mark_folder(recipe.train.out, "train")
+    if not (out / RUN_RECORD).is_file():
+        write_text_atomic(out / RUN_RECORD, json.dumps({
+            "settings": run_settings(recipe.to_dict()), "trajectories": trajectory_settings_hash(recipe),
+            "may_change_on_resume": sorted(MAY_CHANGE_ON_RESUME)}, indent=2))
 
 
 def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
@@ -200,17 +306,18 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
 
 
 def resume(trainer: Trainer, out: Path) -> int:
-    """Load the last DeepSpeed state under out/ds_state (0 without one), and drop metrics of later steps, which the
-    resumed run will log again."""
-    if not (out / "ds_state" / "latest").is_file():
-        return 0
-    _, client = trainer.engine.load_checkpoint(str(out / "ds_state"))
-    start = client["step"]
+    """Load the last DeepSpeed state under out/ds_state (0 without one), and drop metrics of later steps and the final
+    τ, which the resumed run will log again (a run killed before its first checkpoint starts over)."""
+    start = 0
+    if (out / "ds_state" / "latest").is_file():
+        _, client = trainer.engine.load_checkpoint(str(out / "ds_state"))
+        start = client["step"]
     metrics = out / "metrics.jsonl"
     if trainer.rank == 0 and metrics.is_file():
-        kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= start]
+        rows = [(line, json.loads(line)) for line in metrics.read_text().splitlines()]
+        kept = [line for line, row in rows if row["step"] <= start and "final_tau" not in row]
         write_text_atomic(metrics, "".join(line + "\n" for line in kept))
-    if trainer.rank == 0:
+    if trainer.rank == 0 and start:
         print(f"align train: resuming from step {start}")
     return start
 
@@ -422,6 +529,15 @@ def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> dict[str, fl
 def main(recipe: Recipe, command: str) -> int:
     t, out = recipe.train, Path(recipe.train.out)
     data = check_data(recipe)
+    # Every rank reads the same files, so all take the same branch here, before any collective.
+    start = check_resume(recipe)
+    if finished(recipe, start):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"align train: {out} is complete ({start} of {t.max_steps} steps); nothing to do (a higher "
+                  "train.max_steps trains it further)")
+        return 0
+    if int(os.environ.get("RANK", 0)) == 0:
+        record_run(recipe)
     rank, world = init_distributed()
     trainer = build_trainer(recipe, data, rank, world)
     start = resume(trainer, out)
@@ -476,7 +592,9 @@ def script(argv: list[str]) -> int:
         check_models(recipe, train_models(recipe))
         check_train(recipe)
         check_output("train.out", recipe.train.out)
-        return main(recipe, shlex.join(["align/train.py", *args]))
+        check_output_owner("train.out", recipe.train.out, "train")
+        with folder_lock("train.out", recipe.train.out):
+            return main(recipe, shlex.join(["align/train.py", *args]))
     except RecipeError as e:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank would say the same
             print(f"align train: error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from align.checkpoint import atomic_folder, write_text_atomic
+from align.checkpoint import atomic_folder, mark_folder, write_text_atomic
 from align.config import Recipe, RecipeError, check_context, check_inputs, get_key, model_context
 from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, file_sha256, load_prompts,
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path)
@@ -31,14 +31,21 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+# Recipe key -> its name in the manifest's settings: with the prompts (the keys of PROMPT_KEYS decide which, and how
+# they are rendered), what makes a set of trajectories; a folder holds one set.
+SETTING_KEYS: dict[str, str] = {
+    **TRAJECTORY_KEYS,  # what align train compares with its own recipe (verifier, temperature, top_p, max_new_tokens)
+    "trajectories.completions_per_prompt": "completions_per_prompt", "trajectories.store_topk": "store_topk",
+    "trajectories.batch_size": "batch_size", "trajectories.backend": "backend", "train.seed": "seed",
+}
+PROMPT_KEYS = ("trajectories.num_prompts", "data.train_prompts", "data.train_split", "data.prompt_column",
+               "data.chat_template", "data.dir")
+
+
 def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[str]) -> dict[str, Any]:
-    t = recipe.trajectories
     return {
-        # what align train compares with its own recipe (verifier, temperature, top_p, max_new_tokens)
-        **{name: get_key(recipe, key) for key, name in TRAJECTORY_KEYS.items()},
-        "completions_per_prompt": t.completions_per_prompt, "store_topk": t.store_topk, "batch_size": t.batch_size,
-        "backend": t.backend,
-        "seed": recipe.train.seed, "num_prompts": len(prompt_ids),
+        **{name: get_key(recipe, key) for key, name in SETTING_KEYS.items()},
+        "num_prompts": len(prompt_ids),
         # the token ids the verifier read, and the chat template that rendered them (align train compares it)
         "prompts_sha256": prompt_ids_sha256(prompt_ids), "chat_template_sha256": template_sha256(template),
     }
@@ -109,7 +116,7 @@ def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) ->
     """Write a chunk atomically, with its files' checksums."""
     from datasets import Dataset
 
-    with atomic_folder(folder) as tmp:
+    with atomic_folder(folder, "trajectories") as tmp:
         Dataset.from_list(rows).save_to_disk(str(tmp))
         checksums = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.arrow"))}
         tokens = sum(len(r["completion_ids"]) for r in rows)
@@ -147,6 +154,7 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"trajectories.out: {out} holds trajectories made with other settings; "
                           "choose another folder or delete it")
     rank, world = rank_and_world()
+    mark_folder(out, "trajectories")  # every check passed
     verifier = start_vllm(recipe) if t.backend == "vllm" else load_verifier(recipe.verifier)
     produce = sample_chunk_vllm if t.backend == "vllm" else sample_chunk
     starts = list(range(0, len(prompts), t.batch_size))

@@ -13,7 +13,7 @@ recipe=recipes/tiny/dflash.yaml
 # A bad override stops the job here (one line, exit 2), before any work.
 out=$(.venv/bin/align validate "$recipe" "$@" --get train.out)
 export_dir=$(.venv/bin/align validate "$recipe" "$@" --get export.out)
-.venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"  # the same greedy trajectories as tiny_align.sh (reused)
+.venv/bin/align trajectories "$recipe" --num_gpus 2 "$@"  # compare_losses.sh's 800 greedy ones (reused if made)
 .venv/bin/align train "$recipe" --num_gpus 2 "$@"
 step=$(.venv/bin/align latest "$out")
 # One interleaved run: specdiff with the shipped standalone drafter (drafter-base) and with the DFlash drafter

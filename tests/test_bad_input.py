@@ -223,8 +223,17 @@ def test_data_dir_that_is_a_file(capsys, started, tmp_path, stage, recipe):
     (tmp_path / "data").write_text("not a folder")
     line = refused(capsys, started, stage, f"recipes/tiny/{recipe}", f"data.dir={tmp_path / 'data'}")
     assert line.startswith(f"align {stage}: error: data.dir: ") and "is an existing file" in line
+    # A complete data.dir need not be writable; a folder align did not write (here one even root cannot write) is
+    # refused whatever its permissions, since the stage would build the tiny data into it.
+    from align.checkpoint import mark_folder
+
+    ready = mark_folder(tmp_path / "ready", "data")
+    (ready / "manifest.json").write_text('{"corpus_hash": "..."}')
+    ready.chmod(0o555)
+    assert run(stage, f"recipes/tiny/{recipe}", f"data.dir={ready}") == 0 and started == [stage]
     if os.geteuid() == 0 and not os.access("/proc/self", os.W_OK):
-        assert run(stage, f"recipes/tiny/{recipe}", "data.dir=/proc/self") == 0 and started == [stage]
+        line = refused(capsys, [], stage, f"recipes/tiny/{recipe}", "data.dir=/proc/self")
+        assert "data.dir: /proc/self is not empty and align did not write it" in line, line
 
 
 def test_output_under_a_folder_that_cannot_be_written(capsys, started, tmp_path):

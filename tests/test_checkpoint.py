@@ -13,10 +13,10 @@ from align.checkpoint import atomic_file, atomic_folder, latest_step, merged_mod
 
 def test_a_failed_folder_write_leaves_the_old_folder(tmp_path):
     final = tmp_path / "step_2"
-    with atomic_folder(final) as tmp:
+    with atomic_folder(final, "train") as tmp:
         (tmp / "a.txt").write_text("old")
     with pytest.raises(RuntimeError):
-        with atomic_folder(final) as tmp:
+        with atomic_folder(final, "train") as tmp:
             (tmp / "a.txt").write_text("half")
             raise RuntimeError("killed mid-write")
     assert (final / "a.txt").read_text() == "old"
@@ -25,11 +25,11 @@ def test_a_failed_folder_write_leaves_the_old_folder(tmp_path):
 
 def test_a_folder_is_replaced_whole(tmp_path):
     final = tmp_path / "out"
-    with atomic_folder(final) as tmp:
+    with atomic_folder(final, "train") as tmp:
         (tmp / "stale.txt").write_text("x")
-    with atomic_folder(final) as tmp:
+    with atomic_folder(final, "train") as tmp:
         (tmp / "new.txt").write_text("y")
-    assert sorted(p.name for p in final.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in final.iterdir()) == [".align", "new.txt"]  # the marker: align wrote it
 
 
 def test_a_failed_file_write_leaves_the_old_file(tmp_path):
