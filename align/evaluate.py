@@ -40,7 +40,7 @@ from align.checkpoint import write_text_atomic
 from align.config import Recipe, RecipeError, eval_models
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
-from align.decoding.generation import GenerationStats, Sampling
+from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
@@ -75,7 +75,7 @@ def prompt_records(run: Run, prompts: list[dict[str, Any]], speculative: bool) -
     records = []
     for where, tokens, stats, wall in zip(prompts, run.tokens, run.stats, run.wall_s):
         accepted = [n + 1 for n in stats.accept_counts] if speculative else None
-        tau = (stats.tau if speculative else (len(tokens) - 1) / max(stats.verifier_forwards, 1))
+        tau = stats.tau
         records.append({**where, "new_tokens": len(tokens), "verifier_forwards": stats.verifier_forwards,
                         "drafter_forwards": stats.drafter_forwards, "tau": round(tau, 4),
                         "accepted_lengths": accepted,
@@ -111,10 +111,7 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
         wall = sum(run.wall_s)
         method = base_method(name)
         speculative = method != "ar" and method not in OPAQUE
-        if speculative:
-            tau = pooled.tau
-        else:  # tokens after the first (which the prefill gives) per decoding verifier forward
-            tau = (pooled.new_tokens - len(run.tokens)) / max(pooled.verifier_forwards, 1)
+        tau = mean_accepted_length(run.stats)  # the Python API's stats.tau, pooled over the prompts
         entry: dict[str, Any] = {
             "tau": round(tau, 4),
             "speedup": round(baseline_wall / wall, 4),
