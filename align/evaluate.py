@@ -22,10 +22,17 @@ eval.json, by `schema_version` (a file without the key is version 1):
    (python, torch, transformers, align-drafters, deepspeed, datasets; None when not installed), machine.cpu_model
    (/proc/cpuinfo's model name) and machine.gpu (None without CUDA), and verify_costs_s (the cost-aware methods'
    measured verifier cost curve, None when none ran).
+3. Adds `meta.drafters`: the drafters whose rows eval.json holds, each {rows ("" for the plain `<method>` rows of
+   drafter.path, `@<label>` for eval.compare_drafters' `<method>@<label>`), path (as the recipe gave it), resolved (the
+   absolute folder, or the Hub id), weights_sha256 (drafter_identity; None when its files are not on this machine)},
+   so that `align export` finds the exported drafter's rows from any folder; and `meta.exact_match_semantics`
+   (exact_match_semantics: what `exact_match` compares, the device and dtype it was measured in, and what is
+   guaranteed there).
 """
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from dataclasses import replace
@@ -37,9 +44,9 @@ from transformers import AutoConfig
 
 from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
 from align.checkpoint import write_text_atomic
-from align.config import Recipe, RecipeError, eval_models
-from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
-                        template_sha256)
+from align.config import Recipe, RecipeError, eval_models, hub_snapshot, is_hub_id
+from align.data import (chat_template, encode_prompts, eval_prompt_rows, file_sha256, prompt_ids_sha256,
+                        prompt_places, template_sha256)
 from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
@@ -60,7 +67,50 @@ def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sam
     return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
 
 
-SCHEMA_VERSION = 2  # of eval.json: what each version holds is in the module docstring
+SCHEMA_VERSION = 3  # of eval.json: what each version holds is in the module docstring
+
+
+def weights_sha256(folder: Path) -> Optional[str]:
+    """The sha256 of a model folder's weights: of its one weights file (what `sha256sum model.safetensors` prints),
+    or of the `sha256sum` lines of its shards, sorted by name; None when it holds none."""
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    if not files:
+        return None
+    if len(files) == 1:
+        return file_sha256(files[0])
+    lines = "".join(f"{file_sha256(f)}  {f.name}\n" for f in files)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def drafter_identity(path: str) -> dict[str, Any]:
+    """How eval.json names a drafter so that it is found again from any folder: `path` as given, `resolved` (the
+    absolute folder, or the Hub id) and `weights_sha256` (of the local folder or the Hub cache's snapshot; None when
+    neither is on this machine). A relative path alone would be read against whatever folder export runs in."""
+    local = Path(path).expanduser()
+    folder = local if local.is_dir() else hub_snapshot(path) if is_hub_id(path) else None
+    return {"path": path, "resolved": str(local.resolve()) if local.is_dir() else path,
+            "weights_sha256": weights_sha256(folder) if folder is not None else None}
+
+
+def exact_match_semantics(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What `exact_match` says, for eval.json: every method's greedy output compared, all or nothing per prompt, with
+    the `ar` method's (one token per verifier forward), in the device and dtype the verifier ran in; and what holds
+    there. Acceptance keeps a draft token only where it equals the verifier's argmax, so outputs are identical in exact
+    arithmetic. Speculative methods score several positions per forward (trees and self-selection also batch
+    candidates), AR one: where kernels are not batch-invariant (bf16/fp16 on GPUs), a position's logits differ in the
+    last bits with the forward's shape, and a near-tie can flip an argmax; vLLM documents the same limit
+    ("lossless up to the precision limits of hardware numerics")."""
+    exact = dtype == torch.float32
+    return {
+        "compares": "each prompt's new tokens with the ar method's (greedy, one token per verifier forward)",
+        "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+        "guarantee": ("token-identical to AR greedy: float32, where align's tests check every method token for token"
+                      if exact else
+                      f"identical to AR greedy up to {str(dtype).removeprefix('torch.')} numerics: a method that "
+                      "verifies several tokens (or candidates) per forward can flip an argmax at a near-tie where "
+                      "kernels are not batch-invariant; each output is still the verifier's greedy continuation as "
+                      "that forward computed it. Run eval in float32 (verifier.dtype=float32) for an exact check"),
+    }
 
 
 def position_counts(accept_counts: list[int], draft_lengths: list[int], max_len: int) -> list[int]:
@@ -379,6 +429,10 @@ def main(recipe: Recipe, command: str) -> None:
         "drafter_spec": spec.to_dict() if spec else None,
         "drafter": recipe.drafter.path if uses_drafter else None,
         "compare_drafters": {label: section.path for label, section in compared.items()},
+        # resolved paths and weight hashes: the rows are found again from any folder (align export)
+        "drafters": ([{"rows": "", **drafter_identity(recipe.drafter.path)}] if uses_drafter else []) +
+                    [{"rows": f"@{label}", **drafter_identity(section.path)} for label, section in compared.items()],
+        "exact_match_semantics": exact_match_semantics(next(verifier.parameters()).device, verifier.dtype),
         # the cost-aware methods' measured curve: seconds of a verifier forward over n = 1.. new tokens
         "verify_costs_s": None if setup.verify_costs is None else [round(t, 6) for t in setup.verify_costs],
     }

@@ -242,19 +242,89 @@ def hardware(machine: dict[str, Any]) -> str:
     return f"{cpu}" + (f", {machine['torch_threads']} threads" if machine.get("torch_threads") else "")
 
 
-def drafter_suffix(evaluation: dict[str, Any], drafter_path: str) -> str:
-    """`@<label>` when eval.json ran the exported drafter as one of eval.compare_drafters (its rows are then
-    `specdiff@<label>`...), else "" (it was drafter.path: the plain rows)."""
-    compared = evaluation.get("meta", {}).get("compare_drafters") or {}
-    labels = [label for label, path in compared.items() if Path(path).resolve() == Path(drafter_path).resolve()]
-    return f"@{labels[0]}" if labels else ""
+def recorded_drafters(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
+    """The drafters eval.json has rows for (meta.drafters, schema 3): {rows ("" or "@<label>"), path, resolved,
+    weights_sha256}. An older file names them only by the paths the recipe gave (meta.drafter, meta.compare_drafters),
+    read as they are, against this folder."""
+    meta = evaluation.get("meta") or {}
+    if isinstance(meta.get("drafters"), list):
+        return meta["drafters"]
+    return ([{"rows": "", "path": meta["drafter"]}] if meta.get("drafter") else []) + [
+        {"rows": f"@{label}", "path": path} for label, path in (meta.get("compare_drafters") or {}).items()]
+
+
+_WEIGHTS_SHA256: dict[tuple, Optional[str]] = {}
+
+
+def exported_weights_sha256(drafter_path: str) -> Optional[str]:
+    """drafter_identity's weights_sha256 of the exported drafter, hashed once per state of its files (the card's
+    functions each ask)."""
+    from align.evaluate import drafter_identity
+
+    folder = Path(drafter_path)
+    key = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                        for f in sorted(folder.glob("*")) if f.is_file())) if folder.is_dir() else (
+        drafter_path,)
+    if key not in _WEIGHTS_SHA256:
+        _WEIGHTS_SHA256[key] = drafter_identity(drafter_path)["weights_sha256"]
+    return _WEIGHTS_SHA256[key]
+
+
+def drafter_suffix(evaluation: dict[str, Any], drafter_path: str) -> Optional[str]:
+    """Which of eval.json's rows measured the exported drafter: "" for its plain rows (it was the eval's drafter.path),
+    `@<label>` for eval.compare_drafters' `<method>@<label>` rows, None when none did. Where eval.json recorded the
+    weights' sha256 they decide (a moved or copied folder is the same drafter; a folder trained further since is
+    not); else the resolved path (schema 3's absolute one; an older file's path as given, against this folder)."""
+    for entry in recorded_drafters(evaluation):
+        if entry.get("weights_sha256"):
+            if entry["weights_sha256"] == exported_weights_sha256(drafter_path):
+                return entry["rows"]
+        elif _same_model(entry.get("resolved") or entry.get("path"), drafter_path):
+            return entry["rows"]
+    return None
+
+
+def _same_model(recorded: Optional[str], path: str) -> bool:
+    if not recorded:
+        return False
+    if is_hub_id(recorded) and not Path(recorded).is_dir():
+        return recorded == path
+    return Path(recorded).expanduser().resolve() == Path(path).expanduser().resolve()
+
+
+def check_eval_rows(recipe: Recipe) -> None:
+    """Refuse, before any work, an export.eval without rows of the exported drafter: its card would carry another
+    drafter's numbers as this one's."""
+    if not recipe.export.eval:
+        return
+    try:
+        evaluation = json.loads(Path(recipe.export.eval).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecipeError(f"export.eval: {recipe.export.eval} is not JSON ({type(e).__name__}); give the eval.json "
+                          "that align eval wrote") from None
+    if not isinstance(evaluation, dict) or not isinstance(evaluation.get("methods"), dict):
+        raise RecipeError(f"export.eval: {recipe.export.eval} is not an eval.json of align eval (no `methods`)")
+    if drafter_suffix(evaluation, recipe.drafter.path) is None:
+        measured = ", ".join(f"{e.get('path')} ({'drafter.path' if not e['rows'] else 'eval.compare_drafters.' + e['rows'][1:]})"
+                             for e in recorded_drafters(evaluation)) or "no diffusion drafter"
+        raise RecipeError(f"export.eval: {recipe.export.eval} has no rows for the exported drafter "
+                          f"{recipe.drafter.path} (it measured {measured}); run align eval with it as drafter.path or "
+                          "in eval.compare_drafters")
+
+
+def _rows_of(evaluation: dict[str, Any], drafter_path: str) -> str:
+    """drafter_suffix, refused when None (export checked it before any work: check_eval_rows)."""
+    suffix = drafter_suffix(evaluation, drafter_path)
+    if suffix is None:
+        raise RecipeError(f"eval.json has no rows for the exported drafter {drafter_path}")
+    return suffix
 
 
 def drafter_rows(evaluation: dict[str, Any], drafter_path: str) -> dict[str, dict[str, Any]]:
     """eval.json's rows of the exported drafter by method name: its own (`specdiff@<label>`) when eval.json compared
     it with other drafters under a label, else the plain ones."""
     methods = evaluation["methods"]
-    suffix = drafter_suffix(evaluation, drafter_path)
+    suffix = _rows_of(evaluation, drafter_path)
     return {name: methods[name + suffix] for name in methods
             if name.startswith("specdiff") and "@" not in name and name + suffix in methods}
 
@@ -505,7 +575,7 @@ def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:
     beside it."""
     m = evaluation.get("meta", {})
     methods = evaluation["methods"]
-    suffix = drafter_suffix(evaluation, drafter_path)
+    suffix = _rows_of(evaluation, drafter_path)
     before = origin(m["drafter"]).name if suffix and m.get("drafter") else None  # its name, not its path
     header = "| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy |"
     rule = "|---|---|---|---|"
@@ -677,6 +747,7 @@ def main(recipe: Recipe, command: str) -> None:
     check_inputs(recipe, model_keys=("drafter.path", *speculators))
     check_file("calibrate.graph", recipe.calibrate.graph)
     check_file("export.eval", recipe.export.eval)
+    check_eval_rows(recipe)
     check_push(recipe)
     out = Path(recipe.export.out)
     build_folder(recipe, command, out)

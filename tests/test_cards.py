@@ -164,7 +164,8 @@ def synthetic_eval(path: Path, run: Path) -> Path:
                                          "num_prompts": 8, "baseline": "fastest of ar and hf_generate",
                                          "machine": {"processor": "x86_64", "cpus": 16, "device": "cuda:0",
                                                      "gpu_name": "NVIDIA H200", "torch_threads": 16},
-                                         "drafter": str(run / "ck" / "drafter"), "compare_drafters": {}}}))
+                                         # the exported drafter, by Hub id: its rows are the plain ones
+                                         "drafter": "align-test/tiny-diffucoder", "compare_drafters": {}}}))
     return path
 
 
