@@ -32,7 +32,6 @@ eval.json, by `schema_version` (a file without the key is version 1):
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import time
 from dataclasses import replace
@@ -43,10 +42,10 @@ import torch
 from transformers import AutoConfig
 
 from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
-from align.checkpoint import write_text_atomic
-from align.config import Recipe, RecipeError, eval_models, hub_snapshot, is_hub_id
-from align.data import (chat_template, encode_prompts, eval_prompt_rows, file_sha256, prompt_ids_sha256,
-                        prompt_places, template_sha256)
+from align.checkpoint import drafter_identity, write_text_atomic
+from align.config import Recipe, RecipeError, eval_models
+from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
+                        template_sha256)
 from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
@@ -68,28 +67,6 @@ def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sam
 
 
 SCHEMA_VERSION = 3  # of eval.json: what each version holds is in the module docstring
-
-
-def weights_sha256(folder: Path) -> Optional[str]:
-    """The sha256 of a model folder's weights: of its one weights file (what `sha256sum model.safetensors` prints),
-    or of the `sha256sum` lines of its shards, sorted by name; None when it holds none."""
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
-    if not files:
-        return None
-    if len(files) == 1:
-        return file_sha256(files[0])
-    lines = "".join(f"{file_sha256(f)}  {f.name}\n" for f in files)
-    return hashlib.sha256(lines.encode()).hexdigest()
-
-
-def drafter_identity(path: str) -> dict[str, Any]:
-    """How eval.json names a drafter so that it is found again from any folder: `path` as given, `resolved` (the
-    absolute folder, or the Hub id) and `weights_sha256` (of the local folder or the Hub cache's snapshot; None when
-    neither is on this machine). A relative path alone would be read against whatever folder export runs in."""
-    local = Path(path).expanduser()
-    folder = local if local.is_dir() else hub_snapshot(path) if is_hub_id(path) else None
-    return {"path": path, "resolved": str(local.resolve()) if local.is_dir() else path,
-            "weights_sha256": weights_sha256(folder) if folder is not None else None}
 
 
 def exact_match_semantics(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

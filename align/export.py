@@ -259,7 +259,7 @@ _WEIGHTS_SHA256: dict[tuple, Optional[str]] = {}
 def exported_weights_sha256(drafter_path: str) -> Optional[str]:
     """drafter_identity's weights_sha256 of the exported drafter, hashed once per state of its files (the card's
     functions each ask)."""
-    from align.evaluate import drafter_identity
+    from align.checkpoint import drafter_identity
 
     folder = Path(drafter_path)
     key = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)

@@ -318,7 +318,7 @@ def test_an_eval_without_rows_for_the_exported_drafter_is_refused(compared, tmp_
 
 
 def test_eval_json_names_each_drafter_so_that_it_resolves_from_anywhere(compared):
-    from align.evaluate import weights_sha256
+    from align.checkpoint import weights_sha256
 
     _, tmp = compared
     run = tmp / "run"
