@@ -180,13 +180,13 @@ def test_card_describes_the_training_run():
 
 
 @pytest.mark.parametrize("config, loader, fill", [
-    ({"model_type": "llama", "drafter_spec": {"mask_token_id": 2}}, "AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")",
+    ({"model_type": "llama", "drafter_spec": {"mask_token_id": 2}}, "AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\", dtype=torch.float32)",
      "with `mask_token_id`"),
     ({"model_type": "Dream", "auto_map": {"AutoModel": "modeling_dream.DreamModel"}, "drafter_spec": {}},
-     "AutoModel.from_pretrained(\"THIS_FOLDER\", trust_remote_code=True)", "with `mask_token_id`"),
+     "AutoModel.from_pretrained(\"THIS_FOLDER\", trust_remote_code=True, dtype=torch.float32)", "with `mask_token_id`"),
     ({"model_type": "diffusion_gemma", "drafter_spec": {"noise": "uniform"}},
-     "AutoModelForImageTextToText.from_pretrained(\"THIS_FOLDER\")", "one fixed uniform random draw"),
-    ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, "AutoModel.from_pretrained(\"THIS_FOLDER\")",
+     "AutoModelForImageTextToText.from_pretrained(\"THIS_FOLDER\", dtype=torch.float32)", "one fixed uniform random draw"),
+    ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, "AutoModel.from_pretrained(\"THIS_FOLDER\", dtype=torch.float32)",
      "export.format=speculators"),
 ])
 def test_card_loads_each_family_with_the_class_that_has_its_lm_head(config, loader, fill):
