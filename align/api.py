@@ -61,7 +61,8 @@ class Generation:
     text: str  # the new tokens decoded, special tokens (the end token) left out
     finish_reason: Literal["stop", "length"]  # an end token, or max_new_tokens reached
     # τ, accepted and drafted lengths per iteration, forwards, times. HF's own methods (methods.OPAQUE) report forward
-    # counts only: their τ is (new_tokens - 1) / verifier_forwards, as `align eval` computes it.
+    # counts only: their τ is (new_tokens - 1) / verifier_forwards, by the function `align eval` uses
+    # (decoding.generation.mean_accepted_length).
     stats: GenerationStats
 
 

@@ -15,6 +15,7 @@ refused instead of interleaving with the first.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -305,3 +306,35 @@ def _tied_keys_as_mapping(model: Any) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     for module in listed:
         module._tied_weights_keys = {key: source for key in module._tied_weights_keys} if tied and source else {}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# which model a record names (eval.json's drafters, found again by align export)
+# --------------------------------------------------------------------------------------------------------------------
+def _file_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: weights can be large
+
+
+def weights_sha256(folder: Path) -> Optional[str]:
+    """The sha256 of a model folder's weights: of its one weights file (what `sha256sum model.safetensors` prints),
+    or of the `sha256sum` lines of its shards, sorted by name; None when it holds none."""
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    if not files:
+        return None
+    if len(files) == 1:
+        return _file_sha256(files[0])
+    lines = "".join(f"{_file_sha256(f)}  {f.name}\n" for f in files)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def drafter_identity(path: str) -> dict[str, Any]:
+    """How eval.json names a drafter so that it is found again from any folder: `path` as given, `resolved` (the
+    absolute folder, or the Hub id) and `weights_sha256` (of the local folder or the Hub cache's snapshot; None when
+    neither is on this machine). A relative path alone would be read against whatever folder export runs in."""
+    from align.config import hub_snapshot, is_hub_id
+
+    local = Path(path).expanduser()
+    folder = local if local.is_dir() else hub_snapshot(path) if is_hub_id(path) else None
+    return {"path": path, "resolved": str(local.resolve()) if local.is_dir() else path,
+            "weights_sha256": weights_sha256(folder) if folder is not None else None}

@@ -475,6 +475,9 @@ class ExportSection(Section):
     #: align: the drafter as align (and transformers) load it; speculators: a DFlash drafter in the speculators
     #: format that `vllm serve --speculative-config` loads (config.json with speculators_config, vLLM's weight names)
     format: Literal["align", "speculators"] = "align"
+    #: the verifier's Hub id (org/name), for the card's snippets and the speculators config when verifier.path is a
+    #: local folder (whose path the folder never names); None: the verifier's own id, else a placeholder
+    verifier_hub_id: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
     @model_validator(mode="after")
     def _check(self) -> "ExportSection":

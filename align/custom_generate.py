@@ -7,9 +7,13 @@
     out.sequences, out.tau                                           # tokens per verifier forward
 
 A diffusion drafter proposes γ tokens in one forward (`context ⊕ [MASK]×γ`); the verifier scores them in one cached
-forward and keeps the longest prefix the acceptance rule allows, plus one token of its own. Greedy output is
-`generate()`'s greedy output token for token; with do_sample=True drafts are accepted by speculative sampling, so the
-output is distributed exactly as the verifier's sampling. It is align's runtime (align/decoding/specdiff.py,
+forward and keeps the longest prefix the acceptance rule allows, plus one token of its own. The generation config is
+prepared and the tokens chosen by generate()'s own code (`_prepare_generation_config`, `_get_logits_processor`: its
+defaults, such as top_k=50 and 20 new tokens, and every logits processor and warper), applied at each draft position
+after its own prefix: greedy output is `generate()`'s greedy output token for token; with do_sample=True drafts are
+accepted by speculative sampling against those processed distributions, so the output is distributed exactly as
+`generate(do_sample=True)`'s. What it cannot reproduce (beams, stop strings, guidance, ...) it refuses by name. It is
+align's runtime (align/decoding/specdiff.py,
 acceptance.py, models.py `block_logits`) restated in one file that imports torch and transformers only, because
 transformers copies this file alone into its module cache: it must not import align (which may not be installed).
 
@@ -20,12 +24,12 @@ and only grows; `bidirectional`: the context is re-encoded for every draft).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from transformers import DynamicCache
+from transformers.generation import GenerationMode, LogitsProcessorList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
@@ -40,54 +44,67 @@ class SpecDiffOutput(GenerateDecoderOnlyOutput):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# sampling: the distribution a token is drawn from is the one acceptance is computed against (or it is not lossless)
+# choosing a token: generate()'s own logits processors, and the distribution acceptance is computed against
 # --------------------------------------------------------------------------------------------------------------------
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0
-    top_p: float = 1.0
+class TokenChoice:
+    """How `generate()` picks the next token: the logits processors its own `_get_logits_processor` builds from the
+    prepared generation config (so that every setting, default and warper means here what it means there), then the
+    argmax (greedy) or a draw from the softmax of the processed scores (do_sample). A processor reads the tokens
+    before the position it scores, so each draft position is processed after its own prefix, the draft tokens before
+    it included, as generate() would have processed it had it decoded those tokens one by one."""
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p; one-hot at 0."""
-        logits = logits.float()
-        if self.temperature == 0:
-            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-        logits = logits / self.temperature
-        if self.top_k and self.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # The smallest prefix whose mass reaches top_p: a token is dropped if the mass before it already does.
-            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
+    def __init__(self, processors: LogitsProcessorList, do_sample: bool) -> None:
+        self.processors, self.do_sample = processors, do_sample
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """One token from (V,) logits."""
-        return int(logits.argmax()) if self.temperature == 0 else int(torch.multinomial(self.probs(logits), 1))
+    def scores(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """prefix: (1, L) the tokens before the position; logits: (V,) -> (V,) processed float32 scores (a copy:
+        generate() processes a float32 copy of the logits, and some processors write in place)."""
+        scores = logits.to(dtype=torch.float32, copy=True)[None]
+        return self.processors(prefix, scores)[0] if self.processors else scores[0]
+
+    def probs(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(V,) the distribution the token after `prefix` is drawn from: one-hot at the argmax when greedy."""
+        scores = self.scores(prefix, logits)
+        if not self.do_sample:
+            return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
+        return torch.softmax(scores, dim=-1)
+
+    def positions(self, context: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(k + 1, V) distributions of the positions after context, context + tokens[:1], ..., context + tokens:
+        logits (k + 1, V) are the model's predictions there. context: (1, n); tokens: (k,)."""
+        ids = torch.cat([context, tokens[None]], dim=1)
+        n = context.shape[1]
+        return torch.stack([self.probs(ids[:, : n + i], logits[i]) for i in range(logits.shape[0])])
+
+    def pick(self, prefix: torch.Tensor, logits: torch.Tensor) -> int:
+        """One token after `prefix` from its (V,) logits."""
+        probs = self.probs(prefix, logits)
+        return int(probs.argmax()) if not self.do_sample else int(torch.multinomial(probs, 1))
+
+    def draft(self, context: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(γ,) draft tokens from the drafter's (γ, V) logits after context (1, n), each position processed after
+        the draft tokens before it; and, sampled, the (γ, V) distributions they were drawn from (acceptance must be
+        computed against those), None for an argmax draft."""
+        tokens: list[int] = []
+        probs = []
+        for i in range(logits.shape[0]):
+            prefix = torch.cat([context, context.new_tensor([tokens])], dim=1) if tokens else context
+            q = self.probs(prefix, logits[i])
+            probs.append(q)
+            tokens.append(int(torch.multinomial(q, 1)) if self.do_sample else int(q.argmax()))
+        draft = context.new_tensor(tokens)
+        return draft, torch.stack(probs) if self.do_sample else None
 
 
-def sampling_from(config) -> Sampling:
-    """transformers' settings -> ours: do_sample=False is greedy whatever the temperature says."""
-    if not config.do_sample:
-        return Sampling()
-    return Sampling(config.temperature or 1.0, config.top_k or 0, 1.0 if config.top_p is None else config.top_p)
-
-
-def accept(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], verifier_logits: torch.Tensor,
-           sampling: Sampling) -> tuple[int, int]:
+def accept(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], verifier_probs: torch.Tensor,
+           do_sample: bool) -> tuple[int, int]:
     """(num_accepted, next_token): keep the first num_accepted draft tokens, then next_token (the correction at the
     first rejection, or the bonus token). draft: (γ,); draft_probs: (γ, V) the draft was sampled from, or None for
-    an argmax draft; verifier_logits: (γ + 1, V)."""
-    if sampling.temperature == 0:  # keep draft tokens while they equal the verifier's argmax: AR greedy exactly
-        verifier_tokens = verifier_logits.argmax(-1)
+    an argmax draft; verifier_probs: (γ + 1, V), TokenChoice.positions of the verifier's logits."""
+    if not do_sample:  # keep draft tokens while they equal the verifier's argmax: AR greedy exactly
+        verifier_tokens = verifier_probs.argmax(-1)
         num_accepted = int((draft == verifier_tokens[:-1]).int().cumprod(0).sum())
         return num_accepted, int(verifier_tokens[num_accepted])
-    verifier_probs = sampling.probs(verifier_logits)
     if draft_probs is None:  # a deterministic draft is a point mass, never the drafter's softmax
         draft_probs = torch.nn.functional.one_hot(draft, verifier_probs.shape[-1]).to(verifier_probs.dtype)
     # Speculative sampling: keep x_i with probability min(1, p_i(x_i) / q_i(x_i)) (u * q < p needs no division by a
@@ -185,25 +202,23 @@ class Drafter:
 # the loop
 # --------------------------------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def specdiff(verifier, drafter: Drafter, prompt: torch.Tensor, gamma: int, max_new_tokens: int, sampling: Sampling,
+def specdiff(verifier, drafter: Drafter, prompt: torch.Tensor, gamma: int, max_new_tokens: int, choice: TokenChoice,
              eos_ids: frozenset[int]) -> tuple[list[int], list[int]]:
     """prompt: (1, n). Returns (new tokens, accepted draft tokens per iteration)."""
     # Invariant: the verifier's cache covers every token but the newest one.
     cache = rollback_cache(verifier)
-    tokens = [sampling.pick(forward(verifier, prompt, cache)[0, -1])]
+    tokens = [choice.pick(prompt, forward(verifier, prompt, cache)[0, -1])]
     accept_counts: list[int] = []
     while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
         draft_len = min(gamma, max_new_tokens - len(tokens))  # never draft past the end: it would be thrown away
         context = torch.cat([prompt, prompt.new_tensor([tokens])], dim=1)
         draft_logits = drafter.propose(context, draft_len).to(prompt.device)  # (γ, V)
-        draft_probs = None  # an argmax draft
-        if sampling.temperature == 0:
-            draft = draft_logits.argmax(-1)
-        else:  # sampled from the verifier's settings applied to the drafter, and accepted against that distribution
-            draft_probs = sampling.probs(draft_logits)
-            draft = torch.multinomial(draft_probs, 1).squeeze(-1)
+        # Drawn (or the argmax taken) after the verifier's processors applied to the drafter, and accepted against
+        # exactly those distributions.
+        draft, draft_probs = choice.draft(context, draft_logits)
         verifier_logits = forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)[0]
-        num_accepted, next_token = accept(draft, draft_probs, verifier_logits, sampling)
+        num_accepted, next_token = accept(draft, draft_probs, choice.positions(context, draft, verifier_logits),
+                                          choice.do_sample)
         cache.crop(-(draft_len - num_accepted))  # rejected drafts leave the cache; the kept ones are exact
         accept_counts.append(num_accepted)
         tokens += [*draft[:num_accepted].tolist(), next_token]
@@ -215,47 +230,109 @@ def specdiff(verifier, drafter: Drafter, prompt: torch.Tensor, gamma: int, max_n
     return tokens, accept_counts
 
 
+# Settings of generate() this loop refuses, each with its plain value(s) and why (every other setting is generate()'s
+# own: its logits processors and warpers are built by generate's code, see TokenChoice). Decoding modes other than
+# greedy and sampling (beams, contrastive search, DoLa, constraints) are refused by their GenerationMode.
+REFUSED = {
+    "num_return_sequences": ((None, 1), "decodes one sequence per prompt"),
+    "guidance_scale": ((None, 1, 1.0), "classifier-free guidance runs the verifier again on its own cache"),
+    "watermarking_config": ((None,), "SynthID watermarking keeps state across calls, which drafts would enter"),
+    "stop_strings": ((None,), "stops at end tokens and at the length only"),
+    "max_time": ((None,), "stops at end tokens and at the length only"),
+    "token_healing": ((None, False), "does not rewrite the prompt"),
+    "prompt_lookup_num_tokens": ((None,), "drafts with assistant_model, the diffusion drafter"),
+    "assistant_early_exit": ((None,), "drafts with assistant_model, the diffusion drafter"),
+    "use_mtp": ((None, False), "drafts with assistant_model, the diffusion drafter"),
+    "output_scores": ((None, False), "returns sequences and τ, no scores"),
+    "output_logits": ((None, False), "returns sequences and τ, no logits"),
+    "output_attentions": ((None, False), "returns sequences and τ, no attentions"),
+    "output_hidden_states": ((None, False), "returns sequences and τ, no hidden states"),
+}
+
+
+def refuse(what: str, why: str) -> None:
+    raise ValueError(f"SpecDiff's custom_generate does not support {what}: it {why}")
+
+
 def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
-             stopping_criteria=None, prefix_allowed_tokens_fn=None, assistant_model=None, streamer=None,
-             gamma: int = 8, **kwargs):
+             stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None,
+             streamer=None, negative_prompt_ids=None, negative_prompt_attention_mask=None, gamma: int = 8,
+             **kwargs):
     """What `model.generate(..., custom_generate=<this repo>)` runs. model: the verifier (any causal LM);
     assistant_model: the diffusion drafter; inputs: (1, n) prompt ids. gamma: draft tokens per verifier forward.
+
+    The generation config is prepared by generate()'s own steps (model's generation_config, the library's defaults:
+    top_k 50, 20 new tokens..., then the arguments), and tokens are chosen through generate()'s own logits processors
+    (temperature, top_k, top_p, min_p, typical_p, epsilon/eta cutoffs, repetition_penalty, no_repeat_ngram_size,
+    bad_words_ids, min_new_tokens, suppress_tokens, sequence_bias, prefix_allowed_tokens_fn...): greedy output is
+    generate()'s token for token, sampled output is distributed as generate()'s. What it cannot reproduce it refuses
+    by name (REFUSED, other decoding modes, logits_processor/stopping_criteria lists, streamer).
 
     Returns (1, n + new) ids like generate(), or with return_dict_in_generate=True a SpecDiffOutput whose `tau` is
     the tokens per verifier forward. One prompt at a time: speculation accepts different lengths per sequence.
     """
     if assistant_model is None:
         raise ValueError("pass the diffusion drafter as assistant_model=")
-    if logits_processor or stopping_criteria or prefix_allowed_tokens_fn or streamer:
-        raise ValueError("SpecDiff's custom_generate takes no logits_processor, stopping_criteria, "
-                         "prefix_allowed_tokens_fn or streamer: acceptance must see the plain distributions")
+    # Arbitrary processors and criteria may keep state across calls, and drafts that are then rejected would enter it.
+    for name, given in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
+        if given:
+            refuse(f"a {name} list", "applies generate()'s own processors after each draft position's prefix, "
+                   "which is exact only for functions of that prefix")
+    for name, given in (("streamer", streamer), ("negative_prompt_ids", negative_prompt_ids),
+                        ("negative_prompt_attention_mask", negative_prompt_attention_mask)):
+        if given is not None:
+            refuse(name, "emits accepted blocks at once and runs no guidance")
+    if synced_gpus:
+        refuse("synced_gpus", "decodes on one process")
     prompt = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if prompt is None or prompt.dim() != 2 or prompt.shape[0] != 1:
         raise ValueError("SpecDiff's custom_generate decodes one prompt at a time: input ids of shape (1, n)")
     mask = kwargs.pop("attention_mask", None)
     if mask is not None and not bool(mask.all()):
         raise ValueError("SpecDiff's custom_generate takes an unpadded prompt (attention_mask all ones)")
-    config = copy.deepcopy(generation_config or model.generation_config)
-    config.update(**{k: v for k, v in kwargs.items() if k not in ("synced_gpus", "negative_prompt_ids",
-                                                                  "negative_prompt_attention_mask")})
-    # Settings that change the verifier's distribution through logits processors, or decode several sequences: the
-    # acceptance rule above would not see them, so the output would silently differ from generate()'s.
-    unsupported = {name: getattr(config, name, None) for name, plain in (
-        ("num_beams", 1), ("num_return_sequences", 1), ("repetition_penalty", 1.0), ("min_new_tokens", 0),
-        ("no_repeat_ngram_size", 0), ("bad_words_ids", None), ("suppress_tokens", None)) if getattr(
-        config, name, None) not in (None, plain)}
-    if unsupported:
-        raise ValueError(f"SpecDiff's custom_generate does not support {unsupported}: it samples the verifier's "
-                         "plain distribution after temperature, top_k and top_p")
+    kwargs.pop("tokenizer", None)  # generate() reads it for stop strings and token healing only, both refused
+    if kwargs.get("assistant_tokenizer") is not None:
+        refuse("assistant_tokenizer", "drafts in the verifier's vocabulary")
+    kwargs.pop("assistant_tokenizer", None)
+
+    # generate()'s own preparation, step by step (transformers/generation/utils.py `generate`, steps 1, 3 and 6):
+    # the defaults, the model's generation_config and the arguments merged as there, the end tokens as tensors, and
+    # max_length from max_new_tokens or the default of 20 new tokens.
+    has_default_max_length = (kwargs.get("max_length") is None
+                              and (generation_config is None or generation_config.max_length is None)
+                              and model.generation_config.max_length is None)
+    has_default_min_length = (kwargs.get("min_length") is None
+                              and (generation_config is None or generation_config.min_length is None)
+                              and model.generation_config.min_length is None)
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    if model_kwargs:
+        raise ValueError(f"SpecDiff's custom_generate takes no model inputs besides input_ids and attention_mask, and "
+                         f"{sorted(model_kwargs)} are no generation settings")
+    for name, (plain, why) in REFUSED.items():
+        value = getattr(config, name, None)
+        if value not in plain:
+            refuse(f"{name}={value!r}", why)
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        refuse(f"{mode.value.replace('_', ' ')} (num_beams={config.num_beams}, penalty_alpha={config.penalty_alpha}, "
+               f"dola_layers={config.dola_layers})", "decodes greedily or samples, one sequence")
     prompt = prompt.to(model.device)
-    max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt.shape[1]
+    n = prompt.shape[1]
+    model._prepare_special_tokens(config, mask is not None, device=prompt.device, batch_size=1)
+    config = model._prepare_generated_length(config, has_default_max_length, has_default_min_length,
+                                             model_input_name="input_ids", input_ids_length=n, inputs_tensor=prompt)
+    model._validate_generated_length(config, n, has_default_max_length)
+    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=n,
+                                             encoder_input_ids=prompt, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                                             logits_processor=LogitsProcessorList(), device=prompt.device,
+                                             model_kwargs={})
     eos = config.eos_token_id
     eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
-    tokens, accept_counts = specdiff(model, Drafter(assistant_model), prompt, gamma, max_new, sampling_from(config),
-                                     eos_ids)
+    tokens, accept_counts = specdiff(model, Drafter(assistant_model), prompt, gamma, config.max_length - n,
+                                     TokenChoice(processors, bool(config.do_sample)), eos_ids)
     sequences = torch.cat([prompt, prompt.new_tensor([tokens])], dim=1)
     if not config.return_dict_in_generate:
         return sequences
-    tau = sum(n + 1 for n in accept_counts) / len(accept_counts) if accept_counts else 1.0
+    tau = sum(k + 1 for k in accept_counts) / len(accept_counts) if accept_counts else 1.0
     return SpecDiffOutput(sequences=sequences, tau=tau, accept_counts=accept_counts,
                           verifier_forwards=len(accept_counts))

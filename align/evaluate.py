@@ -19,11 +19,11 @@ import torch
 from transformers import AutoConfig
 
 from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
-from align.checkpoint import mark_folder, write_text_atomic
+from align.checkpoint import drafter_identity, mark_folder, write_text_atomic
 from align.config import Recipe, RecipeError, eval_models
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
-from align.decoding.generation import GenerationStats, Sampling
+from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
@@ -43,7 +43,28 @@ def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sam
     return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
 
 
-SCHEMA_VERSION = 2  # of eval.json: what each version holds is in docs/evaluation.md
+SCHEMA_VERSION = 3  # of eval.json: what each version holds is in docs/evaluation.md
+
+
+def exact_match_semantics(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What `exact_match` says, for eval.json: every method's greedy output compared, all or nothing per prompt, with
+    the `ar` method's (one token per verifier forward), in the device and dtype the verifier ran in; and what holds
+    there. Acceptance keeps a draft token only where it equals the verifier's argmax, so outputs are identical in exact
+    arithmetic. Speculative methods score several positions per forward (trees and self-selection also batch
+    candidates), AR one: where kernels are not batch-invariant (bf16/fp16 on GPUs), a position's logits differ in the
+    last bits with the forward's shape, and a near-tie can flip an argmax; vLLM documents the same limit
+    ("lossless up to the precision limits of hardware numerics")."""
+    exact = dtype == torch.float32
+    return {
+        "compares": "each prompt's new tokens with the ar method's (greedy, one token per verifier forward)",
+        "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+        "guarantee": ("token-identical to AR greedy: float32, where align's tests check every method token for token"
+                      if exact else
+                      f"identical to AR greedy up to {str(dtype).removeprefix('torch.')} numerics: a method that "
+                      "verifies several tokens (or candidates) per forward can flip an argmax at a near-tie where "
+                      "kernels are not batch-invariant; each output is still the verifier's greedy continuation as "
+                      "that forward computed it. Run eval in float32 (verifier.dtype=float32) for an exact check"),
+    }
 
 
 def position_counts(accept_counts: list[int], draft_lengths: list[int], max_len: int) -> list[int]:
@@ -58,7 +79,7 @@ def prompt_records(run: Run, prompts: list[dict[str, Any]], speculative: bool) -
     records = []
     for where, tokens, stats, wall in zip(prompts, run.tokens, run.stats, run.wall_s):
         accepted = [n + 1 for n in stats.accept_counts] if speculative else None
-        tau = (stats.tau if speculative else (len(tokens) - 1) / max(stats.verifier_forwards, 1))
+        tau = stats.tau
         records.append({**where, "new_tokens": len(tokens), "verifier_forwards": stats.verifier_forwards,
                         "drafter_forwards": stats.drafter_forwards, "tau": round(tau, 4),
                         "accepted_lengths": accepted,
@@ -94,10 +115,7 @@ def summarise(runs: dict[str, Run], setup: Setup, prompts: list[torch.Tensor],
         wall = sum(run.wall_s)
         method = base_method(name)
         speculative = method != "ar" and method not in OPAQUE
-        if speculative:
-            tau = pooled.tau
-        else:  # tokens after the first (which the prefill gives) per decoding verifier forward
-            tau = (pooled.new_tokens - len(run.tokens)) / max(pooled.verifier_forwards, 1)
+        tau = mean_accepted_length(run.stats)  # the Python API's stats.tau, pooled over the prompts
         entry: dict[str, Any] = {
             "tau": round(tau, 4),
             "speedup": round(baseline_wall / wall, 4),
@@ -364,6 +382,10 @@ def main(recipe: Recipe, command: str) -> None:
         "drafter_spec": spec.to_dict() if spec else None,
         "drafter": recipe.drafter.path if uses_drafter else None,
         "compare_drafters": {label: section.path for label, section in compared.items()},
+        # resolved paths and weight hashes: the rows are found again from any folder (align export)
+        "drafters": ([{"rows": "", **drafter_identity(recipe.drafter.path)}] if uses_drafter else []) +
+                    [{"rows": f"@{label}", **drafter_identity(section.path)} for label, section in compared.items()],
+        "exact_match_semantics": exact_match_semantics(next(verifier.parameters()).device, verifier.dtype),
         # the cost-aware methods' measured curve: seconds of a verifier forward over n = 1.. new tokens
         "verify_costs_s": None if setup.verify_costs is None else [round(t, 6) for t in setup.verify_costs],
     }

@@ -242,19 +242,89 @@ def hardware(machine: dict[str, Any]) -> str:
     return f"{cpu}" + (f", {machine['torch_threads']} threads" if machine.get("torch_threads") else "")
 
 
-def drafter_suffix(evaluation: dict[str, Any], drafter_path: str) -> str:
-    """`@<label>` when eval.json ran the exported drafter as one of eval.compare_drafters (its rows are then
-    `specdiff@<label>`...), else "" (it was drafter.path: the plain rows)."""
-    compared = evaluation.get("meta", {}).get("compare_drafters") or {}
-    labels = [label for label, path in compared.items() if Path(path).resolve() == Path(drafter_path).resolve()]
-    return f"@{labels[0]}" if labels else ""
+def recorded_drafters(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
+    """The drafters eval.json has rows for (meta.drafters, schema 3): {rows ("" or "@<label>"), path, resolved,
+    weights_sha256}. An older file names them only by the paths the recipe gave (meta.drafter, meta.compare_drafters),
+    read as they are, against this folder."""
+    meta = evaluation.get("meta") or {}
+    if isinstance(meta.get("drafters"), list):
+        return meta["drafters"]
+    return ([{"rows": "", "path": meta["drafter"]}] if meta.get("drafter") else []) + [
+        {"rows": f"@{label}", "path": path} for label, path in (meta.get("compare_drafters") or {}).items()]
+
+
+_WEIGHTS_SHA256: dict[tuple, Optional[str]] = {}
+
+
+def exported_weights_sha256(drafter_path: str) -> Optional[str]:
+    """drafter_identity's weights_sha256 of the exported drafter, hashed once per state of its files (the card's
+    functions each ask)."""
+    from align.checkpoint import drafter_identity
+
+    folder = Path(drafter_path)
+    key = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                        for f in sorted(folder.glob("*")) if f.is_file())) if folder.is_dir() else (
+        drafter_path,)
+    if key not in _WEIGHTS_SHA256:
+        _WEIGHTS_SHA256[key] = drafter_identity(drafter_path)["weights_sha256"]
+    return _WEIGHTS_SHA256[key]
+
+
+def drafter_suffix(evaluation: dict[str, Any], drafter_path: str) -> Optional[str]:
+    """Which of eval.json's rows measured the exported drafter: "" for its plain rows (it was the eval's drafter.path),
+    `@<label>` for eval.compare_drafters' `<method>@<label>` rows, None when none did. Where eval.json recorded the
+    weights' sha256 they decide (a moved or copied folder is the same drafter; a folder trained further since is
+    not); else the resolved path (schema 3's absolute one; an older file's path as given, against this folder)."""
+    for entry in recorded_drafters(evaluation):
+        if entry.get("weights_sha256"):
+            if entry["weights_sha256"] == exported_weights_sha256(drafter_path):
+                return entry["rows"]
+        elif _same_model(entry.get("resolved") or entry.get("path"), drafter_path):
+            return entry["rows"]
+    return None
+
+
+def _same_model(recorded: Optional[str], path: str) -> bool:
+    if not recorded:
+        return False
+    if is_hub_id(recorded) and not Path(recorded).is_dir():
+        return recorded == path
+    return Path(recorded).expanduser().resolve() == Path(path).expanduser().resolve()
+
+
+def check_eval_rows(recipe: Recipe) -> None:
+    """Refuse, before any work, an export.eval without rows of the exported drafter: its card would carry another
+    drafter's numbers as this one's."""
+    if not recipe.export.eval:
+        return
+    try:
+        evaluation = json.loads(Path(recipe.export.eval).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecipeError(f"export.eval: {recipe.export.eval} is not JSON ({type(e).__name__}); give the eval.json "
+                          "that align eval wrote") from None
+    if not isinstance(evaluation, dict) or not isinstance(evaluation.get("methods"), dict):
+        raise RecipeError(f"export.eval: {recipe.export.eval} is not an eval.json of align eval (no `methods`)")
+    if drafter_suffix(evaluation, recipe.drafter.path) is None:
+        measured = ", ".join(f"{e.get('path')} ({'drafter.path' if not e['rows'] else 'eval.compare_drafters.' + e['rows'][1:]})"
+                             for e in recorded_drafters(evaluation)) or "no diffusion drafter"
+        raise RecipeError(f"export.eval: {recipe.export.eval} has no rows for the exported drafter "
+                          f"{recipe.drafter.path} (it measured {measured}); run align eval with it as drafter.path or "
+                          "in eval.compare_drafters")
+
+
+def _rows_of(evaluation: dict[str, Any], drafter_path: str) -> str:
+    """drafter_suffix, refused when None (export checked it before any work: check_eval_rows)."""
+    suffix = drafter_suffix(evaluation, drafter_path)
+    if suffix is None:
+        raise RecipeError(f"eval.json has no rows for the exported drafter {drafter_path}")
+    return suffix
 
 
 def drafter_rows(evaluation: dict[str, Any], drafter_path: str) -> dict[str, dict[str, Any]]:
     """eval.json's rows of the exported drafter by method name: its own (`specdiff@<label>`) when eval.json compared
     it with other drafters under a label, else the plain ones."""
     methods = evaluation["methods"]
-    suffix = drafter_suffix(evaluation, drafter_path)
+    suffix = _rows_of(evaluation, drafter_path)
     return {name: methods[name + suffix] for name in methods
             if name.startswith("specdiff") and "@" not in name and name + suffix in methods}
 
@@ -290,7 +360,9 @@ def front_matter(*, title: str, base: Origin, relation: Optional[str], licence_:
 
     data = ModelCardData(
         model_name=title if results else None, license=licence_.license, license_name=licence_.name, license_link=licence_.link,
-        library_name=library, pipeline_tag="text-generation", tags=tags, datasets=datasets or None,
+        # `other`, not text-generation: a drafter only proposes tokens for a verifier (alone its text is no model's
+        # output), and without a tag the Hub would infer text-generation from the architecture and offer a widget.
+        library_name=library, pipeline_tag="other", tags=tags, datasets=datasets or None,
         base_model=base.hub_id, base_model_relation=relation if base.hub_id else None,
         eval_results=results or None,
     )
@@ -420,7 +492,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
                      + (f"; real τ of SpecDiff greedy decoding on {meta['final_tau_prompts']} held-out prompts "
                         f"{meta['final_tau']:.2f}." if "final_tau" in meta else "."), ""]
     name = recipe.export.push_to_hub or "THIS_FOLDER"
-    verifier_ref = verifier.hub_id or "VERIFIER_FOLDER"  # a local verifier: the reader's own copy of it
+    verifier_ref = verifier_reference(recipe, verifier)
     kind = spec.get("kind", "standalone")
     auto_class = drafter_auto_class(config)
     remote = ", trust_remote_code=True" if config.get("auto_map") else ""
@@ -437,13 +509,13 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
                else []),
              "With align's lossless runtime (install align from its repository: `pip install -e <align checkout>`; "
              "the PyPI package named `align` is an unrelated project):", "",
-             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer"
+             "```python", "import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer"
              + (f", {auto_class}" if auto_class != "AutoModelForCausalLM" else ""),
              *(["import align.dflash  # registers the DFlash drafter with AutoModel"] if kind == "dflash" else []),
              "from align.decoding.specdiff import specdiff_generate", "from align.models import DrafterSpec", "",
-             f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote})",
+             f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote}, dtype=torch.float32)",
              "spec = DrafterSpec(**drafter.config.drafter_spec)",
-             f"verifier = AutoModelForCausalLM.from_pretrained(\"{verifier_ref}\")",
+             f"verifier = AutoModelForCausalLM.from_pretrained(\"{verifier_ref}\", dtype=torch.float32)  # {FLOAT32_WHY}",
              f"ids = AutoTokenizer.from_pretrained(\"{name}\")(\"def add(a, b):\", return_tensors=\"pt\").input_ids",
              "tokens, stats = specdiff_generate(verifier, drafter, spec, ids, gamma=8, max_new_tokens=64)",
              "print(stats.tau)  # tokens per verifier forward; tokens are exactly the verifier's greedy output", "```",
@@ -459,22 +531,39 @@ def ships_custom_generate(config: dict[str, Any]) -> bool:
             and config.get("model_type") not in CANVAS_DECODER_FAMILIES)
 
 
+# Why the snippets load the verifier in float32 (transformers' default is the checkpoint's dtype, often bf16).
+FLOAT32_WHY = "float32: greedy output identical to the verifier's own"
+BF16_CAVEAT = ("In bf16 (or fp16) greedy output is identical up to those numerics: a verifier forward scores γ + 1 "
+               "positions where `generate()` scores one, kernels that are not batch-invariant round the two "
+               "differently, and a near-tie can flip an argmax (measured on the tiny family on a CPU: 3 prompts of 16 "
+               "diverged from `generate()` in bf16 at 64 new tokens).")
+
+
+def verifier_reference(recipe: Recipe, verifier: Origin) -> str:
+    """How the card's snippets name the verifier: export.verifier_hub_id, else its Hub id, else a placeholder for
+    the reader's own copy of a local verifier (whose path the folder never names)."""
+    return recipe.export.verifier_hub_id or verifier.hub_id or "VERIFIER_FOLDER"
+
+
 def custom_generate_usage(name: str, auto_class: str, remote: str, recipe: Recipe, verifier_ref: str) -> list[str]:
     """The card's first snippet: SpecDiff decoding with transformers alone, through this folder's custom_generate."""
     return ["With `transformers` alone (this folder's `custom_generate/generate.py` runs SpecDiff decoding: greedy "
-            "output identical to the verifier's `generate()`, sampling by speculative sampling, so lossless either "
-            "way; one prompt at a time):", "",
-            "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer"
+            "output identical to the verifier's `generate()` in float32, sampling by speculative sampling, so "
+            "lossless either way; one prompt at a time):", "",
+            "```python", "import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer"
             + (f", {auto_class}" if auto_class != "AutoModelForCausalLM" else ""), "",
-            f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote})",
-            f"verifier = AutoModelForCausalLM.from_pretrained(\"{verifier_ref}\")",
+            f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote}, dtype=torch.float32)",
+            f"verifier = AutoModelForCausalLM.from_pretrained(\"{verifier_ref}\", dtype=torch.float32)  # {FLOAT32_WHY}",
             f"ids = AutoTokenizer.from_pretrained(\"{name}\")(\"def add(a, b):\", return_tensors=\"pt\").input_ids",
             f"out = verifier.generate(ids, assistant_model=drafter, custom_generate=\"{name}\", trust_remote_code=True,",
             f"                        max_new_tokens=64, gamma={recipe.decode.gamma}, return_dict_in_generate=True)",
             "print(out.sequences, out.tau)  # τ: tokens per verifier forward", "```", "",
             "`trust_remote_code=True` lets transformers run `custom_generate/generate.py` (torch and transformers "
-            "only; read it first). `gamma` is the number of draft tokens per verifier forward; `do_sample=True` "
-            "with `temperature`, `top_k`, `top_p` samples.", ""]
+            "only; read it first). `gamma` is the number of draft tokens per verifier forward. `do_sample=True` "
+            "samples as `generate()` does, with its defaults and every logits processor it builds (`temperature`, "
+            "`top_k` (50 when unset), `top_p`, `min_p`, `typical_p`, `repetition_penalty`, `no_repeat_ngram_size`, "
+            "`bad_words_ids`, ...); what it cannot reproduce (beams, stop strings, guidance, a `logits_processor` "
+            "list) it refuses by name.", "", BF16_CAVEAT, ""]
 
 
 def drafter_auto_class(config: dict[str, Any]) -> str:
@@ -505,7 +594,7 @@ def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:
     beside it."""
     m = evaluation.get("meta", {})
     methods = evaluation["methods"]
-    suffix = drafter_suffix(evaluation, drafter_path)
+    suffix = _rows_of(evaluation, drafter_path)
     before = origin(m["drafter"]).name if suffix and m.get("drafter") else None  # its name, not its path
     header = "| method | τ (tokens per verifier forward) | speedup | exact match with AR greedy |"
     rule = "|---|---|---|---|"
@@ -524,7 +613,19 @@ def measured_table(evaluation: dict[str, Any], drafter_path: str) -> list[str]:
         if before:
             line += f" {r['tau']:.2f} |" if drafted else " — |"
         lines.append(line)
-    return lines + [""]
+    return lines + ["", exact_match_line(m), ""]
+
+
+def exact_match_line(meta: dict[str, Any]) -> str:
+    """What the table's exact match means, from eval.json's exact_match_semantics (schema 3), else its machine."""
+    semantics = meta.get("exact_match_semantics")
+    if semantics:
+        return (f"Exact match: the fraction of prompts whose output equals AR greedy's, measured on "
+                f"{semantics['device']} in {semantics['dtype']}: {semantics['guarantee']}.")
+    machine = meta.get("machine") or {}
+    return (f"Exact match: the fraction of prompts whose output equals AR greedy's, measured in "
+            f"{machine.get('dtype', 'the dtype eval ran in')} (in float32 identity is exact; in bf16 it holds up to "
+            "bf16's numerics).")
 
 
 def copy_run_records(recipe: Recipe, source: Path, tmp: Path) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
@@ -567,7 +668,10 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     if not is_dflash(drafter):
         raise RecipeError(f"export.format: speculators takes a DFlash drafter; {source} is a standalone diffusion "
                           "drafter (export.format=align)")
-    config = write_speculators_folder(drafter, load_verifier(recipe.verifier), recipe.verifier.path, tokenizer, tmp)
+    # The config names its verifier: by export.verifier_hub_id when set (a local verifier's path is cut to its
+    # folder's name with the machine's other paths).
+    config = write_speculators_folder(drafter, load_verifier(recipe.verifier),
+                                      recipe.export.verifier_hub_id or recipe.verifier.path, tokenizer, tmp)
     evaluation, meta = copy_run_records(recipe, source, tmp)
     (tmp / "README.md").write_text(speculators_card(config, meta, evaluation, recipe, command))
     copy_licence_file(recipe, origin(recipe.verifier.path), tmp)
@@ -580,7 +684,7 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
     name = recipe.export.push_to_hub or "THIS_FOLDER"
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     verifier = origin(recipe.verifier.path)
-    verifier_ref = verifier.hub_id or "VERIFIER_FOLDER"  # a local verifier: the reader's own copy of it
+    verifier_ref = verifier_reference(recipe, verifier)
     data = training_data(meta) if meta else None
     heading = title(recipe, f"DFlash drafter for {verifier.short}")
     licence_ = licence(recipe, verifier)
@@ -613,7 +717,10 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
              "```python", "from vllm import LLM, SamplingParams", "",
              'if __name__ == "__main__":  # the engine runs in a child process',
              f"    llm = LLM(model=\"{verifier_ref}\", speculative_config={{\"method\": \"dflash\", "
-             f"\"model\": \"{name}\", \"num_speculative_tokens\": {k}}})",
+             f"\"model\": \"{name}\", \"num_speculative_tokens\": {k}}},",
+             "              # a 1 GiB KV cache: on a CPU vLLM otherwise reserves 92% of the memory, and refuses to",
+             "              # start when less is free (on a GPU, drop it to let vLLM size the cache)",
+             "              kv_cache_memory_bytes=1 << 30)",
              "    print(llm.generate([\"def add(a, b):\"], SamplingParams(temperature=0, max_tokens=64)))", "```", "",
              "With align's lossless runtime instead: `align.dflash.load_speculators_dflash(folder)` gives the drafter "
              "back, and `align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes "
@@ -678,6 +785,7 @@ def main(recipe: Recipe, command: str) -> None:
     check_inputs(recipe, model_keys=("drafter.path", *speculators))
     check_file("calibrate.graph", recipe.calibrate.graph)
     check_file("export.eval", recipe.export.eval)
+    check_eval_rows(recipe)
     check_push(recipe)
     out = Path(recipe.export.out)
     build_folder(recipe, command, out)

@@ -89,6 +89,23 @@ def test_greedy_results_of_every_method_are_the_verifiers_own(pair):
             assert all(r.stats.tau > 1 for r in results), (method, [r.stats.tau for r in results])
 
 
+def test_the_tau_of_hf_methods_is_the_one_align_eval_reports(pair):
+    # HF's generate, assisted generation and prompt lookup report forward counts only: τ is (new − 1) / forwards,
+    # as eval.json has it (the shared mean_accepted_length), not 1.0. A repeating prompt makes prompt lookup's drafts
+    # land, so that its τ is above 1.
+    from align.decoding.generation import mean_accepted_length
+
+    repeating = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\n"
+    for method in ("hf_generate", "hf_assisted", "prompt_lookup", "ar", "specdiff"):
+        results = pair.generate([repeating, *PROMPTS], method=method, max_new_tokens=NEW_TOKENS)
+        for r in results:
+            if method in ("hf_generate", "hf_assisted", "prompt_lookup", "ar"):
+                assert r.stats.tau == pytest.approx((len(r.token_ids) - 1) / r.stats.verifier_forwards), method
+            assert r.stats.tau == mean_accepted_length([r.stats])
+        if method in ("prompt_lookup", "hf_assisted"):
+            assert results[0].stats.tau > 1, (method, results[0].stats)
+
+
 def test_settings_come_from_the_schema_and_are_checked(pair):
     from align.config import DecodeSection
 

@@ -3,6 +3,7 @@ rule), and `align export` writes cards that pass it, for the tiny family and for
 from a Hub cache, with no path of the exporting machine anywhere in the folder."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from huggingface_hub import ModelCard, metadata_load
 from conftest import checkout_env
 
 from hub_server import FakeHub, validate_card
+from test_vllm import needs_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,7 +166,8 @@ def synthetic_eval(path: Path, run: Path) -> Path:
                                          "num_prompts": 8, "baseline": "fastest of ar and hf_generate",
                                          "machine": {"processor": "x86_64", "cpus": 16, "device": "cuda:0",
                                                      "gpu_name": "NVIDIA H200", "torch_threads": 16},
-                                         "drafter": str(run / "ck" / "drafter"), "compare_drafters": {}}}))
+                                         # the exported drafter, by Hub id: its rows are the plain ones
+                                         "drafter": "align-test/tiny-diffucoder", "compare_drafters": {}}}))
     return path
 
 
@@ -205,7 +208,7 @@ def test_a_drafter_exported_by_hub_id_has_a_hub_grade_card(hub_family, tmp_path,
     assert results[0]["metrics"][0]["args"]["hardware"] == "NVIDIA H200"
     text = (out / "README.md").read_text()
     assert "# tiny-diffucoder, a diffusion drafter for tiny-verifier" in text
-    assert 'from_pretrained("align-test/tiny-verifier")' in text
+    assert 'from_pretrained("align-test/tiny-verifier", dtype=torch.float32)' in text
     ModelCard.load(out / "README.md").validate()
     assert online.validated[-1] == []
     assert local_paths_in(out, [tmp_path, home, ROOT, root]) == []
@@ -370,3 +373,126 @@ def test_a_local_prompt_file_is_named_by_its_name_and_sha256(tmp_path):
     assert local.hub_id is None and local.name == "humaneval.jsonl"
     assert hashlib.sha256(prompts.read_bytes()).hexdigest() in local.described and str(tmp_path) not in local.described
     assert data_source("openai/openai_humaneval", "tiny test split").hub_id == "openai/openai_humaneval"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# every snippet a card or the README shows runs as written (#22 defect 8)
+# --------------------------------------------------------------------------------------------------------------------
+def code_blocks(markdown: str, language: str = "python") -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", markdown, re.S)
+
+
+def run_snippet(code: str, cwd: Path, python: str = sys.executable, timeout: int = 300) -> str:
+    """Runs `code` in a fresh interpreter in `cwd` (align importable: the second card snippet needs it); its stdout."""
+    env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(cwd / "hf_modules"),
+                       VLLM_LOGGING_LEVEL="WARNING")
+    done = subprocess.run([python, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{code}\n---\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_an_align_cards_snippets_run_as_written(toy_family, tmp_path):
+    root, _ = toy_family
+    out = tmp_path / "out"
+    result = export(["recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
+                     f"drafter.path={root / 'ck' / 'drafter-base'}", f"data.dir={root / 'data'}",
+                     f"export.out={out}"], tmp_path / "hf_home")
+    assert result.returncode == 0, result.stderr[-3000:]
+    card = (out / "README.md").read_text()
+    # A drafter only proposes tokens: not tagged text-generation (the Hub would offer a generation widget for it).
+    assert metadata_load(out / "README.md")["pipeline_tag"] == "other"
+    blocks = code_blocks(card)
+    assert len(blocks) == 2 and "custom_generate=" in blocks[0] and "specdiff_generate" in blocks[1]
+    for code in blocks:
+        # In float32, where greedy identity is exact; the bf16 caveat is said beside the snippets.
+        assert all("dtype=torch.float32" in line for line in code.splitlines() if ".from_pretrained(" in line
+                   and "Tokenizer" not in line)
+        printed = run_snippet(code.replace("THIS_FOLDER", str(out)).replace("VERIFIER_FOLDER",
+                                                                            str(root / "ck" / "verifier")), tmp_path)
+        assert re.search(r"\d\.\d", printed), printed  # τ
+    assert "In bf16 (or fp16) greedy output is identical up to those numerics" in card
+
+
+def test_the_verifiers_hub_id_is_a_recipe_setting(tmp_path):
+    from align.config import load_recipe
+    from align.export import model_card, speculators_card
+
+    recipe = load_recipe("recipes/tiny/dflash.yaml", [f"verifier.path={tmp_path}", "export.verifier_hub_id=org/verifier"])
+    config = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 7}]}, "block_size": 8,
+              "aux_hidden_state_layer_ids": [1, 3], "mask_token_id": 2,
+              "transformer_layer_config": {"num_hidden_layers": 1}}
+    text = speculators_card(config, {}, None, recipe, "align export x")
+    assert "vllm serve org/verifier" in text and 'LLM(model="org/verifier"' in text and "VERIFIER_FOLDER" not in text
+    assert "kv_cache_memory_bytes=" in text  # starts on a CPU as written
+    card = model_card({"drafter_spec": {"mask_token_id": 2}}, {}, None, recipe, "align export x", "ck/base")
+    assert 'from_pretrained("org/verifier", dtype=torch.float32)' in card
+
+
+def speculators_export(folder: Path, gamma: int = 8) -> Path:
+    """A DFlash drafter (untrained, blocks of gamma + 1) on the shipped tiny verifier, exported in the speculators
+    format."""
+    from align.checkpoint import save_merged
+    from align.cli import main as align
+    from align.config import DFlashSection, VerifierSection
+    from align.models import load_tokenizer, new_dflash_drafter
+    from test_vllm import VERIFIER
+
+    tokenizer = load_tokenizer(str(VERIFIER))
+    section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")
+    torch.manual_seed(0)
+    drafter, _ = new_dflash_drafter(section, DFlashSection(aux_layer_ids=[1, 3, 6], intermediate_size=256), section,
+                                    tokenizer, gamma)
+    save_merged(drafter, tokenizer, folder / "step_0", {})
+    out = folder / "export"
+    assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={VERIFIER}", f"drafter.path={folder / 'step_0'}",
+                  "export.format=speculators", f"export.out={out}"]) in (0, None)
+    return out
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_speculators_cards_vllm_snippet_runs_as_written(tmp_path):
+    from align.vllm_engine import vllm_python
+    from test_vllm import VERIFIER
+
+    out = speculators_export(tmp_path)
+    blocks = code_blocks((out / "README.md").read_text())
+    assert len(blocks) == 1 and "LLM(" in blocks[0]
+    printed = run_snippet(blocks[0].replace("THIS_FOLDER", str(out)).replace("VERIFIER_FOLDER", str(VERIFIER)),
+                          tmp_path, str(vllm_python()), timeout=600)
+    assert "RequestOutput" in printed
+
+
+def readme_section(page: str, heading: str) -> str:
+    """A section of a docs page, up to the next heading of its level or above."""
+    return (ROOT / "docs" / page).read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+
+
+def checkout_like(tmp_path: Path) -> Path:
+    """A folder laid out as the README's snippets expect (run from the checkout): checkpoints/tiny linked in."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "tiny").symlink_to(ROOT / "checkpoints" / "tiny")
+    return tmp_path
+
+
+def test_the_readmes_custom_generate_snippet_runs_as_written(tmp_path):
+    from align.cli import main as align
+
+    cwd = checkout_like(tmp_path)
+    assert align(["export", "recipes/tiny/align.yaml", f"export.out={cwd / 'out' / 'tiny-drafter'}"]) == 0
+    blocks = code_blocks(readme_section("export.md", "## Decoding an exported drafter with transformers alone"))
+    assert len(blocks) == 1 and 'custom_generate="out/tiny-drafter"' in blocks[0]
+    assert re.search(r"\d\.\d", run_snippet(blocks[0], cwd))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_readmes_speculators_snippet_runs_as_written(tmp_path):
+    from align.vllm_engine import vllm_python
+
+    cwd = checkout_like(tmp_path)
+    built = speculators_export(tmp_path / "build")
+    (cwd / "checkpoints" / "tiny-dflash-export").symlink_to(built)
+    blocks = code_blocks(readme_section("dflash-and-vllm.md", "## The speculators format"))
+    assert len(blocks) == 1 and '"model": "checkpoints/tiny-dflash-export"' in blocks[0]
+    run_snippet(blocks[0], cwd, str(vllm_python()), timeout=600)

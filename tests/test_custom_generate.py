@@ -2,8 +2,11 @@
 
 `verifier.generate(ids, assistant_model=drafter, custom_generate=folder, trust_remote_code=True)` runs in a process
 where `import align` fails, decodes exactly what `verifier.generate()` decodes greedily, and reports the τ of align's
-runtime; sampled, its first tokens are distributed as the verifier's (the chi-square of test_sampling_lossless)."""
+runtime; sampled, its first tokens are distributed as the verifier's (the chi-square of test_sampling_lossless). Every
+setting of generate() it takes means what it means in generate() (the same support and distributions sampled, the
+same tokens greedy, with each logits processor), and what it cannot reproduce is refused by name (#22 defect 3)."""
 
+import copy
 import json
 import os
 import shutil
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
 from align.decoding.generation import Sampling
@@ -107,16 +110,13 @@ def test_decodes_as_generate_without_align(exported):
     assert tau == pytest.approx(align_tau, rel=0.05)
 
 
-def test_refuses_what_it_cannot_decode(exported):
+def test_refuses_drafters_it_cannot_read(exported):
     from align.custom_generate import generate
 
     verifier = AutoModelForCausalLM.from_pretrained(TINY / "verifier", dtype=torch.float32)
     drafter = AutoModelForCausalLM.from_pretrained(exported / "out", dtype=torch.float32)
     with pytest.raises(ValueError, match="one prompt at a time"):
         generate(verifier, torch.ones(2, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        generate(verifier, torch.ones(1, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4,
-                 repetition_penalty=1.2)
     drafter.config.drafter_spec = {**drafter.config.drafter_spec, "kind": "dflash"}
     with pytest.raises(ValueError, match="align's runtime"):
         generate(verifier, torch.ones(1, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
@@ -203,3 +203,198 @@ def test_tensors_follow_the_models_device(attention):
             out = generate(verifier, PROMPT, assistant_model=drafter, max_new_tokens=6, gamma=2, do_sample=sample,
                            eos_token_id=None)
         assert out.device.type == "cpu" and out.shape == (1, PROMPT.shape[1] + 6)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# every setting of generate() means here what it means in generate() (#22 defect 3)
+# --------------------------------------------------------------------------------------------------------------------
+SPREAD_VOCAB, SPREAD_MASK = 64, 63
+SPREAD_PROMPTS = [[1, 5, 2], [3, 9, 4, 7], [12, 40, 7, 7, 2], [60, 1]]
+SAMPLES = 200
+
+
+def spread(seed):
+    """A random 1-layer Llama over 64 tokens whose next-token distributions are spread out (top token ≈ 0.05, about
+    13% of the mass outside the top 50): truncations and cutoffs remove mass a few hundred draws see."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=SPREAD_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def spread_pair():
+    """(verifier, drafter): a drafter with its own spread-out q, so that drafts are rejected and residuals drawn."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    verifier, drafter = spread(0), spread(1)
+    drafter.config.drafter_spec = DrafterSpec(SPREAD_MASK, 1, "block_causal").to_dict()
+    yield verifier, drafter
+    torch.set_num_threads(threads)
+
+
+@torch.inference_mode()
+def generate_distributions(verifier, prefixes: list[list[int]], setting: dict) -> torch.Tensor:
+    """(len(prefixes), V): the distribution generate(do_sample=True) draws the token after each prefix from (its own
+    processed scores, output_scores=True), prefixes all of one length."""
+    ids = torch.tensor(prefixes)
+    # An explicit mask: generate() would otherwise mask the prefixes' tokens equal to pad_token_id.
+    out = verifier.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=1,
+                            output_scores=True, return_dict_in_generate=True, pad_token_id=0, **setting)
+    return torch.softmax(out.scores[0].float(), dim=-1)
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of counts (V,) under probs (V,); 0 when a token of probability 0 was drawn. Cells are pooled, the least
+    likely first, into groups expecting at least 5 draws each, so that the chi-square approximation holds."""
+    counts, expected = counts.double(), probs.double() * counts.sum()
+    if counts[expected == 0].sum() > 0:
+        return 0.0
+    obs, exp, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    for i in expected.argsort().tolist():
+        if expected[i] == 0:
+            continue
+        pooled_obs, pooled_exp = pooled_obs + float(counts[i]), pooled_exp + float(expected[i])
+        if pooled_exp >= 5:
+            obs.append(pooled_obs), exp.append(pooled_exp)
+            pooled_obs = pooled_exp = 0.0
+    if pooled_exp > 0:  # the remainder joins the last group
+        obs[-1], exp[-1] = obs[-1] + pooled_obs, exp[-1] + pooled_exp
+    obs_t, exp_t = torch.tensor(obs), torch.tensor(exp)
+    stat = ((obs_t - exp_t) ** 2 / exp_t).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2.0), stat / 2))
+
+
+# Each setting alone (with generate()'s defaults for the rest: top_k 50 when unset, temperature 1). Those after the
+# first five read the tokens before the position: they must be applied after each draft position's own prefix.
+SAMPLED_SETTINGS = [
+    {}, {"temperature": 0.7, "top_k": 10}, {"top_p": 0.6}, {"min_p": 0.5}, {"typical_p": 0.5},
+    {"epsilon_cutoff": 0.02}, {"eta_cutoff": 0.02}, {"top_k": None, "top_p": 0.9, "temperature": 1.3},
+    {"repetition_penalty": 3.0}, {"no_repeat_ngram_size": 1}, {"bad_words_ids": [[5], [9, 10], [2]]},
+]
+
+
+@pytest.mark.parametrize("setting", SAMPLED_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or
+                         "defaults")
+def test_sampling_draws_what_generate_draws(spread_pair, setting):
+    # 200 decodes of 3 tokens with γ = 2: t1 from the prefill, t2 and t3 through the draft's acceptance, residual or
+    # bonus. Every token must lie where generate() puts mass after its prefix (a truncation or cutoff that is not
+    # applied, or applied at the wrong position, shows there: the default top_k=50 alone leaves ~13% of the mass out,
+    # so 200 draws see it); the first and second tokens' distributions must be generate()'s (chi-square: it detects
+    # a shift of ~0.1 in total variation at these sizes).
+    from align.custom_generate import generate
+
+    verifier, drafter = spread_pair
+    prompt = torch.tensor([SPREAD_PROMPTS[0]])
+    torch.manual_seed(0)
+    samples = [generate(verifier, prompt, assistant_model=drafter, gamma=2, max_new_tokens=3, do_sample=True,
+                        **setting)[0, prompt.shape[1]:].tolist() for _ in range(SAMPLES)]
+    assert all(len(s) == 3 for s in samples)
+    if setting.get("no_repeat_ngram_size") == 1:  # no token twice, prompt included
+        assert all(len(set(SPREAD_PROMPTS[0] + s)) == len(SPREAD_PROMPTS[0]) + 3 for s in samples)
+    first = generate_distributions(verifier, [SPREAD_PROMPTS[0]], setting)[0]
+    seconds = generate_distributions(verifier, [SPREAD_PROMPTS[0] + [t] for t in range(SPREAD_VOCAB)], setting)
+    pairs = sorted({tuple(s[:2]) for s in samples})
+    thirds = dict(zip(pairs, generate_distributions(verifier, [SPREAD_PROMPTS[0] + list(p) for p in pairs], setting)))
+    outside = [s for s in samples if first[s[0]] == 0 or seconds[s[0], s[1]] == 0 or thirds[tuple(s[:2])][s[2]] == 0]
+    assert outside == [], f"{len(outside)} of {SAMPLES} decodes drew a token generate() never draws there"
+    counts = torch.zeros(2, SPREAD_VOCAB)
+    for s in samples:
+        counts[0, s[0]] += 1
+        counts[1, s[1]] += 1
+    assert chi_square(counts[0], first) > 1e-3
+    assert chi_square(counts[1], first @ seconds) > 1e-3
+
+
+def test_sampling_by_the_models_generation_config(spread_pair):
+    # What the verifier's generation_config says (a checkpoint's generation_config.json) applies as in generate().
+    from align.custom_generate import generate
+
+    verifier, drafter = spread_pair
+    verifier = copy.deepcopy(verifier)
+    verifier.generation_config.do_sample, verifier.generation_config.min_p = True, 0.5
+    prompt = torch.tensor([SPREAD_PROMPTS[1]])
+    allowed = generate_distributions(verifier, [SPREAD_PROMPTS[1]], {})[0] > 0
+    assert 0 < int(allowed.sum()) < SPREAD_VOCAB / 2
+    torch.manual_seed(1)
+    firsts = [int(generate(verifier, prompt, assistant_model=drafter, max_new_tokens=1)[0, -1]) for _ in range(100)]
+    assert all(allowed[t] for t in firsts)
+
+
+def forbid_after(batch_id: int, ids: torch.Tensor) -> list[int]:
+    """prefix_allowed_tokens_fn: the tokens whose sum with the last one is a multiple of 3."""
+    return [t for t in range(SPREAD_VOCAB) if (t + int(ids[-1])) % 3 == 0]
+
+
+GREEDY_SETTINGS = [
+    {}, {"no_max_new_tokens": True}, {"max_length": 15}, {"repetition_penalty": 1.8}, {"no_repeat_ngram_size": 2},
+    {"bad_words_ids": [[5], [9, 10]]}, {"suppress_tokens": [0, 1, 2, 3], "begin_suppress_tokens": [4, 5, 6]},
+    {"sequence_bias": {(7,): 4.0, (8, 9): 10.0}}, {"min_new_tokens": 12}, {"forced_eos_token_id": 11},
+    {"exponential_decay_length_penalty": (4, 1.6)}, {"prefix_allowed_tokens_fn": forbid_after},
+    {"renormalize_logits": True, "remove_invalid_values": True},
+]
+
+
+@pytest.mark.parametrize("own_drafter", [True, False], ids=["accepting-drafter", "rejected-drafter"])
+@pytest.mark.parametrize("setting", GREEDY_SETTINGS, ids=lambda s: ",".join(s) or "defaults")
+def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_factory, setting, own_drafter):
+    # Through verifier.generate(custom_generate=folder) itself: generate()'s argument passing, then generate()'s own
+    # processors applied at every draft position. Token 11 ends a sequence, so that the processors that read the end
+    # token (min_new_tokens, forced_eos_token_id, exponential_decay_length_penalty) act.
+    verifier, drafter = spread_pair
+    verifier = copy.deepcopy(verifier)
+    verifier.generation_config.eos_token_id = 11
+    if own_drafter:  # the verifier's own weights: its drafts are mostly accepted, so positions 1.. are verified
+        drafter = copy.deepcopy(verifier)
+        drafter.config.drafter_spec = DrafterSpec(SPREAD_MASK, 1, "block_causal").to_dict()
+    folder = tmp_path_factory.getbasetemp() / ("spread-own" if own_drafter else "spread-other")
+    if not folder.exists():
+        drafter.save_pretrained(folder)
+        (folder / "custom_generate").mkdir()
+        shutil.copy2(ROOT / "align" / "custom_generate.py", folder / "custom_generate" / "generate.py")
+    setting = dict(setting)
+    length = {} if setting.pop("no_max_new_tokens", False) or "max_length" in setting else {"max_new_tokens": 24}
+    drafted = 0
+    for ids in SPREAD_PROMPTS:
+        prompt = torch.tensor([ids])
+        out = verifier.generate(prompt, assistant_model=drafter, custom_generate=str(folder), trust_remote_code=True,
+                                gamma=4, return_dict_in_generate=True, **length, **setting)
+        plain = verifier.generate(prompt, do_sample=False, **length, **setting)
+        assert out.sequences[0].tolist() == plain[0].tolist()
+        drafted += sum(out.accept_counts)
+    if not length and "max_length" not in setting:  # generate()'s default: 20 new tokens
+        assert plain.shape[1] - prompt.shape[1] == 20
+    assert drafted > 0 or not own_drafter
+
+
+@pytest.mark.parametrize("setting, name", [
+    ({"num_beams": 2}, "beam search"), ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
+    ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive search"), ({"dola_layers": "high"}, "dola"),
+    ({"guidance_scale": 1.5}, "guidance_scale"), ({"stop_strings": ["x"]}, "stop_strings"),
+    ({"max_time": 5.0}, "max_time"), ({"token_healing": True}, "token_healing"),
+    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens"),
+    ({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
+    ({"output_logits": True, "return_dict_in_generate": True}, "output_logits"),
+    ({"logits_processor": "processor"}, "logits_processor"), ({"stopping_criteria": "criterion"}, "stopping_criteria"),
+    ({"streamer": object()}, "streamer"), ({"negative_prompt_ids": torch.ones(1, 2, dtype=torch.long)},
+                                          "negative_prompt_ids"),
+    ({"assistant_tokenizer": object()}, "assistant_tokenizer"), ({"top_kk": 3}, "top_kk"),
+    ({"watermarking_config": "watermark"}, "watermarking_config"),
+])
+def test_what_it_cannot_reproduce_is_refused_by_name(spread_pair, setting, name):
+    from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, WatermarkingConfig
+    from transformers.generation import MaxLengthCriteria
+
+    from align.custom_generate import generate
+
+    verifier, drafter = spread_pair
+    made = {"processor": LogitsProcessorList([TemperatureLogitsWarper(0.5)]),
+            "criterion": StoppingCriteriaList([MaxLengthCriteria(8)]), "watermark": WatermarkingConfig()}
+    setting = {k: made.get(v, v) if isinstance(v, str) else v for k, v in setting.items()}
+    with pytest.raises(ValueError, match=name.replace(" ", ".")) as refused:
+        generate(verifier, torch.tensor([SPREAD_PROMPTS[0]]), assistant_model=drafter, max_new_tokens=4, **setting)
+    assert "\n" not in str(refused.value)

@@ -115,7 +115,7 @@ def check_records(methods, ids):
 
 def test_records_agree_with_the_aggregates_and_versions_are_recorded(toy_family, evaluated):
     _, result = evaluated
-    assert result["schema_version"] == 2
+    assert result["schema_version"] == 3
     ids = tiny_test_ids(toy_family[0], 2)
     check_records(result["methods"], ids)
     check_records(result["sampling"]["methods"], ids)

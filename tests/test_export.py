@@ -1,7 +1,9 @@
 """`align export`: a folder that loads with transformers alone and decodes identically; pushes to a local Hub."""
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -178,13 +180,13 @@ def test_card_describes_the_training_run():
 
 
 @pytest.mark.parametrize("config, loader, fill", [
-    ({"model_type": "llama", "drafter_spec": {"mask_token_id": 2}}, "AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")",
+    ({"model_type": "llama", "drafter_spec": {"mask_token_id": 2}}, "AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\", dtype=torch.float32)",
      "with `mask_token_id`"),
     ({"model_type": "Dream", "auto_map": {"AutoModel": "modeling_dream.DreamModel"}, "drafter_spec": {}},
-     "AutoModel.from_pretrained(\"THIS_FOLDER\", trust_remote_code=True)", "with `mask_token_id`"),
+     "AutoModel.from_pretrained(\"THIS_FOLDER\", trust_remote_code=True, dtype=torch.float32)", "with `mask_token_id`"),
     ({"model_type": "diffusion_gemma", "drafter_spec": {"noise": "uniform"}},
-     "AutoModelForImageTextToText.from_pretrained(\"THIS_FOLDER\")", "one fixed uniform random draw"),
-    ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, "AutoModel.from_pretrained(\"THIS_FOLDER\")",
+     "AutoModelForImageTextToText.from_pretrained(\"THIS_FOLDER\", dtype=torch.float32)", "one fixed uniform random draw"),
+    ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, "AutoModel.from_pretrained(\"THIS_FOLDER\", dtype=torch.float32)",
      "export.format=speculators"),
 ])
 def test_card_loads_each_family_with_the_class_that_has_its_lm_head(config, loader, fill):
@@ -193,3 +195,138 @@ def test_card_loads_each_family_with_the_class_that_has_its_lm_head(config, load
 
     card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")
     assert f"drafter = {loader}" in card and fill in card
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the card carries the exported drafter's own rows, from whatever folder export runs in (#22 defect 6)
+# --------------------------------------------------------------------------------------------------------------------
+def perturbed_copy(source: Path, dest: Path, scale: float) -> Path:
+    """A copy of a drafter folder with its weights changed (another drafter: its τ differs)."""
+    shutil.copytree(source, dest)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std().clamp_min(1e-3))
+    model.save_pretrained(dest)
+    return dest
+
+
+def verifier_as_drafter(root: Path, dest: Path) -> Path:
+    """The toy verifier's weights read as a shifted block-causal drafter: its first draft token is the verifier's own
+    next token, so its τ is well above the toy drafter-base's."""
+    shutil.copytree(root / "ck" / "verifier", dest)
+    config = json.loads((dest / "config.json").read_text())
+    spec = json.loads((root / "ck" / "drafter-base" / "config.json").read_text())["drafter_spec"]
+    config["drafter_spec"] = {**spec, "logits_shift": 1, "attention": "block_causal"}
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def compared(toy_family, tmp_path_factory):
+    """An eval run inside `run/` with relative paths, as a user runs it: drafter.path `base`, and
+    eval.compare_drafters {aligned: aligned}, a drafter whose τ differs."""
+    root, _ = toy_family
+    tmp = tmp_path_factory.mktemp("compared")
+    run = tmp / "run"
+    run.mkdir()
+    shutil.copytree(root / "ck" / "drafter-base", run / "base")
+    verifier_as_drafter(root, run / "aligned")
+    here = os.getcwd()
+    os.chdir(run)
+    try:
+        assert main(["eval", str(ROOT / "recipes/tiny/eval.yaml"), f"verifier.path={root / 'ck' / 'verifier'}",
+                     "drafter.path=base", "eval.compare_drafters={aligned: aligned}", f"data.dir={root / 'data'}",
+                     f"ar_drafter.path={root / 'ck' / 'ar-drafter'}", "eval.out=eval", "eval.num_prompts=2",
+                     "decode.max_new_tokens=8", "eval.warmup=0", "eval.methods=[specdiff]",
+                     "eval.sampling_temperature=0"]) == 0
+    finally:
+        os.chdir(here)
+    methods = json.loads((run / "eval" / "eval.json").read_text())["methods"]
+    assert methods["specdiff"]["tau"] != methods["specdiff@aligned"]["tau"]
+    return root, tmp
+
+
+def export_from(cwd: Path, root: Path, drafter: str, out: Path, evaluation: Path) -> int:
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return main(["export", str(ROOT / "recipes/tiny/align.yaml"), f"verifier.path={root / 'ck' / 'verifier'}",
+                     f"drafter.path={drafter}", f"data.dir={root / 'data'}", f"export.out={out}",
+                     f"export.eval={evaluation}"])
+    finally:
+        os.chdir(here)
+
+
+@pytest.mark.parametrize("given", ["absolute", "relative from another folder", "a copy elsewhere"])
+def test_the_card_carries_the_exported_drafters_rows_from_any_folder(compared, tmp_path, given):
+    root, tmp = compared
+    run = tmp / "run"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    drafter = {"absolute": str(run / "aligned"), "relative from another folder": os.path.relpath(run / "aligned",
+                                                                                                  elsewhere),
+               "a copy elsewhere": str(shutil.copytree(run / "aligned", tmp_path / "moved"))}[given]
+    assert export_from(elsewhere, root, drafter, tmp_path / "out", run / "eval" / "eval.json") == 0
+    methods = json.loads((run / "eval" / "eval.json").read_text())["methods"]
+    aligned, base = methods["specdiff@aligned"], methods["specdiff"]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "τ with `base` |" in card  # the base's column
+    assert f"| specdiff | {aligned['tau']:.2f} | {aligned['speedup']:.2f}× | {aligned['exact_match']} | " \
+           f"{base['tau']:.2f} |" in card
+    metrics = metadata_load(tmp_path / "out" / "README.md")["model-index"][0]["results"][0]["metrics"]
+    assert metrics[0]["value"] == round(aligned["tau"], 4)
+
+
+def test_the_base_exported_from_another_folder_has_its_plain_rows(compared, tmp_path):
+    root, tmp = compared
+    run = tmp / "run"
+    assert export_from(tmp_path, root, str(run / "base"), tmp_path / "out", run / "eval" / "eval.json") == 0
+    base = json.loads((run / "eval" / "eval.json").read_text())["methods"]["specdiff"]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"| specdiff | {base['tau']:.2f} |" in card and "τ with" not in card
+
+
+@pytest.mark.parametrize("case", ["another drafter", "trained further since the eval", "an old eval.json elsewhere"])
+def test_an_eval_without_rows_for_the_exported_drafter_is_refused(compared, tmp_path, case, capsys):
+    # Before any work: nothing is written, one line says why, exit 2.
+    root, tmp = compared
+    run = tmp / "run"
+    evaluation = run / "eval" / "eval.json"
+    drafter = run / "aligned"
+    if case == "another drafter":
+        drafter = perturbed_copy(root / "ck" / "drafter-base", tmp_path / "other", 0.2)
+    elif case == "trained further since the eval":  # the same folder, other weights: the eval measured the old ones
+        perturbed_copy(run / "aligned", tmp_path / "perturbed", 0.1)
+        weights = (run / "aligned" / "model.safetensors").read_bytes()
+        shutil.copy2(tmp_path / "perturbed" / "model.safetensors", run / "aligned" / "model.safetensors")
+    else:  # schema 2 names drafters by the paths as given, which only resolve in the folder the eval ran in
+        old = json.loads(evaluation.read_text())
+        del old["meta"]["drafters"]
+        evaluation = tmp_path / "old-eval.json"
+        evaluation.write_text(json.dumps(old))
+    capsys.readouterr()
+    try:
+        assert export_from(tmp_path, root, str(drafter), tmp_path / "out", evaluation) == 2
+    finally:
+        if case == "trained further since the eval":
+            (run / "aligned" / "model.safetensors").write_bytes(weights)
+    err = capsys.readouterr().err.strip()
+    assert "has no rows for the exported drafter" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_json_names_each_drafter_so_that_it_resolves_from_anywhere(compared):
+    from align.checkpoint import weights_sha256
+
+    _, tmp = compared
+    run = tmp / "run"
+    meta = json.loads((run / "eval" / "eval.json").read_text())["meta"]
+    assert meta["drafters"] == [
+        {"rows": "", "path": "base", "resolved": str((run / "base").resolve()),
+         "weights_sha256": weights_sha256(run / "base")},
+        {"rows": "@aligned", "path": "aligned", "resolved": str((run / "aligned").resolve()),
+         "weights_sha256": weights_sha256(run / "aligned")}]
+    assert weights_sha256(run / "base") == hashlib.sha256((run / "base" / "model.safetensors").read_bytes()).hexdigest()
+    assert meta["exact_match_semantics"]["dtype"] == "float32" and meta["exact_match_semantics"]["device"] == "cpu"

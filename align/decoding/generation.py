@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -57,10 +57,8 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean accepted length: tokens emitted per decoding verifier forward (accepted drafts + 1)."""
-        if not self.accept_counts:
-            return 1.0
-        return sum(n + 1 for n in self.accept_counts) / len(self.accept_counts)
+        """Mean accepted length: tokens emitted per decoding verifier forward (mean_accepted_length)."""
+        return mean_accepted_length([self])
 
     def per_position_acceptance(self, max_len: int) -> list[Optional[float]]:
         """α_i = P(draft position i accepted | positions < i accepted), i = 1..max_len (None: never reached)."""
@@ -92,6 +90,18 @@ def prefill(verifier: PreTrainedModel, prompt_ids: torch.Tensor,
     cache = rollback_cache(verifier)
     logits = verifier_forward(verifier, prompt_ids, cache, tap)
     return logits[-1], cache
+
+
+def mean_accepted_length(stats: Sequence[GenerationStats]) -> float:
+    """τ over generations, the one definition `align eval` and the Python API report: Σ (accepted drafts + 1) / Σ
+    iterations for methods that record their iterations (the speculative ones); else Σ (new_tokens − 1) / Σ decoding
+    verifier forwards, the tokens after the first (which the prefill gives) per forward: AR's, and HF's generate,
+    assisted generation and prompt lookup, which report forward counts only. 1.0 when no decoding forward ran."""
+    counts = [n for s in stats for n in s.accept_counts]
+    if counts:
+        return sum(n + 1 for n in counts) / len(counts)
+    forwards = sum(s.verifier_forwards for s in stats)
+    return sum(max(s.new_tokens - 1, 0) for s in stats) / forwards if forwards else 1.0
 
 
 def start(verifier: PreTrainedModel, prompt_ids: torch.Tensor, sampling: Sampling,
