@@ -19,8 +19,9 @@ each token's marginal, Bonferroni-combined (`lossless_pvalue`); a test passes ab
 
 Power (`detectable_effect`, checked by test_each_test_has_the_power_its_docstring_claims): at α = 1e-4 and power 0.99,
 a test of 1,000 decodes detects a deviation of one token's marginal of Cohen's w ≥ 0.231 (a shift of 0.093 in a
-probability of 0.2) and a deviation of the joint of w ≥ 0.32. Smaller deviations need more decodes (w scales as
-1/√N: 0.03 on 0.2 takes ~9,400). The bugs planted for issue 22 deviate more: each fails the tests it concerns with a
+probability of 0.2) and a deviation of the joint of w ≥ 0.32; the cost-aware length test's 4,000 decodes a shift of
+0.041 in a probability of 0.125 (defect 1's is 0.05). Smaller deviations need more decodes (w scales as 1/√N: 0.03 on
+0.2 takes ~9,400). The bugs tests/test_mutations.py plants deviate more: each fails the tests named for it with a
 power above 0.999 at their sizes (estimated from 3,000 decodes of each mutant).
 """
 
@@ -198,7 +199,7 @@ TABLE_MASK = REAL_TOKENS
 TABLE_PROMPT = torch.tensor([[1, 3, 2]])
 GAMMA, TREE_NODES = 2, 3  # a tree smaller than the vocabulary: after every child is rejected, the residual runs
 ALPHA = 1e-4
-DECODES = 1000  # per test
+DECODES, COST_DECODES = 1000, 4000  # per test
 # The seed of every test below. Seed 0 gave specdiff_cps_adl a false alarm (p = 3e-5, its 4th token's marginal; seeds
 # 1 and 3-8 give 0.1-1 at 1,000 decodes, seed 2 0.5 at 8,000): what α = 1e-4 allows about once in 10^4 tests.
 SEED = 1
@@ -312,6 +313,39 @@ def test_truncated_sampling_is_lossless(method, truncation):
     assert decode_pvalue(table_setup(), method, sampling, DECODES) > ALPHA
 
 
+ADVERSARIAL_TOKEN = 3  # token A
+
+
+def adversarial_cost_setup() -> Setup:
+    """Issue 22's construction against a cost-aware length chosen from a sampled draft's own tokens: a verifier
+    uniform over 8 tokens at temperature 1, a drafter uniform at block position 1 that puts 0.6 on one token A at
+    position 2, and a cost curve on which position 2 is worth verifying only if the draft holds A there (gain
+    0.125 · 0.6 against 0.125 · 0.4 / 7, for 3 % more verifier time). Choosing the length from the drawn tokens keeps
+    position 2 only when it drew A, and P(third token = A) becomes 0.175 against the verifier's 0.125."""
+    vocab = 9  # 8 tokens and the mask
+    uniform = torch.zeros(vocab + 1, vocab, vocab)
+    uniform[..., vocab - 1] = float("-inf")
+    block = torch.zeros(2, vocab, vocab)
+    block[1] = math.log(0.4 / 7)
+    block[1, :, ADVERSARIAL_TOKEN] = math.log(0.6)
+    block[..., vocab - 1] = float("-inf")
+    # tree_nodes=1: the curve covers max(γ, tree_nodes) + 1 sizes, so it is taken as given, never measured.
+    decode = DecodeSection(gamma=2, max_new_tokens=3, temperature=1.0, tree_nodes=1)
+    return Setup(verifier=MarkovVerifier(uniform), drafter=TableDrafter(block, vocab - 1),
+                 spec=DrafterSpec(vocab - 1, 0, "block_causal"), ar_drafter=None, tokenizer=None, eos_ids=frozenset(),
+                 decode=decode, verify_costs=[0.9, 1.0, 1.03], draft_cost=0.0)
+
+
+def test_a_cost_aware_length_is_lossless_against_a_drafter_that_would_bias_it():
+    """Defect 1 (specdiff_cost, sampled drafts): 4,000 decodes detect a 0.041 shift of P(third token = A) from 0.125
+    (w ≥ 0.121 on a marginal) at α = 1e-4 with power 0.99; the defect shifts it by 0.05 (w = 0.151: power 0.9999)."""
+    setup = adversarial_cost_setup()
+    prompt = torch.tensor([[1, 2]])
+    samples = first_tokens(lambda g: METHODS["specdiff_cost"](setup, prompt, Sampling(1.0), g), seed=SEED,
+                           trials=COST_DECODES, new_tokens=3)
+    assert lossless_pvalue(samples, exact_joint(setup.verifier, prompt, Sampling(1.0), 3)) > ALPHA
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # power: what the tests above can see
 # ---------------------------------------------------------------------------------------------------------------------
@@ -343,14 +377,18 @@ def detectable_effect(df: int, trials: int, alpha: float, target: float = 0.99) 
 
 
 def test_each_test_has_the_power_its_docstring_claims():
-    # A marginal over the 5 tokens has at most 4 degrees of freedom; Bonferroni
+    # A marginal over the 5 tokens has at most 4 degrees of freedom, the 8-token one of the cost test 7; Bonferroni
     # over the joint and the marginals divides α by L + 1. A shift δ of one probability p₀ taken evenly from the rest
     # is w ≈ δ / √(p₀ (1 − p₀)).
     assert detectable_effect(4, DECODES, ALPHA / (NEW_TOKENS + 1)) <= 0.231
+    assert detectable_effect(7, COST_DECODES, ALPHA / 4) <= 0.121
+    # Defect 1: P(A) 0.175 for 0.125, the other 7 tokens' 0.125 each lowering by 0.05 / 7.
+    defect = math.sqrt(0.05 ** 2 / 0.125 + 7 * (0.05 / 7) ** 2 / 0.125)
+    assert power(7, COST_DECODES * defect ** 2, ALPHA / 4) > 0.9999
     # The joint's degrees of freedom after merging sparse cells, from the exact distribution.
     setup = table_setup()
     joint = exact_joint(setup.verifier, TABLE_PROMPT, TEMPERATURE)
     _, df = chi_square(joint * DECODES, joint)
     assert detectable_effect(df, DECODES, ALPHA / (NEW_TOKENS + 1)) <= 0.32
-    # The shift quoted: 0.093 of 0.2.
-    assert 0.093 / math.sqrt(0.2 * 0.8) >= 0.231
+    # The shifts quoted: 0.093 of 0.2 and 0.041 of 0.125.
+    assert 0.093 / math.sqrt(0.2 * 0.8) >= 0.231 and 0.041 / math.sqrt(0.125 * 0.875) >= 0.121
