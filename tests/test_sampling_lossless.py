@@ -1,36 +1,54 @@
-"""Every decoding method samples exactly the verifier's distribution at temperature > 0 (DESIGN §9), end to end.
+"""Every decoding method samples exactly the verifier's distribution at temperature > 0 (DESIGN §5), end to end.
 
-A tiny random verifier over 8 tokens, made peaky so that its next-token distribution depends strongly on the prefix,
-decodes the first 4 new tokens of one prompt many times. Their empirical joint is compared with the exact AR sampling
-distribution p(t1) p(t2 | t1) p(t3 | t1, t2) p(t4 | t1, t2, t3), computed from the verifier's probabilities, by a
-chi-square test.
+The models are logit tables, so that p and q are exactly what a test needs and a trial costs a few milliseconds:
 
-t1 comes from the prefill. With γ = 1 the first iteration drafts t2 and, when it is accepted, t3 is the bonus token;
-ADL starts at its maximum length, 2, so there t4 is the bonus. The bonus, the correction after a rejection and the
-next iteration all land in the table: a bonus drawn from the wrong position fails (see the last test)"""
+- the verifier is a second-order Markov chain over REAL_TOKENS tokens (next-token logits given the previous and the
+  current token) run as a causal LM with a KV cache whose keys are the tokens themselves: a row's "previous token" is
+  the latest earlier cache column it may attend to, so a cache the runtime forgets to crop, or a tree mask that gives
+  a node the wrong parent, changes what it predicts, as it would a transformer's;
+- the diffusion drafter gives block position d after context token c the logits table[d, c], spread out: a near one-hot
+  q (the earlier tests' logits ×30) samples like an argmax draft, and a test built on it cannot see a wrong q, a wrong
+  residual or a wrong truncation (issue 22: four planted bugs passed the earlier tests);
+- the AR drafter is another Markov chain. Neither model ever gives the mask token any probability.
 
+Each test decodes the first NEW_TOKENS new tokens of one prompt many times with a fixed seed (deterministic), with
+γ = 2 so that the bonus token and a second iteration land in the table, and trees of fewer nodes than tokens so that
+the residual after every child is rejected runs. The empirical distribution is compared with the exact AR sampling
+distribution (computed from the verifier's table) by chi-square tests on the joint of the NEW_TOKENS tokens and on
+each token's marginal, Bonferroni-combined (`lossless_pvalue`); a test passes above ALPHA = 1e-4.
+
+Power (`detectable_effect`, checked by test_each_test_has_the_power_its_docstring_claims): at α = 1e-4 and power 0.99,
+a test of 1,000 decodes detects a deviation of one token's marginal of Cohen's w ≥ 0.231 (a shift of 0.093 in a
+probability of 0.2) and a deviation of the joint of w ≥ 0.32; the cost-aware length test's 4,000 decodes a shift of
+0.041 in a probability of 0.125 (defect 1's is 0.05). Smaller deviations need more decodes (w scales as 1/√N: 0.03 on
+0.2 takes ~9,400). The bugs tests/test_mutations.py plants deviate more: each fails the tests named for it with a
+power above 0.999 at their sizes (estimated from 3,000 decodes of each mutant).
+"""
+
+import math
 from dataclasses import replace
+from types import SimpleNamespace
+from typing import Callable, Optional
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import align.decoding.acceptance as acceptance_module
 from align.config import DecodeSection
-from align.decoding.acceptance import accept_sampled
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
 from align.decoding.sd_ar import sd_ar_generate
 from align.methods import METHODS, Setup
 from align.models import DrafterSpec
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared with test_tree.py and test_custom_generate.py: the peaky 8-token Llama models and the joint they are tested by
+# (those tests decode with real transformer forwards; the tests below use logit tables).
+# ---------------------------------------------------------------------------------------------------------------------
 VOCAB, MASK, NEW_TOKENS, TRIALS = 8, 7, 4, 600
 PROMPT = torch.tensor([[1, 5, 2]])
-SAMPLING = Sampling(temperature=0.8, top_k=5)  # truncation too: the runtime must sample what it accepts against
-# What our runtime implements; the HF baselines (hf_generate, hf_assisted, prompt_lookup) are HF's own sampling.
-RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
-                   "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
-                   "specdiff_cps_tree", "specdiff_cps_tree_cost"]
+SAMPLING = Sampling(temperature=0.8, top_k=5)
 
 
 def peaky(seed):
@@ -44,115 +62,333 @@ def peaky(seed):
     return model
 
 
-@pytest.fixture(scope="module")
-def setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads cost more than they give
-    decode = DecodeSection(gamma=1, max_new_tokens=NEW_TOKENS, temperature=SAMPLING.temperature,
-                           top_k=SAMPLING.top_k, num_candidates=3, draft_temperature=1.5,
-                           adl_min_len=1, adl_max_len=2, adl_delta=1)
-    verifier = peaky(0)
-    # CPS's causal proxy fitted on the verifier's own continuations (as eval does with trajectories), so that its
-    # paths are often accepted whole and the bonus token shows in the table.
-    with torch.inference_mode():
-        stream = verifier.generate(PROMPT.expand(64, -1), max_new_tokens=32, do_sample=True, pad_token_id=0)
-    proxy = TrigramModel.fit(stream.flatten().numpy(), VOCAB)
-    # The cost-aware methods' costs fixed (a rising curve, so that they verify some nodes and not others): their
-    # choices then depend on no clock.
-    yield Setup(verifier=verifier, drafter=peaky(1), spec=DrafterSpec(MASK, 1, "block_causal"),
-                ar_drafter=peaky(2), tokenizer=None, eos_ids=frozenset(), decode=decode, proxy=proxy,
-                verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
-    torch.set_num_threads(threads)
-
-
 @torch.inference_mode()
-def exact_joint(verifier, prompt, sampling):
-    """(V,) * NEW_TOKENS: P(t1, ..., tL) when AR decoding samples from `sampling` applied to the verifier's logits."""
-    n = prompt.shape[1]
-    sequences = torch.cartesian_prod(*[torch.arange(VOCAB)] * NEW_TOKENS)  # every continuation, row-major
+def exact_joint(verifier, prompt, sampling, new_tokens=NEW_TOKENS):
+    """(V,) * new_tokens: P(t1, ..., tL) when AR decoding samples from `sampling` applied to the verifier's logits."""
+    vocab, n = verifier.config.vocab_size, prompt.shape[1]
+    sequences = torch.cartesian_prod(*[torch.arange(vocab)] * new_tokens)  # every continuation, row-major
     ids = torch.cat([prompt.expand(len(sequences), -1), sequences], dim=1)
-    probs = sampling.probs(verifier(input_ids=ids).logits)  # (V^L, n + L, V)
-    joint = torch.ones(())
-    for k in range(NEW_TOKENS):
+    probs = sampling.probs(verifier(input_ids=ids).logits).double()  # (V^L, n + L, V)
+    joint = torch.ones((), dtype=torch.float64)
+    for k in range(new_tokens):
         # p(t_k+1 | t_1..t_k) is read where t_k+1 is predicted; the tokens after it do not matter: take them as 0.
-        step = probs[:, n - 1 + k].view(*[VOCAB] * NEW_TOKENS, VOCAB)[(slice(None),) * k + (0,) * (NEW_TOKENS - k)]
+        step = probs[:, n - 1 + k].view(*[vocab] * new_tokens, vocab)[(slice(None),) * k + (0,) * (new_tokens - k)]
         joint = joint[..., None] * step
     return joint
 
 
-def chi_square_pvalue(samples, joint):
-    """samples: lists of NEW_TOKENS tokens; joint: their exact probabilities, (V,) * NEW_TOKENS."""
-    counts = torch.zeros(joint.numel(), dtype=torch.float64)
+def token_counts(samples, shape):
+    """How often each sequence of len(shape) tokens was emitted: a tensor of `shape`."""
+    counts = torch.zeros(shape, dtype=torch.float64)
     for tokens in samples:
-        counts[sum(t * VOCAB ** (NEW_TOKENS - 1 - i) for i, t in enumerate(tokens))] += 1
-    expected = joint.flatten().double() * len(samples)
+        counts[tuple(tokens)] += 1
+    return counts
+
+
+def chi_square(counts, probs):
+    """(statistic, degrees of freedom) of observed `counts` against exact `probs` (same shape); cells expected fewer
+    than 5 times are merged (a choice made from the exact probabilities, not the data, so the test's df is known in
+    advance). A sequence the verifier never samples, emitted, gives an infinite statistic."""
+    counts, expected = counts.flatten(), probs.flatten() * counts.sum()
     if counts[expected == 0].sum() > 0:
-        return 0.0  # a sequence the verifier never samples was emitted
-    small = expected < 5  # merge sparse cells so that the chi-square approximation holds
+        return math.inf, 1
+    small = expected < 5
     obs = torch.cat([counts[~small], counts[small].sum().view(1)])
     exp = torch.cat([expected[~small], expected[small].sum().view(1)])
     keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2.0), stat / 2))
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
 
 
-def first_tokens(decode, seed=0):
+def chi_square_survival(statistic, df):
+    """P(χ²_df > statistic); 1 for a test with no freedom (a single possible outcome)."""
+    if df == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+def chi_square_pvalue(samples, joint):
+    """samples: lists of L tokens; joint: their exact probabilities, (V,) * L. The joint chi-square's p-value."""
+    return chi_square_survival(*chi_square(token_counts(samples, joint.shape), joint))
+
+
+def first_tokens(decode, seed=0, trials=TRIALS, new_tokens=NEW_TOKENS):
+    """`trials` decodes by decode(generator) -> (tokens, stats), from one seeded generator."""
     generator = torch.Generator().manual_seed(seed)
     samples = []
-    for _ in range(TRIALS):
+    for _ in range(trials):
         tokens, _ = decode(generator)
-        assert len(tokens) == NEW_TOKENS
+        assert len(tokens) == new_tokens
         samples.append(tokens)
     return samples
 
 
-@pytest.mark.parametrize("method", RUNTIME_METHODS)
-def test_every_method_samples_the_verifier_distribution(setup, method):
-    samples = first_tokens(lambda g: METHODS[method](setup, PROMPT, SAMPLING, g))
-    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
+# ---------------------------------------------------------------------------------------------------------------------
+# logit-table models
+# ---------------------------------------------------------------------------------------------------------------------
+class TableModel(torch.nn.Module):
+    """What the runtime reads of a model (config, device, dtype, a cached forward), over a logit table. The cache holds
+    the tokens as keys and values, (B, 1, K, 1), so cropping, batching and a tree's kept path act on it as on a
+    transformer's."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.config = LlamaConfig(vocab_size=table.shape[-1], hidden_size=2, intermediate_size=2, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64)
+        self.config._attn_implementation = "eager"  # the tree forward's 4-D mask is read by forward() below
+        self.register_buffer("table", table.float())
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    def keys(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """(B, R) new tokens -> (B, K): every token the rows may see, the cached ones first."""
+        if cache is None:
+            return input_ids
+        tokens = input_ids[:, None, :, None]
+        return cache.update(tokens, tokens, 0)[0][:, 0, :, 0]
 
 
-def test_sd_ar_with_a_greedy_draft_and_a_sampling_verifier_is_lossless(setup):
-    # The draft is the drafter's argmax (a point mass), whatever the verifier samples at.
-    samples = first_tokens(lambda g: sd_ar_generate(setup.verifier, setup.ar_drafter, PROMPT, 1, NEW_TOKENS,
-                                                    SAMPLING, draft_sampling=Sampling(), generator=g))
-    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
+class MarkovVerifier(TableModel):
+    """A second-order Markov chain as a causal LM. table: (V + 1, V, V), the logits of the next token given the
+    previous token (V: none, at a sequence's first token) and the current one."""
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, use_cache=True,
+                output_hidden_states=False, logits_to_keep=0, **unused):
+        rows = input_ids.shape[1]
+        keys = self.keys(input_ids, cache)  # (B, K)
+        columns, start = keys.shape[1], self.table.shape[0] - 1
+        if attention_mask is None:  # causal: a row's previous token is the previous column
+            previous = torch.nn.functional.pad(keys, (1, 0), value=start)[:, columns - rows:columns]
+        else:  # a tree: the latest earlier column the row may attend to is its parent
+            column = torch.arange(columns, device=keys.device)
+            seen = (attention_mask[:, 0] == 0) & (column[None, :] < column[columns - rows:, None])  # (1 | B, R, K)
+            parent = torch.where(seen, column, -1).amax(-1).expand(keys.shape[0], rows)
+            previous = torch.where(parent >= 0, keys.gather(1, parent.clamp_min(0)), start)
+        logits = self.table[previous, input_ids]  # (B, R, V)
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits, hidden_states=None)
 
 
-@pytest.mark.parametrize("method", ["specdiff_cost", "specdiff_cps_cost"])
-def test_cost_aware_draft_lengths_are_lossless_when_sampling(setup, method):
-    # γ = 3 with a curve on which each token costs a quarter of the first: the chosen length varies with the drafter's
-    # confidence, so sampled drafts are cut (with their probabilities) to lengths chosen before the verifier's draw.
-    sized = replace(setup, decode=setup.decode.model_copy(update={"gamma": 3}),
-                    verify_costs=[1.0 + 0.25 * n for n in range(setup.decode.tree_nodes + 1)], draft_cost=0.0)
-    lengths = set()
+class TableDrafter(TableModel):
+    """A block-causal diffusion drafter: block position d after context token c gets the logits table[d, c].
+    table: (D, V, V). Block rows are those reading the mask token (which the verifier never emits)."""
 
+    def __init__(self, table: torch.Tensor, mask_token_id: int) -> None:
+        super().__init__(table)
+        self.mask_token_id = mask_token_id
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, use_cache=True,
+                logits_to_keep=0, **unused):
+        keys = self.keys(input_ids, cache)
+        masked = input_ids == self.mask_token_id
+        first = torch.where(masked, position_ids, keys.shape[1]).amin(-1, keepdim=True)  # (B, 1): the block's start
+        offset = (position_ids - first).clamp(0, self.table.shape[0] - 1)
+        # The context cache holds one column per position: the last context token is column first - 1.
+        last_context = keys.gather(1, (first - 1).clamp(0, keys.shape[1] - 1))
+        logits = self.table[offset, last_context.expand_as(offset)]
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+REAL_TOKENS = 5  # the tokens the models emit; one more id is the drafter's mask
+TABLE_MASK = REAL_TOKENS
+TABLE_PROMPT = torch.tensor([[1, 3, 2]])
+GAMMA, TREE_NODES = 2, 3  # a tree smaller than the vocabulary: after every child is rejected, the residual runs
+ALPHA = 1e-4
+DECODES, COST_DECODES = 1000, 4000  # per test
+# The seed of every test below. Seed 0 gave specdiff_cps_adl a false alarm (p = 3e-5, its 4th token's marginal; seeds
+# 1 and 3-8 give 0.1-1 at 1,000 decodes, seed 2 0.5 at 8,000): what α = 1e-4 allows about once in 10^4 tests.
+SEED = 1
+TEMPERATURE = Sampling(temperature=0.9)
+TOP_K = Sampling(temperature=1.0, top_k=2)
+TOP_P = Sampling(temperature=1.0, top_p=0.75)
+
+
+def spread_logits(generator: torch.Generator, *shape: int, scale: float = 1.2) -> torch.Tensor:
+    """(*shape, REAL_TOKENS + 1) random logits, standard deviation `scale` (spread out: the likeliest token has ~0.5
+    of the mass on average), -inf on the mask token."""
+    logits = torch.randn(*shape, REAL_TOKENS + 1, generator=generator) * scale
+    logits[..., TABLE_MASK] = float("-inf")
+    return logits
+
+
+def table_setup(seed: int = 0) -> Setup:
+    """The verifier, a diffusion drafter and an AR drafter with independent random tables (q differs from p: specdiff
+    and sd_ar keep about 40 % of their draft tokens), and the decode settings every method reads."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = REAL_TOKENS + 1
+    verifier = MarkovVerifier(spread_logits(generator, vocab + 1, vocab))
+    drafter = TableDrafter(spread_logits(generator, 4, vocab), TABLE_MASK)
+    ar_drafter = MarkovVerifier(spread_logits(generator, vocab + 1, vocab))
+    decode = DecodeSection(gamma=GAMMA, max_new_tokens=NEW_TOKENS, tree_nodes=TREE_NODES, num_candidates=3,
+                           draft_temperature=1.5, adl_min_len=1, adl_max_len=3, adl_delta=1)
+    proxy = TrigramModel.fit(np.random.default_rng(seed).integers(0, REAL_TOKENS, 400), vocab)
+    # The cost-aware methods' costs fixed (each token costs 0.3 of the first, a drafter pass 0.5): their choices then
+    # depend on no clock, and vary with the drafter's confidence (asserted below).
+    return Setup(verifier=verifier, drafter=drafter, spec=DrafterSpec(TABLE_MASK, 0, "block_causal"),
+                 ar_drafter=ar_drafter, tokenizer=None, eos_ids=frozenset(), decode=decode, proxy=proxy,
+                 verify_costs=[1.0 + 0.3 * n for n in range(max(GAMMA, TREE_NODES) + 1)], draft_cost=0.5)
+
+
+def lossless_pvalue(samples: list[list[int]], joint: torch.Tensor) -> float:
+    """Bonferroni over chi-square tests of the joint of the L tokens and of each token's marginal: the joint sees
+    dependence (a token drawn after the wrong prefix), a marginal concentrates a bias on one position."""
+    counts = token_counts(samples, joint.shape)
+    tables = [(counts, joint)]
+    for k in range(joint.dim()):
+        others = tuple(i for i in range(joint.dim()) if i != k)
+        tables.append((counts.sum(others), joint.sum(others)))
+    return min(1.0, len(tables) * min(chi_square_survival(*chi_square(c, p)) for c, p in tables))
+
+
+def decode_pvalue(setup: Setup, method: str, sampling: Sampling, trials: int,
+                  seen: Optional[Callable] = None) -> float:
+    """Decode TABLE_PROMPT `trials` times with `method`; the lossless p-value. seen(stats): called per decode."""
     def decode(generator):
-        tokens, stats = METHODS[method](sized, PROMPT, SAMPLING, generator)
-        lengths.update(stats.draft_lengths)
+        tokens, stats = METHODS[method](setup, TABLE_PROMPT, sampling, generator)
+        if seen is not None:
+            seen(stats)
         return tokens, stats
 
-    samples = first_tokens(decode)
-    assert len(lengths) > 1  # the test sees drafts of several lengths
-    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
+    samples = first_tokens(decode, seed=SEED, trials=trials, new_tokens=setup.decode.max_new_tokens)
+    return lossless_pvalue(samples, exact_joint(setup.verifier, TABLE_PROMPT, sampling, setup.decode.max_new_tokens))
 
 
-@pytest.mark.parametrize("method", ["specdiff", "specdiff_adl"])
-def test_argmax_diffusion_drafts_are_lossless_when_sampling(setup, method):
-    # decode.draft_choice=argmax: the drafter's most likely tokens, a point mass, accepted by the point-mass rule.
-    argmax = replace(setup, decode=setup.decode.model_copy(update={"draft_choice": "argmax"}))
-    samples = first_tokens(lambda g: METHODS[method](argmax, PROMPT, SAMPLING, g))
-    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) > 1e-3
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads cost more than they give
+    yield
+    torch.set_num_threads(threads)
 
 
-def test_a_bonus_from_the_wrong_position_fails(setup, monkeypatch):
-    # The test has the power to see the bonus token: draw it from the last draft position's distribution instead.
-    def wrong_bonus(draft_tokens, draft_probs, verifier_probs, generator=None):
-        num_accepted, next_token = accept_sampled(draft_tokens, draft_probs, verifier_probs, generator)
-        if num_accepted == len(draft_tokens):
-            next_token = int(torch.multinomial(verifier_probs[num_accepted - 1], 1, generator=generator))
-        return num_accepted, next_token
+# What our runtime implements; the HF baselines (hf_generate, hf_assisted, prompt_lookup) are HF's own sampling.
+RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
+                   "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
+                   "specdiff_cps_tree", "specdiff_cps_tree_cost"]
 
-    monkeypatch.setattr(acceptance_module, "accept_sampled", wrong_bonus)
-    samples = first_tokens(lambda g: METHODS["specdiff"](setup, PROMPT, SAMPLING, g))
-    assert chi_square_pvalue(samples, exact_joint(setup.verifier, PROMPT, SAMPLING)) < 1e-6
+
+@pytest.mark.parametrize("method", RUNTIME_METHODS)
+def test_every_method_samples_the_verifier_distribution(method):
+    """Temperature 0.9, 1,000 decodes: detects a marginal deviation of w ≥ 0.231 (a 0.093 shift of a probability of
+    0.2) at α = 1e-4 with power 0.99. The cost-aware methods must verify drafts of several sizes (else their choice is
+    not tested)."""
+    sizes = set()
+    p_value = decode_pvalue(table_setup(), method, TEMPERATURE, DECODES,
+                            seen=lambda stats: sizes.update(stats.tree_nodes or stats.draft_lengths))
+    if method.endswith("_cost"):
+        assert len(sizes) > 1, sizes
+    assert p_value > ALPHA
+
+
+@pytest.mark.parametrize("method", ["specdiff", "specdiff_adl", "sd_ar"])
+def test_argmax_drafts_are_lossless_when_sampling(method):
+    """Deterministic drafts under sampling (decode.draft_choice=argmax; sd_ar drafting at temperature 0): a point
+    mass, accepted by the point-mass rule. 1,000 decodes: w ≥ 0.231 on a marginal."""
+    setup = table_setup()
+    if method == "sd_ar":
+        def decode(generator):
+            return sd_ar_generate(setup.verifier, setup.ar_drafter, TABLE_PROMPT, GAMMA, NEW_TOKENS, TEMPERATURE,
+                                  draft_sampling=Sampling(), generator=generator)
+
+        samples = first_tokens(decode, seed=SEED, trials=DECODES)
+        p_value = lossless_pvalue(samples, exact_joint(setup.verifier, TABLE_PROMPT, TEMPERATURE))
+    else:
+        argmax = replace(setup, decode=setup.decode.model_copy(update={"draft_choice": "argmax"}))
+        p_value = decode_pvalue(argmax, method, TEMPERATURE, DECODES)
+    assert p_value > ALPHA
+
+
+@pytest.mark.parametrize("truncation", ["top_k", "top_p"])
+@pytest.mark.parametrize("method", ["sd_ar", "specdiff", "specdiff2_select", "specdiff_tree"])
+def test_truncated_sampling_is_lossless(method, truncation):
+    """top-k 2 of 5 tokens, top-p 0.75: the drafter samples from the truncated q and must be accepted against that q
+    (draft_sampling defaults to the verifier's settings), the verifier's p is truncated too. 1,000 decodes: w ≥ 0.231
+    on a marginal."""
+    sampling = {"top_k": TOP_K, "top_p": TOP_P}[truncation]
+    assert decode_pvalue(table_setup(), method, sampling, DECODES) > ALPHA
+
+
+ADVERSARIAL_TOKEN = 3  # token A
+
+
+def adversarial_cost_setup() -> Setup:
+    """Issue 22's construction against a cost-aware length chosen from a sampled draft's own tokens: a verifier
+    uniform over 8 tokens at temperature 1, a drafter uniform at block position 1 that puts 0.6 on one token A at
+    position 2, and a cost curve on which position 2 is worth verifying only if the draft holds A there (gain
+    0.125 · 0.6 against 0.125 · 0.4 / 7, for 3 % more verifier time). Choosing the length from the drawn tokens keeps
+    position 2 only when it drew A, and P(third token = A) becomes 0.175 against the verifier's 0.125."""
+    vocab = 9  # 8 tokens and the mask
+    uniform = torch.zeros(vocab + 1, vocab, vocab)
+    uniform[..., vocab - 1] = float("-inf")
+    block = torch.zeros(2, vocab, vocab)
+    block[1] = math.log(0.4 / 7)
+    block[1, :, ADVERSARIAL_TOKEN] = math.log(0.6)
+    block[..., vocab - 1] = float("-inf")
+    # tree_nodes=1: the curve covers max(γ, tree_nodes) + 1 sizes, so it is taken as given, never measured.
+    decode = DecodeSection(gamma=2, max_new_tokens=3, temperature=1.0, tree_nodes=1)
+    return Setup(verifier=MarkovVerifier(uniform), drafter=TableDrafter(block, vocab - 1),
+                 spec=DrafterSpec(vocab - 1, 0, "block_causal"), ar_drafter=None, tokenizer=None, eos_ids=frozenset(),
+                 decode=decode, verify_costs=[0.9, 1.0, 1.03], draft_cost=0.0)
+
+
+def test_a_cost_aware_length_is_lossless_against_a_drafter_that_would_bias_it():
+    """Defect 1 (specdiff_cost, sampled drafts): 4,000 decodes detect a 0.041 shift of P(third token = A) from 0.125
+    (w ≥ 0.121 on a marginal) at α = 1e-4 with power 0.99; the defect shifts it by 0.05 (w = 0.151: power 0.9999)."""
+    setup = adversarial_cost_setup()
+    prompt = torch.tensor([[1, 2]])
+    samples = first_tokens(lambda g: METHODS["specdiff_cost"](setup, prompt, Sampling(1.0), g), seed=SEED,
+                           trials=COST_DECODES, new_tokens=3)
+    assert lossless_pvalue(samples, exact_joint(setup.verifier, prompt, Sampling(1.0), 3)) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# power: what the tests above can see
+# ---------------------------------------------------------------------------------------------------------------------
+def critical_value(df: int, alpha: float) -> float:
+    """The χ²_df quantile exceeded with probability alpha (bisection on the survival function)."""
+    low, high = 0.0, df + 40.0 * math.sqrt(2 * df) + 100.0
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if chi_square_survival(middle, df) > alpha else (low, middle)
+    return high
+
+
+def power(df: int, noncentrality: float, alpha: float) -> float:
+    """P(noncentral χ²_df(λ) > the α critical value): the Poisson mixture of central χ² with df + 2j."""
+    critical, half = critical_value(df, alpha), noncentrality / 2
+    terms = range(int(half + 12 * math.sqrt(half + 1) + 20))
+    return sum(math.exp(-half + j * math.log(half) - math.lgamma(j + 1)) * chi_square_survival(critical, df + 2 * j)
+               for j in terms) if half > 0 else alpha
+
+
+def detectable_effect(df: int, trials: int, alpha: float, target: float = 0.99) -> float:
+    """The smallest Cohen's w (√(Σ (p₁ − p₀)² / p₀), a deviation's per-trial size) a chi-square test with `df` degrees
+    of freedom over `trials` trials detects at level alpha with probability `target`: λ = trials · w²."""
+    low, high = 0.0, 10.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if power(df, trials * middle ** 2, alpha) < target else (low, middle)
+    return high
+
+
+def test_each_test_has_the_power_its_docstring_claims():
+    # A marginal over the 5 tokens has at most 4 degrees of freedom, the 8-token one of the cost test 7; Bonferroni
+    # over the joint and the marginals divides α by L + 1. A shift δ of one probability p₀ taken evenly from the rest
+    # is w ≈ δ / √(p₀ (1 − p₀)).
+    assert detectable_effect(4, DECODES, ALPHA / (NEW_TOKENS + 1)) <= 0.231
+    assert detectable_effect(7, COST_DECODES, ALPHA / 4) <= 0.121
+    # Defect 1: P(A) 0.175 for 0.125, the other 7 tokens' 0.125 each lowering by 0.05 / 7.
+    defect = math.sqrt(0.05 ** 2 / 0.125 + 7 * (0.05 / 7) ** 2 / 0.125)
+    assert power(7, COST_DECODES * defect ** 2, ALPHA / 4) > 0.9999
+    # The joint's degrees of freedom after merging sparse cells, from the exact distribution.
+    setup = table_setup()
+    joint = exact_joint(setup.verifier, TABLE_PROMPT, TEMPERATURE)
+    _, df = chi_square(joint * DECODES, joint)
+    assert detectable_effect(df, DECODES, ALPHA / (NEW_TOKENS + 1)) <= 0.32
+    # The shifts quoted: 0.093 of 0.2 and 0.041 of 0.125.
+    assert 0.093 / math.sqrt(0.2 * 0.8) >= 0.231 and 0.041 / math.sqrt(0.125 * 0.875) >= 0.121

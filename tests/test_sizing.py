@@ -138,3 +138,19 @@ def test_verify_costs_writes_a_curve_per_model_and_refuses_an_unknown_one_in_one
     for device in ("gpu0", *(() if torch.cuda.is_available() else ("cuda",))):
         assert main(["verify-costs", str(tmp_path / "tiny"), "--device", device]) == 2
         assert f"--device {device}: not a device this machine has" in capsys.readouterr().err
+
+
+def test_a_sampled_drafts_length_is_chosen_before_it_is_drawn():
+    """Issue 22, defect 1: specdiff_cost with sampled drafts chose the length from the drafted tokens' own drafter
+    probabilities, so on the adversarial construction of test_sampling_lossless (position 2 worth verifying only if
+    it drew token A, which it does 6 times in 10) the first draft was 2 tokens long only when it held A there. Chosen
+    from q alone, the length is the same whatever was drawn: 2, the argmax draft's (which holds A)."""
+    from test_sampling_lossless import adversarial_cost_setup
+
+    setup = adversarial_cost_setup()
+    first_lengths = set()
+    for seed in range(100):
+        _, stats = METHODS["specdiff_cost"](setup, torch.tensor([[1, 2]]), Sampling(temperature=1.0),
+                                            torch.Generator().manual_seed(seed))
+        first_lengths.add(stats.draft_lengths[0])
+    assert first_lengths == {2}

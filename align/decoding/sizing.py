@@ -12,6 +12,11 @@ of the node's path, exp(cumulative log-probability), times a per-depth calibrati
 goes: the accepted paths' lengths against the probability the verified nodes of each depth predicted. The calibration
 is a running per-position acceptance estimate, sharpened per step by the drafter's confidence in this very draft; a
 drafter whose confidence is its acceptance rate needs none.
+
+A sampled draft's size is chosen from the drafter's distributions alone (the scores of its most likely tokens), before
+the draft is drawn: choosing it from the tokens drawn would keep a position more often when it drew a likely token, and
+the kept tokens would no longer be draws from the q they are accepted against (not lossless). `update` may read
+anything the verified step produced: it only informs later steps' choices, each still made before its own draft.
 """
 
 from __future__ import annotations

@@ -75,6 +75,8 @@ def specdiff_generate(
     path_search (DiffuSpec CPS): the draft is the beam-searched path instead; being deterministic, it is accepted by
     the point-mass rule when sampling. adaptive (DiffuSpec ADL): the draft length follows `adaptive` instead of γ; the
     drafter then proposes `adaptive.max_len` tokens in its one pass and the first `adaptive.current` are the draft.
+    sizing (cost-aware length): the draft is cut to the prefix `sizing` chooses from the drafter's confidences, which
+    for a sampled draft are fixed before it is drawn (see the scores below).
     """
     draft_sampling = draft_sampling or sampling
     drafting = DraftPass(drafter, spec)
@@ -108,8 +110,13 @@ def specdiff_generate(
             draft_probs = draft_sampling.probs(draft_logits)
             draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)
         if sizing is not None:
-            # The draft tokens' cumulative drafter log-probabilities: how likely the drafter thinks each prefix is.
-            scores = draft_log_probs.gather(-1, draft[:, None]).squeeze(-1).cumsum(0).tolist()
+            # Each prefix's cumulative drafter log-probability: how likely the drafter thinks it is. A deterministic
+            # draft is scored by its own tokens; a sampled one by q alone (its most likely tokens, the argmax draft's
+            # scores), never by the tokens it drew: a length chosen from the sample keeps position i more often when
+            # it drew a likely token, the kept tokens are then no draws from q, and accepting them against q is not
+            # lossless (issue 22: P(token) 0.175 for the verifier's 0.125).
+            scored = draft if draft_probs is None else raw_draft[:draft_len]
+            scores = draft_log_probs.gather(-1, scored[:, None]).squeeze(-1).cumsum(0).tolist()
             keep = sizing.choose(scores, range(1, len(draft) + 1), time.perf_counter() - t_draft)
             draft, scores = draft[:keep], scores[:keep]
             draft_probs = None if draft_probs is None else draft_probs[:keep]

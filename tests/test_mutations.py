@@ -1,0 +1,133 @@
+"""The lossless tests can fail: bugs that break losslessness are planted in a copy of align/, and the tests named for
+each must fail on it (issue 22: four planted bugs passed the earlier sampling tests).
+
+Each mutation is an exact source replacement that must match once, so that this check breaks loudly when the code it
+plants into moves (then move the replacement with it). The named tests run in a subprocess whose working directory
+holds the mutant copy, which `import align` finds before any installed one, two subprocesses at a time. A test counts
+as catching a bug only if it fails an assertion (a crash or an import error would not say the test has the power).
+
+Run alone: `python -m pytest -q tests/test_mutations.py` (106 s of CPU in all, over two processes: about a minute
+of wall time on an idle 2-core machine; marked slow).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLING = "tests/test_sampling_lossless.py::"
+EVERY_METHOD = SAMPLING + "test_every_method_samples_the_verifier_distribution"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # under align/
+    old: str
+    new: str
+    tests: tuple[str, ...]  # test ids (relative to the repository) that must each fail
+
+
+MUTATIONS = (
+    # The four that passed the earlier tests (issue 22's table), then defect 1 itself, then ones they caught.
+    Mutation("residual = p: after a rejection, sample the verifier's p, not norm(max(p - q, 0))",
+             "decoding/acceptance.py", "fallback = residual(verifier_probs[num_accepted], draft_probs[num_accepted])",
+             "fallback = verifier_probs[num_accepted]", (EVERY_METHOD + "[sd_ar]", EVERY_METHOD + "[specdiff]")),
+    Mutation("a draft sampled from the truncated q, accepted against the untruncated q",
+             "decoding/specdiff.py", "draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)",
+             "draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1); "
+             "draft_probs = Sampling(draft_sampling.temperature).probs(draft_logits)",
+             (SAMPLING + "test_truncated_sampling_is_lossless[specdiff-top_k]",
+              SAMPLING + "test_truncated_sampling_is_lossless[specdiff-top_p]")),
+    Mutation("tree: after every child is rejected, sample p instead of the residual",
+             "decoding/acceptance.py", "return path, int(sample(target, generator))",
+             "return path, int(sample(verifier_probs[row], generator))",
+             (EVERY_METHOD + "[specdiff_tree]", EVERY_METHOD + "[specdiff_cps_tree]")),
+    Mutation("defect 1: a sampled draft's cost-aware length chosen from the tokens drawn",
+             "decoding/specdiff.py", "scored = draft if draft_probs is None else raw_draft[:draft_len]",
+             "scored = draft",
+             (SAMPLING + "test_a_cost_aware_length_is_lossless_against_a_drafter_that_would_bias_it",
+              "tests/test_sizing.py::test_a_sampled_drafts_length_is_chosen_before_it_is_drawn")),
+    Mutation("acceptance ratio inverted: q/p for p/q", "decoding/acceptance.py",
+             "accepted = (u * draft_p < verifier_p)", "accepted = (u * verifier_p < draft_p)",
+             (EVERY_METHOD + "[specdiff]",)),
+    Mutation("the verifier's cache not cropped after a rejection", "decoding/specdiff.py",
+             "cache.crop(-(len(draft) - num_accepted))", "None", (EVERY_METHOD + "[specdiff]",)),
+    Mutation("self-selection: the target not replaced by the residual after a candidate is rejected",
+             "decoding/acceptance.py", "target = residual(target, draft_probs[depth])", "target = target",
+             (EVERY_METHOD + "[specdiff2_select]",)),
+    Mutation("the bonus token drawn from the last draft position's distribution", "decoding/acceptance.py",
+             "return gamma, int(sample(verifier_probs[gamma], generator))",
+             "return gamma, int(sample(verifier_probs[gamma - 1], generator))", (EVERY_METHOD + "[specdiff_cost]",)),
+)
+
+
+def plant(mutation: Mutation, folder: Path) -> Path:
+    """folder/align: a copy of align/ with `mutation` applied. Returns folder."""
+    shutil.copytree(ROOT / "align", folder / "align", ignore=shutil.ignore_patterns("__pycache__"))
+    source = folder / "align" / mutation.path
+    text = source.read_text()
+    assert text.count(mutation.old) == 1, f"{mutation.name}: {mutation.old!r} is not in {mutation.path} exactly once"
+    source.write_text(text.replace(mutation.old, mutation.new))
+    return folder
+
+
+def mutant_env(folder: Path) -> dict[str, str]:
+    """The environment of a run against the mutant in `folder`: it goes first on PYTHONPATH (what PYTHONPATH held
+    stays: an environment assembled there keeps its packages), one thread (two runs share the machine)."""
+    path = os.pathsep.join(part for part in (str(folder), os.environ.get("PYTHONPATH", "")) if part)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def failed_by_assertion(report: Path) -> set[str]:
+    """The test ids (file::name) that failed an assertion, from a JUnit XML report."""
+    failed = set()
+    for case in ElementTree.parse(report).iter("testcase"):
+        failure = case.find("failure")
+        if failure is not None and "assert" in (failure.get("message") or ""):
+            module = case.get("classname", "").replace(".", "/")
+            failed.add(f"{module}.py::{case.get('name')}")
+    return failed
+
+
+def run_tests(mutation: Mutation, folder: Path) -> tuple[set[str], str]:
+    report = folder / "report.xml"
+    # No cache provider: it would write .pytest_cache into the checkout.
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
+                             f"--junitxml={report}", *[str(ROOT / test) for test in mutation.tests]],
+                            cwd=folder, env=mutant_env(folder), capture_output=True, text=True, timeout=600)
+    return (failed_by_assertion(report) if report.is_file() else set()), result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_every_mutation_still_matches_the_code_once():
+    # Cheap, so a moved line is reported even where the slow check below is deselected.
+    for mutation in MUTATIONS:
+        text = (ROOT / "align" / mutation.path).read_text()
+        assert text.count(mutation.old) == 1, f"{mutation.name}: {mutation.old!r} not once in {mutation.path}"
+
+
+def test_a_mutant_copy_is_what_the_subprocess_imports(tmp_path):
+    folder = plant(MUTATIONS[0], tmp_path)
+    found = subprocess.run([sys.executable, "-c", "import align; print(align.__file__)"], cwd=folder,
+                           env=mutant_env(folder), capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(found).resolve() == (folder / "align" / "__init__.py").resolve()
+
+
+@pytest.mark.slow
+def test_every_planted_bug_fails_the_tests_named_for_it(tmp_path):
+    folders = [plant(mutation, tmp_path / f"mutant{i}") for i, mutation in enumerate(MUTATIONS)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run_tests, MUTATIONS, folders))
+    missed = []
+    for mutation, (failed, output) in zip(MUTATIONS, results):
+        passed = [test for test in mutation.tests if test not in failed]
+        if passed:
+            missed.append(f"{mutation.name}: {', '.join(passed)} did not fail\n{output}")
+    assert not missed, "\n\n".join(missed)
