@@ -128,6 +128,12 @@ STAGES: dict[str, Stage] = {
         "verifier folder, with its provenance; cached by the source's sha256",
         "align.convert", ("convert",), outputs=("convert.out",), check=_stage_check("align.convert"),
     ),
+    "prompts": Stage(
+        "training prompts the verifier writes itself (Magpie: its chat template's user turn, sampled and filtered; "
+        "no dataset is read); resumable",
+        "align.prompts", ("verifier", "prompts"), models=lambda r: ("verifier.path",), outputs=("prompts.out",),
+        check=_stage_check("align.prompts"),
+    ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
         None, tuple(name for name in Recipe.model_fields if name != "name"),

