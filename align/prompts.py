@@ -219,7 +219,7 @@ def main(recipe: Recipe, command: str) -> int:
     specials = special_ids(tokenizer)
     max_samples = p.max_samples or 4 * p.num_prompts
     keep = Filter(p)
-    verifier, drawn, sampled, sources = None, 0, 0, []
+    verifier, drawn, sampled, sampling_s, sources = None, 0, 0, 0.0, []
     bar = tqdm(total=p.num_prompts, desc="prompts (Magpie)", unit="prompt", dynamic_ncols=True)
     for c in range(math.ceil(max_samples / p.batch_size)):
         if len(keep.kept) >= p.num_prompts:
@@ -230,7 +230,9 @@ def main(recipe: Recipe, command: str) -> int:
             if verifier is None:  # only when something is left to sample: a finished run loads no model
                 verifier = load_verifier(recipe.verifier)
             seed = p.seed * 1_000_003 + c
+            started = time.perf_counter()
             samples = sample_chunk(verifier, plan_, p, seed)
+            sampling_s += time.perf_counter() - started
             for s in samples:
                 s["text"] = tokenizer.decode(s["ids"]).strip()
             chunk = {"settings_hash": plan_.settings_hash, "chunk": c, "seed": seed, "samples": samples}
@@ -261,9 +263,10 @@ def main(recipe: Recipe, command: str) -> int:
         "dropped": {why: keep.dropped[why] for why in REASONS},
         "prompts_file_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "engine": f"transformers {version('transformers')}", "seconds_this_run": round(seconds, 1),
+        "sampling_seconds_this_run": round(sampling_s, 1),
     }
     write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=2))
-    rate = f", {sampled / seconds:.1f} samples/s" if sampled else ", nothing new sampled"
+    rate = f", {sampled / sampling_s:.2f} samples/s" if sampled else ", nothing new sampled"
     dropped = ", ".join(f"{why} {n}" for why, n in manifest["dropped"].items() if n) or "none"
     print(f"prompts: kept {len(rows)} of {drawn} samples ({sampled} sampled this run{rate}; dropped: {dropped}) "
           f"-> {out / PROMPTS_FILE}")
