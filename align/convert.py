@@ -227,7 +227,7 @@ def main(recipe: Recipe, command: str) -> int:
     end_ids = _end_tokens(generation, tokenizer)
     generation.eos_token_id = end_ids[0] if len(end_ids) == 1 else end_ids or None
     licence = _license(c, source, gguf)
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, "convert") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         generation.save_pretrained(tmp)

@@ -209,13 +209,13 @@ def main(recipe: Recipe, command: str) -> int:
     from tqdm.auto import tqdm
 
     from align.chat import special_ids
-    from align.checkpoint import write_text_atomic
+    from align.checkpoint import mark_folder, write_text_atomic
     from align.models import load_verifier
 
     p = recipe.prompts
     t0 = time.perf_counter()
     plan_ = plan(recipe)
-    tokenizer, out = plan_.tokenizer, Path(p.out)
+    tokenizer, out = plan_.tokenizer, mark_folder(p.out, "prompts")  # after every check: marked as align's
     specials = special_ids(tokenizer)
     max_samples = p.max_samples or 4 * p.num_prompts
     keep = Filter(p)

@@ -190,7 +190,7 @@ def test_a_folder_align_convert_did_not_write_is_never_replaced(tmp_path, capsys
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     assert main(["convert", str(RECIPE), f"convert.out={out}"]) == 2
-    assert "holds files that align convert did not write" in one_line_refusal(capsys)
+    assert "align did not write it" in one_line_refusal(capsys)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
