@@ -543,8 +543,8 @@ def test_exact_refuses_an_eval_json_it_cannot_judge(capsys, bad_files, name, why
     (["--rounds", "0"], "argument --rounds: an integer >= 1 is expected, got '0'"),
     (["--rounds", "two"], "argument --rounds: an integer >= 1 is expected, got 'two'"),
     (["--context", "4000"], "--context 4000 + --max-tokens 64 exceeds "),
-    (["--out", "{tmp}"], "--out: {tmp} is a folder; a file name is expected"),
-    (["--out", "{tmp}/file/costs.json"], "--out: {tmp}/file is a file, so {tmp}/file/costs.json cannot be created under it"),
+    (["--out", "{tmp}"], "--out: {tmp} is a folder; --out names a JSON file"),
+    (["--out", "{tmp}/file/costs.json"], "--out: {tmp}/file/costs.json cannot be created ({tmp}/file is not a writable folder)"),
 ])
 def test_verify_costs_refuses_bad_arguments_before_the_benchmark(capsys, monkeypatch, tmp_path, argv, why):
     import align.bench
