@@ -35,7 +35,7 @@ PROMPTS = [
     [{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does he have now?"}],
     [{"role": "user", "content": "Write a Python function that returns the square of a number."}],
 ]
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 
 
 def gguf_folder() -> Path:
