@@ -123,8 +123,12 @@ def child(marker: str, argv: list[str]) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 # the sandbox: a toy family and what stages wrote from it, hashed before and after each case
 # --------------------------------------------------------------------------------------------------------------------
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime_ns) -> sha256: unchanged files
+
+
 def tree(root: Path) -> dict[str, str]:
-    """Every path under root -> 'dir', 'link:<target>' or its sha256."""
+    """Every path under root -> 'dir', 'link:<target>' or its sha256 (a file whose inode, size and modification time
+    are those already hashed is not read again: any write changes its modification time)."""
     found = {}
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -135,11 +139,15 @@ def tree(root: Path) -> dict[str, str]:
             elif path.is_dir():
                 found[rel] = "dir"
             elif path.is_file():
-                digest = hashlib.sha256()
-                with path.open("rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
-                found[rel] = digest.hexdigest()
+                stat = path.stat()
+                key = (str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+                if key not in _DIGESTS:
+                    digest = hashlib.sha256()
+                    with path.open("rb") as f:
+                        for block in iter(lambda: f.read(1 << 20), b""):
+                            digest.update(block)
+                    _DIGESTS[key] = digest.hexdigest()
+                found[rel] = _DIGESTS[key]
     return found
 
 
