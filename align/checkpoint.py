@@ -212,6 +212,9 @@ def folder_lock(key: str, folder: str | os.PathLike) -> Iterator[None]:
     if int(os.environ.get("RANK", 0)) != 0 or _held_by_launcher(lock):
         yield
         return
+    # The lock sits beside the folder, whose parents may not exist yet: those made for it go again with the lock, so a
+    # stage that refuses after taking it leaves nothing behind.
+    made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -247,6 +250,11 @@ def folder_lock(key: str, folder: str | os.PathLike) -> Iterator[None]:
             os.environ[HELD_LOCKS] = before
         lock.unlink(missing_ok=True)  # before the lock is released: a waiter then finds another file and retries
         os.close(fd)
+        for parent in made:  # deepest first; one the stage has written into is not empty and stays
+            try:
+                parent.rmdir()
+            except OSError:
+                break
 
 
 def step_folders(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:

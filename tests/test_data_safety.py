@@ -389,11 +389,13 @@ def commands_of(lines: list[str], arguments: list[str], origin: str):
 
 
 def readme_commands():
-    text = (ROOT / "README.md").read_text()
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        yield from commands_of(logical_lines(block), [], "README.md")
-    for span in re.findall(r"`([^`\n]*(?:\n[^`\n]*)?)`", re.sub(r"```.*?```", "", text, flags=re.S)):
-        yield from commands_of([" ".join(span.split())], [], "README.md")
+    """The commands of the README and of every docs page (their bash blocks and inline spans)."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text, origin = page.read_text(), str(page.relative_to(ROOT))
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+            yield from commands_of(logical_lines(block), [], origin)
+        for span in re.findall(r"`([^`\n]*(?:\n[^`\n]*)?)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+            yield from commands_of([" ".join(span.split())], [], origin)
 
 
 def all_commands():
@@ -418,7 +420,7 @@ def test_commands_that_share_a_folder_make_it_with_the_same_settings():
     # The parser does see the commands that once collided.
     assert any(o.endswith("tiny_dflash.sh") and s == "trajectories" for o, s, _, _ in found)
     assert any("trajectories.out=data/tiny/trajectories-800" in " ".join(v) for o, _, _, v in found
-               if o.startswith("README.md -> "))
+               if " -> " in o and o.split(" -> ")[0].endswith(".md"))
     made: dict[tuple[str, str], dict[str, tuple[str, dict]]] = {}
     for origin, stage, recipe_path, overrides in found:
         recipe = load_recipe(recipe_path, overrides)
