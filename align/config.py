@@ -587,7 +587,7 @@ class PromptsSection(Section):
     #: (exact duplicates, after case and whitespace are folded, always are)
     near_duplicate: float = Field(default=0.7, gt=0.0, le=1.0)
     #: seed of the sampling: chunk c draws from seed·1000003 + c, so a rerun redraws nothing it has
-    seed: int = 0
+    seed: Seed = 0
 
 
 # --------------------------------------------------------------------------------------------------------------------
