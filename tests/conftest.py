@@ -19,6 +19,22 @@ def checkout_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(part for part in (str(ROOT), os.environ.get("PYTHONPATH", "")) if part)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
+@pytest.fixture
+def started(monkeypatch) -> list[str]:
+    """Stages whose main was called: each stage's main is replaced by a recorder, so a test sees which stages a command
+    reached (none may be, for refused input) and no stage does its work."""
+    import importlib
+
+    from align.cli import EVAL_MODULES, STAGES
+
+    calls: list[str] = []
+    for name, stage in STAGES.items():
+        modules = [stage.module] if isinstance(stage.module, str) else EVAL_MODULES.values() if stage.module else []
+        for module in map(importlib.import_module, modules):
+            monkeypatch.setattr(module, "main", lambda *_, name=name: calls.append(name) or 0)
+    return calls
+
+
 # A toy tiny family: the real bootstrap stage at minimal sizes and budgets (~20 s), shared by the stage tests.
 TOY = [
     "bootstrap.corpus_fraction=0.15", "bootstrap.vocab_size=512",

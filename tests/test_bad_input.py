@@ -7,7 +7,6 @@ stage, after it started loading or writing) fails the test, and no test does rea
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import signal
@@ -19,7 +18,7 @@ import pytest
 
 from conftest import checkout_env
 
-from align.cli import EVAL_MODULES, STAGES, main
+from align.cli import STAGES, main
 from align.config import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,17 +29,6 @@ VERIFIER, DRAFTER, AR_DRAFTER = TINY / "verifier", TINY / "drafter-base", TINY /
 @pytest.fixture(autouse=True)
 def _in_repo(monkeypatch):
     monkeypatch.chdir(ROOT)  # the shipped recipes name checkpoints/tiny relative to the repository
-
-
-@pytest.fixture
-def started(monkeypatch) -> list[str]:
-    """Stages whose main was called; none may be for refused input."""
-    calls: list[str] = []
-    for name, stage in STAGES.items():
-        modules = [stage.module] if isinstance(stage.module, str) else EVAL_MODULES.values() if stage.module else []
-        for module in map(importlib.import_module, modules):
-            monkeypatch.setattr(module, "main", lambda *_, name=name: calls.append(name) or 0)
-    return calls
 
 
 def run(*argv: str) -> int:

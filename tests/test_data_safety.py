@@ -5,7 +5,6 @@ adds nothing; a folder a run writes is locked; the README's commands share folde
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -21,7 +20,7 @@ from conftest import TOY_TRAJECTORIES, checkout_env
 
 from align.checkpoint import (HELD_LOCKS, MARKER, atomic_folder, check_output_owner, folder_kind, folder_lock,
                               mark_folder)
-from align.cli import EVAL_MODULES, STAGES, main
+from align.cli import main
 from align.config import RecipeError, get_key, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,17 +30,6 @@ TINY = ROOT / "checkpoints" / "tiny"
 @pytest.fixture(autouse=True)
 def _in_repo(monkeypatch):
     monkeypatch.chdir(ROOT)  # the shipped recipes name checkpoints/tiny relative to the repository
-
-
-@pytest.fixture
-def started(monkeypatch) -> list[str]:
-    """Stages whose main was called (replaced by a recorder: no test here does a stage's work through it)."""
-    calls: list[str] = []
-    for name, stage in STAGES.items():
-        modules = [stage.module] if isinstance(stage.module, str) else EVAL_MODULES.values() if stage.module else []
-        for module in map(importlib.import_module, modules):
-            monkeypatch.setattr(module, "main", lambda *_, name=name: calls.append(name) or 0)
-    return calls
 
 
 def refused(capsys, *argv: object) -> str:
