@@ -21,8 +21,9 @@ from test_train import ROOT, env, launch, losses, overrides
 from align.config import TRACKER_NAMES, RecipeError, load_recipe
 from align.tracking import TRACKERS, TRACKERS_FILE, check_trackers, open_trackers, resolve
 
-# The bad-input tests' fixtures: the stages' mains replaced by a recorder, and the repository as working directory.
-started, _in_repo = test_bad_input.started, test_bad_input._in_repo
+# The bad-input tests' working directory (the repository); `started` (the stages' mains replaced by a recorder) is
+# conftest's.
+_in_repo = test_bad_input._in_repo
 
 
 @pytest.fixture(scope="module")
