@@ -2,6 +2,15 @@
 
 Everything the user can get wrong is checked here, before a stage imports torch or touches a file: a bad recipe or
 input is one line on stderr and exit code 2.
+
+Exit codes, and what is said (always one line on stderr, never a traceback):
+  0    done
+  1    the machine failed the run: a full disk, a quota, a read-only or forbidden output (the line names the path;
+       what was already written is intact); also a failed upload (export) and a stage's own runtime failure
+  2    bad input: a recipe, a file or a model align cannot use, refused before work, or a damaged file found on
+       reading (named)
+  3    a stage's check failed: non-finite training (train), outputs or acceptance that differ (serve-check)
+  130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
@@ -307,16 +316,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from align.checkpoint import EXIT_DISK_FAULT, disk_fault
     from align.launch import strip_launcher_args
 
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    name = f"align {argv[0]}" if argv and (argv[0] in STAGES or argv[0] in TOOLS) else "align"
     try:
         return _run(argv)
     except KeyboardInterrupt:
         # Ctrl-C is the user's choice, not a failure: no traceback. Whatever was written is whole (atomic writes).
-        name = f"align {argv[0]}" if argv and argv[0] in STAGES else "align"
         print(f"{name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except RecipeError as e:  # a damaged file found by a tool (the stages' own are said in _run)
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as error:  # a full disk, a quota, a read-only or forbidden output: one line naming the path
+        line = disk_fault(error)
+        if line is None:
+            raise
+        print(f"{name}: error: {line}", file=sys.stderr)
+        return EXIT_DISK_FAULT
 
 
 def check_stage(stage: Stage, recipe: Recipe) -> None:

@@ -34,6 +34,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModel
                           DynamicCache)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from align.checkpoint import verify_checksums
 from align.config import ModelSection, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
 from align.dflash import DFlashDrafter, config_for_verifier, is_dflash
@@ -75,6 +76,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
+    if os.path.isdir(section.path):  # a folder align wrote is read only if its files match their checksums
+        verify_checksums(section.path)  # (already done, and cached, where cli checked the models)
     device = resolve_device(section.device)
     kwargs = dict(
         dtype=resolve_dtype(section.dtype, device),
