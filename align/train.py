@@ -22,12 +22,16 @@ if __name__ == "__main__":
     # Run as a script, this file's folder comes first on sys.path, where align's own modules (config, data, ...)
     # would shadow top-level packages of the same names.
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    from align.launch import handle_interrupts
+
+    handle_interrupts()  # before torch is imported: a Ctrl-C meanwhile is as quiet as one later
 
 import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -46,7 +50,7 @@ from align.config import (Recipe, RecipeError, check_models, check_output, check
                           load_recipe, train_models)
 from align.data import check_trajectories_match, load_trajectories, read_trajectory_manifest  # noqa: E402
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
-from align.launch import strip_launcher_args  # noqa: E402
+from align.launch import interrupt_signal, strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
 from align.tracking import open_trackers  # noqa: E402
 from align.dflash import dflash_window_logits  # noqa: E402
@@ -509,6 +513,10 @@ def script(argv: list[str]) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank would say the same
             print(f"align train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:  # one process, no launcher (a rank ends silently: launch.handle_interrupts)
+        signum = interrupt_signal(interrupt)
+        print("align train: interrupted" + ("" if signum == signal.SIGINT else " by SIGTERM"), file=sys.stderr)
+        return 128 + signum
     except Exception as error:
         line = disk_fault(error)  # a full disk, a quota, a read-only output: the rank that met it says where
         if line is None:

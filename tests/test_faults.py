@@ -1,14 +1,18 @@
-"""Faults, and what align guarantees through them: checkpoints are checked against their checksums wherever they
-are read, and non-finite weights are never exported; an appended log survives a cut last line, a damaged DeepSpeed
-state is named; a full disk is one line naming the path.
+"""Faults, and what align guarantees through them: an interrupt stops every process align started, with one line;
+checkpoints are checked against their checksums wherever they are read, and non-finite weights are never exported;
+an appended log survives a cut last line, a damaged DeepSpeed state is named; a full disk is one line naming the path.
 """
 
 import errno
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +41,96 @@ PROGRESS_BAR = re.compile(r"\d+/\d+ \[")  # tqdm's "n/total [elapsed<remaining"
 def lines_said(stderr: str) -> list[str]:
     """What a command said on stderr, its progress bars (\r-updated, or a line each when not a terminal) left out."""
     return [line for line in re.split(r"[\r\n]", stderr) if line.strip() and not PROGRESS_BAR.search(line)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# interrupts
+# --------------------------------------------------------------------------------------------------------------------
+def process_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, start time) of every process, from /proc."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            table[int(entry.name)] = (int(fields[1]), fields[0], fields[19])
+    return table
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every process below `pid`."""
+    table, found, frontier = process_table(), {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _, start) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = start
+                frontier.append(child)
+    return found
+
+
+def survivors(processes: dict[int, str]) -> list[int]:
+    """Those of `processes` still running (the same process: a pid may be reused; a zombie has ended)."""
+    table = process_table()
+    return [pid for pid, start in processes.items() if pid in table and table[pid][2] == start
+            and table[pid][1] != "Z"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_align(args: list[str], stderr: Path) -> subprocess.Popen:
+    # Its own session, as a shell gives a command: a terminal's Ctrl-C is SIGINT to that group.
+    return subprocess.Popen([sys.executable, "-m", "align.cli", *args], cwd=ROOT, start_new_session=True,
+                            env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.DEVNULL, stderr=stderr.open("w"))
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+@pytest.mark.parametrize("signum, how", [(signal.SIGINT, "terminal"), (signal.SIGTERM, "kill")])
+def test_an_interrupt_stops_the_launcher_and_every_rank_with_one_line(toy_trajectories, tmp_path, signum, how):
+    out, log = tmp_path / "run", tmp_path / "stderr"
+    # A checkpoint every 2 steps moves `latest`; the interrupt comes as soon as the first is on disk, with 22 steps
+    # to go, which the resumed run then makes.
+    recipe = ["recipes/tiny/align.yaml", *overrides(toy_trajectories, out, "train.max_steps=24", "train.save_every=2")]
+    args = ["train", *recipe, "--num_gpus", "2", "--master_port", str(free_port())]
+    proc = start_align(args, log)
+    latest = out / "ds_state" / "latest"
+    deadline = time.time() + 400
+    while proc.poll() is None and time.time() < deadline and not (latest.is_file() and latest.read_text()):
+        time.sleep(0.1)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    started = descendants(proc.pid)
+    ranks = [pid for pid in started if "align/train.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(ranks) >= 2, started  # the launcher's two ranks (each may have helpers of its own)
+    said_before = log.stat().st_size
+    if how == "terminal":
+        os.killpg(proc.pid, signum)  # Ctrl-C in a terminal: SIGINT to the foreground process group
+    else:
+        os.kill(proc.pid, signum)  # `timeout`, a scheduler, kill: the align process alone
+    rc = proc.wait(timeout=120)
+    assert rc == 128 + signum
+    assert survivors(started) == []  # align returned only once every process it started had ended
+    after = latest.read_text(), (out / "metrics.jsonl").read_text()
+    text = log.read_text()
+    said = text[text.rfind("\n", 0, said_before) + 1:].splitlines()  # from the start of the line then written
+    # One line, last, and nothing else but the progress bars of the steps made before the ranks were stopped: no
+    # traceback or KeyboardInterrupt from any rank, the launcher or the deepspeed runner.
+    how = "" if signum == signal.SIGINT else " by SIGTERM"
+    assert said[-1] == f"align train: interrupted{how}; every process it started is stopped"
+    assert lines_said("\n".join(said[:-1])) == [], said
+    assert (latest.read_text(), (out / "metrics.jsonl").read_text()) == after  # nobody writes any more
+    if signum == signal.SIGTERM:  # and the run resumes (one process is enough: ZeRO-0 states load in any layout)
+        rc = subprocess.run([sys.executable, "-m", "align.cli", "train", *recipe], cwd=ROOT, capture_output=True,
+                            env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), text=True, timeout=600)
+        assert rc.returncode == 0 and f"resuming from step {after[0].removeprefix('step_')}" in rc.stdout, \
+            rc.stdout[-2000:] + rc.stderr[-2000:]
+        assert [r["step"] for r in read_log(out / "metrics.jsonl")] == list(range(1, 25))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -323,3 +417,20 @@ def test_a_full_disk_at_trains_state_save_is_one_line_and_keeps_the_checkpoint(t
     assert done.returncode == 1 and len(said) == 1, done.stderr[-3000:]
     assert said[0].startswith(f"align train: error: {out / 'ds_state' / 'step_2'}: ")
     assert verify_checksums(out / "step_2") and not (out / "ds_state" / "latest").exists()  # nothing half-committed
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# stopping child processes
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_stop_group_ends_grandchildren_and_kills_what_ignores_sigterm(monkeypatch):
+    import align.launch
+    from align.launch import group_members, start_child, stop_children
+
+    # A child that ignores SIGTERM, with a grandchild (which inherits that) in its group.
+    child = start_child(["sh", "-c", "trap '' TERM; sleep 300 & sleep 300; wait"])
+    while len(group_members(child.pid)) < 3:
+        time.sleep(0.01)
+    monkeypatch.setattr(align.launch, "STOP_GRACE_S", 0.2)
+    assert stop_children() == 1
+    assert group_members(child.pid) == [] and child.returncode == -signal.SIGKILL
