@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from tqdm.auto import tqdm
 
-from align.checkpoint import latest_step
+from align.checkpoint import latest_step, read_log
 from align.decoding.generation import prefill
 
 
@@ -173,7 +173,7 @@ def throughput_table(run_dirs: list[Path], warmup_steps: int = 5) -> str:
     process (from its last checkpoint's meta.json), median tokens/s per rank over the steps after `warmup_steps`."""
     lines = ["| run | processes | threads each | tokens/s per rank | tokens/s in all |", "|---|---|---|---|---|"]
     for run in run_dirs:
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        records = read_log(run / "metrics.jsonl", "align throughput")  # a cut last line is dropped, and said
         speeds = [r["tokens_per_s_per_rank"] for r in records if "tokens_per_s_per_rank" in r][warmup_steps:]
         meta = json.loads((latest_step(run) / "meta.json").read_text())
         per_rank = statistics.median(speeds) if speeds else float("nan")

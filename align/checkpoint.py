@@ -10,19 +10,28 @@ the stage's recipe section), and a stage writes only into a folder that is new, 
 a folder whole only when that folder holds nothing but an earlier output of the same kind. And a folder a run is
 writing is locked (`fcntl.flock`, released by the kernel when the process dies), so that a second run into it is
 refused instead of interleaving with the first.
+
+What it publishes is also checked when read back: a folder carries `sha256.json` (each file's sha256, computed once
+at save), and readers verify it (`verify_checksums`), so that a bit flip or a cut copy is named instead of loaded.
+A write that fails for want of space or rights comes out as an OSError naming its path (`naming_path`), which the
+CLI says in one line.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from align.config import RecipeError
 
@@ -52,6 +61,17 @@ UNMARKED_SIGNS: tuple[tuple[str, str, Optional[str]], ...] = (
 # Set by the align process that holds folders' locks, for the ranks it launches (they inherit its environment): JSON,
 # lock file -> the holder's pid.
 HELD_LOCKS = "ALIGN_HELD_LOCKS"
+# In a folder align wrote: relative file name -> sha256 of every other file in it (meta.json included).
+CHECKSUMS = "sha256.json"
+# Why a write fails that the user must fix outside align (free space, a quota, a read-only or forbidden folder), or
+# that the disk itself reports: said as one line naming the path, never as a traceback.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+# The exit status of a run stopped by such a write (cli.py lists them all; 2 is bad input).
+EXIT_DISK_FAULT = 1
+# Writers with their own I/O lose the errno: safetensors' Rust writer keeps it in its message ("(os error 28)"),
+# torch's zip writer says only that its position went wrong.
+_OS_ERROR_IN_MESSAGE = re.compile(r"(?:os error|errno) (\d+)", re.IGNORECASE)
+_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
 
 
 @contextmanager
@@ -60,11 +80,12 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
 
     The temporary name carries the pid, so ranks that write the same file at once do not collide."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with naming_path(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -72,6 +93,25 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_file(path) as tmp:
         tmp.write_text(text)
+
+
+def write_result(path: str | os.PathLike, text: str) -> None:
+    """write_text_atomic for a result that took long to make (eval.json): when the disk refuses it, the text is
+    kept in the system's temporary folder (often another disk) and the error (`kept`) names that copy, so that a
+    full disk costs a copy, not a rerun."""
+    try:
+        write_text_atomic(path, text)
+    except OSError as error:
+        if disk_errno(error) is None:
+            raise
+        fd, kept = tempfile.mkstemp(prefix=f"align-{Path(path).stem}-", suffix=Path(path).suffix)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            error.kept = kept  # type: ignore[attr-defined]  (said by disk_fault)
+        except OSError:  # that disk is full too: nothing more to do
+            Path(kept).unlink(missing_ok=True)
+        raise
 
 
 def publish_folder(tmp: Path, final: Path, kind: str) -> None:
@@ -96,11 +136,12 @@ def atomic_folder(final: str | os.PathLike, kind: str) -> Iterator[Path]:
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        yield tmp
-        # Last, so that a marker copied in with the contents (an export copies a step folder) is replaced.
-        (tmp / MARKER).write_text(_marker_text(kind))
+        with naming_path(final):
+            tmp.mkdir(parents=True)
+            yield tmp
+            # Last, so that a marker copied in with the contents (an export copies a step folder) is replaced.
+            (tmp / MARKER).write_text(_marker_text(kind))
         check_output_owner(f"{kind} output", final, kind, replaced=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -257,6 +298,216 @@ def folder_lock(key: str, folder: str | os.PathLike) -> Iterator[None]:
                 break
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# disk faults
+# --------------------------------------------------------------------------------------------------------------------
+def disk_errno(error: BaseException) -> Optional[int]:
+    """The errno of a write that failed for want of space or rights (DISK_ERRNOS), whichever writer raised it; None
+    for every other error."""
+    if isinstance(error, OSError):
+        return error.errno if error.errno in DISK_ERRNOS else None
+    text = str(error)
+    found = _OS_ERROR_IN_MESSAGE.search(text)
+    if found and int(found.group(1)) in DISK_ERRNOS:
+        return int(found.group(1))
+    if isinstance(error, RuntimeError) and any(s in text for s in _TORCH_WRITE_FAILED):
+        return errno.EIO  # torch keeps no errno; naming the path is what matters (disk_fault says how full it is)
+    return None
+
+
+@contextmanager
+def naming_path(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise a failed write under `path` (DISK_ERRNOS, from any writer) as an OSError naming `path`, the one
+    thing the user needs to act on; other errors pass unchanged. A write that fails at `f.write` or in a library's
+    own writer names no file at all."""
+    try:
+        yield
+    except Exception as error:
+        code = disk_errno(error)
+        if code is None or (isinstance(error, OSError) and error.filename):
+            raise
+        if code == errno.EIO and _nearly_full(Path(path)):
+            code = errno.ENOSPC  # torch's zip writer, out of room
+        raise OSError(code, os.strerror(code), str(path)) from error
+
+
+def _nearly_full(path: Path) -> bool:
+    folder = next((p for p in (path, *path.parents) if p.exists()), None)
+    return folder is not None and shutil.disk_usage(folder).free < 1 << 20
+
+
+def disk_fault(error: BaseException) -> Optional[str]:
+    """The one line for a write that failed for want of space or rights ("<path>: No space left on device (…)"), or
+    None when `error` is not one."""
+    code = disk_errno(error)
+    if code is None:
+        return None
+    where = Path(error.filename) if isinstance(error, OSError) and error.filename else None
+    line = f"{where or 'an output'}: {os.strerror(code)}"
+    folder = next((p for p in ([where, *where.parents] if where else []) if p.exists()), None)
+    if folder is not None and code in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+        free = shutil.disk_usage(folder).free
+        line += f" ({free / 2**20:,.1f} MiB free there)"
+    fix = {errno.EROFS: "choose a writable folder", errno.EACCES: "choose a folder you may write",
+           errno.EPERM: "choose a folder you may write"}.get(code, "free space there and rerun the same command")
+    kept = getattr(error, "kept", None)
+    if kept:
+        return f"{line}; the result is kept in {kept}: copy it there once there is room (no need to rerun)"
+    return f"{line}; {fix} (what was already written is intact)"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# checksums
+# --------------------------------------------------------------------------------------------------------------------
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: weights can be large
+
+
+def record_checksums(folder: str | os.PathLike, names: Optional[Iterable[str]] = None) -> None:
+    """Write `folder`/sha256.json: every file's sha256 (relative names), or, given `names`, those files' entries
+    updated in the existing record (a file rewritten after the save, such as meta.json; a folder without a record,
+    saved before align recorded them, keeps none)."""
+    folder = Path(folder)
+    if names is None:
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        record = {}
+    else:
+        files, record = list(names), read_checksums(folder)
+        if record is None:
+            return
+    record.update({name: file_sha256(folder / name) for name in files if name != CHECKSUMS})
+    write_text_atomic(folder / CHECKSUMS, json.dumps(dict(sorted(record.items())), indent=1))
+
+
+def read_checksums(folder: str | os.PathLike) -> Optional[dict[str, str]]:
+    """The folder's recorded checksums; None when it has none (written before align recorded them, or not by
+    align). An unreadable record is corruption like any other."""
+    path = Path(folder) / CHECKSUMS
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if isinstance(record, dict) and all(isinstance(v, str) for v in record.values()):
+            return record
+    except ValueError:
+        pass
+    from align.config import RecipeError
+
+    raise RecipeError(f"{path} is not a readable checksum record (corrupted): restore the folder or write it again")
+
+
+def verify_checksums(folder: str | os.PathLike, key: str = "") -> bool:
+    """Check every file `folder`/sha256.json lists against it; False when there is no record (nothing to check).
+    Raises RecipeError naming the first missing or differing file. Hashing is the cost of reading the files once
+    (well under a second for the tiny family); a folder already verified in this process is not hashed again."""
+    folder = Path(folder).resolve()
+    record = read_checksums(folder)
+    if record is None:
+        return False
+    stats = tuple((name, *_stat(folder / name)) for name in sorted(record))
+    problem = _first_mismatch(folder, json.dumps(record, sort_keys=True), stats)
+    if problem:
+        from align.config import RecipeError
+
+        raise RecipeError(f"{key + ': ' if key else ''}{problem}: restore the folder or write it again (or, if "
+                          f"the file was changed on purpose, delete {CHECKSUMS})")
+    return True
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        s = path.stat()
+        return s.st_size, s.st_mtime_ns
+    except OSError:
+        return -1, -1
+
+
+@functools.lru_cache(maxsize=64)
+def _first_mismatch(folder: Path, record_json: str, stats: tuple[tuple[str, int, int], ...]) -> Optional[str]:
+    """What is wrong with the first file that differs from its record, or None. Cached on the files' sizes and
+    times: a file changed since its last check is hashed again."""
+    for name, digest in json.loads(record_json).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing (listed in {folder / CHECKSUMS})"
+        if file_sha256(path) != digest:
+            return f"{path} is corrupted (its sha256 differs from the one in {folder / CHECKSUMS})"
+    return None
+
+
+def non_finite_weights(folder: str | os.PathLike) -> Optional[str]:
+    """'<file>: <tensor>' of the first NaN or infinite weight in a folder's safetensors files, or None. Read a tensor
+    at a time, so that the check needs no more memory than the largest tensor."""
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    return f"{path}: {name}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# appended logs (metrics.jsonl): one JSON record a line
+# --------------------------------------------------------------------------------------------------------------------
+def read_log(path: str | os.PathLike, who: str = "align") -> list[dict[str, Any]]:
+    """The records of a JSON-lines log. A cut last line (a crash or a full disk mid-append) is dropped with a
+    warning: the record it held is lost, nothing else. A line that does not parse anywhere else was damaged after
+    it was written: RecipeError naming the file and the line."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a record")
+        except ValueError:
+            if number == len(lines):
+                print(f"{who}: warning: {path}: line {number} was cut short mid-write (a crash or a full disk); "
+                      "dropped it", file=sys.stderr)
+                break
+            from align.config import RecipeError
+
+            raise RecipeError(f"{path}: line {number} is not a JSON record (the file is damaged): repair or delete "
+                              "that line") from None
+        records.append(record)
+    return records
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def append_log(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one record as a line. A cut last line left by an earlier crash is cut off first, so that the file
+    stays one record a line (otherwise the new record would be glued to the fragment)."""
+    path = Path(path)
+    with naming_path(path), path.open("a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(0, end - (1 << 16)))  # lines are far shorter: the last one is in the file's last 64 KiB
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            fragment = tail.rsplit(b"\n", 1)[-1]
+            if _is_record(fragment):
+                f.write(b"\n")  # a whole record, only its newline missing (written by hand)
+            else:
+                f.truncate(end - len(fragment))
+        f.write((json.dumps(record) + "\n").encode())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# checkpoints
+# --------------------------------------------------------------------------------------------------------------------
 def step_folders(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, folder) of every complete `step_<N>` checkpoint under run_dir, in step order."""
     run_dir = Path(run_dir)
@@ -292,13 +543,15 @@ def merged_model(module: Any, state: dict[str, Any]) -> Any:
 
 def save_merged(model: Any, tokenizer: Any, final: Path, files: dict[str, str], kind: str = "train") -> None:
     """Write `model` (merged, in its own dtype) and `tokenizer` as an HF folder at `final`, with extra text `files`
-    (name -> content, e.g. meta.json), atomically, as `kind`'s output (a training checkpoint unless said)."""
+    (name -> content, e.g. meta.json), atomically, as `kind`'s output (a training checkpoint unless said), with its
+    files' checksums (sha256.json) for every later reader."""
     _tied_keys_as_mapping(model)
     with atomic_folder(final, kind) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         for name, text in files.items():
             (tmp / name).write_text(text)
+        record_checksums(tmp)
 
 
 def _tied_keys_as_mapping(model: Any) -> None:
@@ -319,11 +572,6 @@ def _tied_keys_as_mapping(model: Any) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # which model a record names (eval.json's drafters, found again by align export)
 # --------------------------------------------------------------------------------------------------------------------
-def _file_sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: weights can be large
-
-
 def weights_sha256(folder: Path) -> Optional[str]:
     """The sha256 of a model folder's weights: of its one weights file (what `sha256sum model.safetensors` prints),
     or of the `sha256sum` lines of its shards, sorted by name; None when it holds none."""
@@ -331,8 +579,8 @@ def weights_sha256(folder: Path) -> Optional[str]:
     if not files:
         return None
     if len(files) == 1:
-        return _file_sha256(files[0])
-    lines = "".join(f"{_file_sha256(f)}  {f.name}\n" for f in files)
+        return file_sha256(files[0])
+    lines = "".join(f"{file_sha256(f)}  {f.name}\n" for f in files)
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
@@ -346,3 +594,46 @@ def drafter_identity(path: str) -> dict[str, Any]:
     folder = local if local.is_dir() else hub_snapshot(path) if is_hub_id(path) else None
     return {"path": path, "resolved": str(local.resolve()) if local.is_dir() else path,
             "weights_sha256": weights_sha256(folder) if folder is not None else None}
+# DeepSpeed state (ds_state/): a folder per tag, and `latest` naming the one to resume
+# --------------------------------------------------------------------------------------------------------------------
+def commit_state(state_dir: str | os.PathLike, tag: str) -> None:
+    """Make `state_dir`/`tag`, which DeepSpeed has just written whole (every rank's files, after its barrier), the
+    one to resume: its checksums, then `latest` in one rename. DeepSpeed writes neither atomically (a crash could
+    leave `latest` empty, or naming a half-written tag); here a tag with a sha256.json is complete, and `latest`
+    only ever names such a tag. Call on rank 0; on several nodes without a shared folder it sees its own files."""
+    state_dir = Path(state_dir)
+    record_checksums(state_dir / tag)
+    write_text_atomic(state_dir / "latest", tag)
+
+
+def state_to_resume(state_dir: str | os.PathLike, who: str = "align train") -> Optional[str]:
+    """The DeepSpeed tag under `state_dir` to resume from, checked against its checksums; None when there is none
+    (a new run, or one killed before its first state was complete).
+
+    An empty or dangling `latest` (a crash in an older version's non-atomic write, or a hand edit) falls back, with
+    a warning, to the newest tag whose checksums verify: resuming is exact from any complete state, so the fallback
+    costs only the steps after it, recomputed to the same values. A tag whose files differ from their checksums was
+    damaged after it was complete (the disk, a copy): that is refused, naming the file, rather than resumed around.
+    A tag from before checksums were recorded is loaded unchecked."""
+    from align.config import RecipeError
+
+    state_dir = Path(state_dir)
+    latest = state_dir / "latest"
+    tags = sorted((int(m.group(1)), p.name) for p in state_dir.iterdir()
+                  if p.is_dir() and (m := STEP_FOLDER.match(p.name))) if state_dir.is_dir() else []
+    complete = [name for _, name in reversed(tags) if (state_dir / name / CHECKSUMS).is_file()]  # newest first
+    named = latest.read_text(errors="replace").strip() if latest.is_file() else None
+    if named and (named in complete or (not complete and (state_dir / named).is_dir())):
+        verify_checksums(state_dir / named, "train.out")  # (a tag from before checksums: nothing to verify)
+        return named
+    if named is None and not complete:
+        return None  # nothing was ever committed: a new run, or one killed in its first save
+    why = ("is missing" if named is None else "is empty" if not named else
+           f"names {named}, which is not a complete state there")
+    if not complete:
+        raise RecipeError(f"train.out: {latest} {why}, and no complete state is left to resume from; delete "
+                          f"{state_dir} to start the run afresh")
+    verify_checksums(state_dir / complete[0], "train.out")
+    print(f"{who}: warning: {latest} {why}; resuming from {state_dir / complete[0]}, the newest state whose "
+          "checksums verify", file=sys.stderr)
+    return complete[0]

@@ -2,6 +2,15 @@
 
 Everything the user can get wrong is checked here, before a stage imports torch or touches a file: a bad recipe or
 input is one line on stderr and exit code 2.
+
+Exit codes, and what is said (always one line on stderr, never a traceback):
+  0    done
+  1    the machine failed the run: a full disk, a quota, a read-only or forbidden output (the line names the path;
+       what was already written is intact); also a failed upload (export) and a stage's own runtime failure
+  2    bad input: a recipe, a file or a model align cannot use, refused before work, or a damaged file found on
+       reading (named)
+  3    a stage's check failed: non-finite training (train), outputs or acceptance that differ (serve-check)
+  130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM: every process align started is stopped first
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from align.config import (VERIFIER_ARCHITECTURES, Dtype, Recipe, RecipeError, ch
 from align.launch import integer_in
 
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C (143: SIGTERM)
 
 
 def _none(recipe: Recipe) -> tuple[str, ...]:
@@ -360,16 +369,36 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from align.launch import strip_launcher_args
+    import signal
 
+    from align.checkpoint import EXIT_DISK_FAULT, disk_fault
+    from align.launch import handle_interrupts, interrupt_signal, stop_children, strip_launcher_args
+
+    if argv is None:  # the `align` command itself (tests call main with arguments, in pytest's own process)
+        handle_interrupts()
     argv = strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    name = f"align {argv[0]}" if argv and (argv[0] in STAGES or argv[0] in TOOLS) else "align"
     try:
         return _run(argv)
-    except KeyboardInterrupt:
-        # Ctrl-C is the user's choice, not a failure: no traceback. Whatever was written is whole (atomic writes).
-        name = f"align {argv[0]}" if argv and argv[0] in STAGES else "align"
-        print(f"{name}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as interrupt:
+        # Ctrl-C (or SIGTERM) is the user's choice, not a failure: no traceback. The processes align started are
+        # stopped before it says so; whatever was written is whole (atomic writes, tolerant logs).
+        stopped, signum = stop_children(), interrupt_signal(interrupt)
+        how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+        # A child's progress bar may have left its line unfinished: the one line starts on a line of its own.
+        print(("\n" if stopped else "") + f"{name}: interrupted{how}" +
+              ("; every process it started is stopped" if stopped else ""), file=sys.stderr)
+        return 128 + signum  # EXIT_INTERRUPTED for SIGINT, 143 for SIGTERM
+    except RecipeError as e:  # a damaged file found by a tool (the stages' own are said in _run)
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as error:  # a full disk, a quota, a read-only or forbidden output: one line naming the path
+        line = disk_fault(error)
+        if line is None:
+            raise
+        stop_children()
+        print(f"{name}: error: {line}", file=sys.stderr)
+        return EXIT_DISK_FAULT
 
 
 def check_stage(stage: Stage, recipe: Recipe) -> None:

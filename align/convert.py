@@ -218,7 +218,8 @@ def main(recipe: Recipe, command: str) -> int:
         print(f"convert: {out} is up to date: converted from {what}, sha256 {p.sha256[:12]}…, {c.dtype}; nothing to do")
         return 0
     from align.checkpoint import atomic_folder
-    from align.data import file_sha256, template_sha256
+    from align.checkpoint import file_sha256
+    from align.data import template_sha256
     from align.models import DTYPES
 
     gguf = _gguf_metadata(source.path, p.sha256) if source.kind == "gguf" else {}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
+from align.checkpoint import file_sha256
 from align.config import (Recipe, RecipeError, check_context, first_line, fits_context, get_key, hub_offline,
                           is_hub_id, model_context, model_section)
 from align.corpus import ensure_data
@@ -45,14 +46,6 @@ CATEGORY_COLUMN = "category"
 # The id columns of the usual benchmarks, looked for in this order when no id column is named: HumanEval's task_id,
 # Spec-Bench's and MT-Bench's question_id, and the generic ones.
 ID_COLUMNS = ("task_id", "question_id", "prompt_id", "id")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -374,7 +367,11 @@ def load_trajectories(path: str | Path) -> Any:
             if not target.is_file() or file_sha256(target) != digest:
                 raise RecipeError(f"trajectories: {target} is missing or corrupted (checksum mismatch); delete "
                                   f"{target.parent} and rerun align trajectories to regenerate it")
-        parts.append(load_from_disk(str(path / "chunks" / name)))
+        try:  # its Arrow files are checked; its small JSON files (state, dataset info) can still be damaged
+            parts.append(load_from_disk(str(path / "chunks" / name)))
+        except Exception as e:
+            raise RecipeError(f"trajectories: {path / 'chunks' / name} cannot be read ({first_line(e)}); delete it "
+                              "and rerun align trajectories to regenerate it") from None
     return concatenate_datasets(parts)
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig
 
 from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
-from align.checkpoint import drafter_identity, mark_folder, write_text_atomic
+from align.checkpoint import drafter_identity, mark_folder, naming_path, write_result, write_text_atomic
 from align.config import Recipe, RecipeError, eval_models
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
@@ -389,7 +389,8 @@ def main(recipe: Recipe, command: str) -> None:
         # the cost-aware methods' measured curve: seconds of a verifier forward over n = 1.. new tokens
         "verify_costs_s": None if setup.verify_costs is None else [round(t, 6) for t in setup.verify_costs],
     }
-    write_text_atomic(out / "eval.json", report_json(result))
-    report = write_report(result, recipe, command, out)
+    write_result(out / "eval.json", report_json(result))  # kept elsewhere if the disk is full: hours of work
+    with naming_path(out):  # matplotlib's write names no file
+        report = write_report(result, recipe, command, out)
     print(report.split("\n![")[0])
     print(f"wrote {out / 'eval.json'}, {out / 'report.md'} and its plots")

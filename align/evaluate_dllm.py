@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from align.bench import interleaved, machine, report_json, versions
-from align.checkpoint import mark_folder, write_text_atomic
+from align.checkpoint import mark_folder, write_result, write_text_atomic
 from align.config import Recipe, RecipeError, model_context
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
@@ -127,7 +127,7 @@ def main(recipe: Recipe, command: str) -> None:
     }}
     meta = result["meta"]
     out = mark_folder(e.out, "eval")
-    write_text_atomic(out / "eval.json", report_json(result))
+    write_result(out / "eval.json", report_json(result))  # kept elsewhere if the disk is full
     example = tokenizer.decode(tokens["vanilla"][0])
     lines = ["| method | NFE reduction | speedup | tokens/s | NFE/token | exact match (vs) | accepted drafts |",
              "|---|---|---|---|---|---|---|"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from align.checkpoint import MARKER, atomic_folder
+from align.checkpoint import CHECKSUMS, MARKER, atomic_folder, non_finite_weights
 from align.config import (
     CANVAS_DECODER_FAMILIES, HUB_LICENSES, Recipe, RecipeError, check_file, check_inputs, hub_offline, hub_snapshot,
     is_hub_id,
@@ -648,6 +648,10 @@ def build_folder(recipe: Recipe, command: str, out: Path) -> None:
     source = model_folder(recipe.drafter.path)  # a Hub id's files are in the Hub cache
     if (source / "adapter_config.json").is_file():
         raise RecipeError(f"drafter.path: {source} is a LoRA adapter; export a merged step_<N> folder from align train")
+    poisoned = non_finite_weights(source)  # align train never saves such weights; a folder from elsewhere may hold them
+    if poisoned:
+        raise RecipeError(f"drafter.path: {poisoned} holds NaN or infinite weights; a Hub folder of it would decode "
+                          "garbage: export a checkpoint with finite weights")
     with atomic_folder(out, "export") as tmp:
         if recipe.export.format == "speculators":
             fill_speculators_folder(recipe, command, source, tmp)
@@ -732,7 +736,8 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
 def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
     from align.models import drafter_spec_from_config, load_tokenizer
 
-    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", "*.tmp", MARKER), dirs_exist_ok=True)
+    # meta.json becomes the card; the checksums (checked when read) would no longer match the files written here
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", CHECKSUMS, "*.tmp", MARKER), dirs_exist_ok=True)
     config = json.loads((tmp / "config.json").read_text())
     if "drafter_spec" not in config:
         from transformers import AutoConfig

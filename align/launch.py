@@ -1,18 +1,146 @@
 """`align train` and `align trajectories` on several processes: validate the recipe, then run the stage under the
 DeepSpeed launcher (a single local process runs in-process and needs no launcher). Training runs `align/train.py`,
-the script users also give `deepspeed` themselves; other stages run as `python -m align.cli <stage>` on every rank."""
+the script users also give `deepspeed` themselves; other stages run as `python -m align.cli <stage>` on every rank.
+
+Every process align starts (the launcher and its ranks, a vLLM worker and its engine) is started here, in a process
+group of its own, so that an interrupt stops all of them: SIGINT or SIGTERM to align (Ctrl-C, `timeout`, a
+scheduler) raises KeyboardInterrupt in align, which stops each group (SIGTERM, then SIGKILL after a grace period),
+waits until none of its processes is left, and says one line. A terminal's Ctrl-C reaches only align's own group.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
+# How long an interrupted child may take to end on SIGTERM before it is killed (a rank dies at once; the DeepSpeed
+# launcher and vLLM's engine wait for their own children).
+STOP_GRACE_S = 15.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, raised where SIGINT raises KeyboardInterrupt, so that both take the same way out (temporary files
+    removed, children stopped, one line)."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted()
+
+
+def interrupt_signal(interrupt: KeyboardInterrupt) -> int:
+    """The signal an interrupt came from: SIGTERM for Interrupted, SIGINT for a plain KeyboardInterrupt."""
+    return getattr(interrupt, "signum", signal.SIGINT)
+
+
+def launched_by_a_launcher() -> bool:
+    """A rank started by the deepspeed (or torchrun) launcher, which sets LOCAL_RANK before the script starts."""
+    return "LOCAL_RANK" in os.environ
+
+
+def handle_interrupts() -> None:
+    """Call first thing in a process align runs. In the process the user started: SIGTERM raises Interrupted (by
+    default Python would die at once, leaving its children running). In a rank under a launcher: SIGINT ends the
+    rank at once and silently, as SIGTERM does, rather than as a KeyboardInterrupt traceback from deep inside torch
+    on every rank (a terminal's Ctrl-C reaches every process of a hand-started `deepspeed` command). Nothing a rank
+    writes is torn by it: checkpoints are published atomically, `metrics.jsonl` is read tolerantly."""
+    if launched_by_a_launcher():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    else:
+        signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+_children: list[subprocess.Popen] = []
+
+
+def start_child(cmd: list[str], **popen: Any) -> subprocess.Popen:
+    """subprocess.Popen in a session (and process group) of its own, remembered so that an interrupt stops it and
+    everything it starts (stop_children). In a rank it stays in the rank's group, which align stops as a whole (a
+    rank ends at once on SIGTERM, and would leave a child of its own session running)."""
+    process = subprocess.Popen(cmd, start_new_session=not launched_by_a_launcher(), **popen)
+    _children.append(process)
+    return process
+
+
+def forget_child(process: subprocess.Popen) -> None:
+    """A child that has ended (its group's pid may be reused later)."""
+    if process in _children:
+        _children.remove(process)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that are still running (zombies, already dead, are left out)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: ask the kernel whether anything of the group is left
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after its last ')'
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def stop_group(process: subprocess.Popen, grace_s: Optional[float] = None) -> None:
+    """Stop `process` and every process of its group: SIGTERM, then SIGKILL for what is left after `grace_s`
+    (STOP_GRACE_S); returns once none is left (the group's leader reaped)."""
+    pgid = process.pid  # a session leader's group id is its pid
+    try:
+        own_group = os.getpgid(process.pid) == process.pid
+    except ProcessLookupError:
+        own_group = True  # the leader is gone; what is left of its group is still to stop
+    for signum, wait_s in ((signal.SIGTERM, STOP_GRACE_S if grace_s is None else grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            if own_group:
+                os.killpg(pgid, signum)
+            else:  # started by a rank, in the rank's group: the process alone
+                process.send_signal(signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            process.poll()  # reap the leader, else it stays a zombie of this process
+            if not group_members(pgid) and (own_group or process.returncode is not None):
+                process.wait()
+                return
+            time.sleep(0.05)
+
+
+def stop_children() -> int:
+    """Stop every child process group still running (after an interrupt, or a failure that leaves them behind);
+    returns how many were. Further SIGINT/SIGTERM are ignored meanwhile: a second Ctrl-C must not cut the cleanup
+    short."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopped = 0
+    try:
+        while _children:
+            process = _children.pop()
+            if process.poll() is None or group_members(process.pid):
+                stop_group(process)
+                stopped += 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return stopped
 
 
 def integer_in(low: int, high: Optional[int] = None) -> Callable[[str], int]:
@@ -89,4 +217,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"align {args.stage}:", " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores
-    return subprocess.call(cmd, env=env)
+    process = start_child(cmd, env=env)
+    status = process.wait()  # an interrupt meanwhile: cli stops the whole group (stop_children)
+    forget_child(process)
+    return status

@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 from transformers.masking_utils import (find_first_full_attention_index, sliding_window_bidirectional_overlay,
                                        sliding_window_overlay)
 
+from align.checkpoint import verify_checksums
 from align.config import ModelSection, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
 from align.dflash import DFlashDrafter, config_for_verifier, is_dflash
@@ -78,6 +79,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
+    if os.path.isdir(section.path):  # a folder align wrote is read only if its files match their checksums
+        verify_checksums(section.path)  # (already done, and cached, where cli checked the models)
     device = resolve_device(section.device)
     kwargs = dict(
         dtype=resolve_dtype(section.dtype, device),

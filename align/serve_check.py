@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from align.bench import cpu_model
-from align.checkpoint import mark_folder, write_text_atomic
+from align.checkpoint import mark_folder, write_result, write_text_atomic
 from align.config import Recipe, RecipeError, drafter_spec_from_config, model_context
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
 from align.decoding.ar import ar_generate
@@ -157,7 +157,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                  "machine": served_on()},
     }
     out = mark_folder(s.out, "serve_check")
-    write_text_atomic(out / "serve_check.json", json.dumps(result, indent=2))
+    write_result(out / "serve_check.json", json.dumps(result, indent=2))  # kept elsewhere if the disk is full
     text = report(result)
     write_text_atomic(out / "report.md", text)
     print(text)

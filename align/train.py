@@ -24,6 +24,9 @@ if __name__ == "__main__":
     # Run as a script, this file's folder comes first on sys.path, where align's own modules (config, data, ...)
     # would shadow top-level packages of the same names.
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    from align.launch import handle_interrupts
+
+    handle_interrupts()  # before torch is imported: a Ctrl-C meanwhile is as quiet as one later
 
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -31,6 +34,7 @@ import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -42,13 +46,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from align.checkpoint import (check_output_owner, folder_lock, mark_folder, merged_model, save_merged,  # noqa: E402
-                              step_folders, write_text_atomic)
-from align.config import (Recipe, RecipeError, check_models, check_output, check_train, load_recipe,  # noqa: E402
-                          train_models)
+from align.checkpoint import (EXIT_DISK_FAULT, append_log, check_output_owner, commit_state,  # noqa: E402
+                              disk_fault, folder_lock, mark_folder, merged_model, naming_path, read_log,
+                              record_checksums, save_merged, state_to_resume, step_folders, write_text_atomic)
+from align.config import (Recipe, RecipeError, check_models, check_output, check_train, first_line,  # noqa: E402
+                          load_recipe, train_models)
 from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories  # noqa: E402
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
-from align.launch import strip_launcher_args  # noqa: E402
+from align.launch import interrupt_signal, strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
 from align.tracking import open_trackers  # noqa: E402
 from align.dflash import dflash_window_logits  # noqa: E402
@@ -306,20 +311,46 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
 
 
 def resume(trainer: Trainer, out: Path) -> int:
-    """Load the last DeepSpeed state under out/ds_state (0 without one), and drop metrics of later steps and the final
-    τ, which the resumed run will log again (a run killed before its first checkpoint starts over)."""
+    """Load the last complete DeepSpeed state under out/ds_state (0 without one), and drop metrics of later steps,
+    which the resumed run will log again. A damaged state or metrics file is refused naming the file (RecipeError)."""
+    state_dir = out / "ds_state"
+    tag = state_on_every_rank(state_dir, trainer)
     start = 0
-    if (out / "ds_state" / "latest").is_file():
-        _, client = trainer.engine.load_checkpoint(str(out / "ds_state"))
+    if tag is not None:
+        try:
+            loaded, client = trainer.engine.load_checkpoint(str(state_dir), tag=tag)
+        except Exception as e:  # torch's zip reader, DeepSpeed's asserts: neither names the file
+            raise RecipeError(f"train.out: {state_dir / tag} cannot be loaded ({first_line(e)}): it is damaged; "
+                              f"delete it to resume from an earlier complete state (or write an earlier tag into "
+                              f"{state_dir / 'latest'})") from None
+        if loaded is None or not client or "step" not in client:
+            raise RecipeError(f"train.out: {state_dir / tag} holds no loadable DeepSpeed state (files missing); "
+                              "delete it to resume from an earlier state")
         start = client["step"]
     metrics = out / "metrics.jsonl"
-    if trainer.rank == 0 and metrics.is_file():
-        rows = [(line, json.loads(line)) for line in metrics.read_text().splitlines()]
-        kept = [line for line, row in rows if row["step"] <= start and "final_tau" not in row]
-        write_text_atomic(metrics, "".join(line + "\n" for line in kept))
+    if trainer.rank == 0 and metrics.is_file():  # read tolerantly: a cut last line is dropped (and said)
+        kept = [r for r in read_log(metrics, "align train") if r.get("step", 0) <= start and "final_tau" not in r]
+        write_text_atomic(metrics, "".join(json.dumps(r) + "\n" for r in kept))
     if trainer.rank == 0 and start:
         print(f"align train: resuming from step {start}")
     return start
+
+
+def state_on_every_rank(state_dir: Path, trainer: Trainer) -> Optional[str]:
+    """The tag to resume (checkpoint.state_to_resume), decided on rank 0, which hashes the files once, and told to
+    every rank, so that all load the same state or all refuse with the same reason."""
+    decision: list[Any] = [None]
+    if trainer.rank == 0:
+        try:
+            decision = [("tag", state_to_resume(state_dir))]
+        except RecipeError as e:
+            decision = [("error", str(e))]
+    if trainer.world > 1:
+        dist.broadcast_object_list(decision, src=0)
+    kind, value = decision[0]
+    if kind == "error":
+        raise RecipeError(value)
+    return value
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -493,7 +524,12 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
         model = merged_model(module, state)
         save_merged(model, trainer.tokenizer, out / f"step_{step}", {"meta.json": json.dumps({"step": step, **meta},
                                                                                               indent=2)})
-    trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step})
+    # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
+    with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
+        trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},
+                                       save_latest=False)
+    if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
+        commit_state(out / "ds_state", f"step_{step}")
 
 
 def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> dict[str, float]:
@@ -515,10 +551,10 @@ def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> 
 def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> dict[str, float]:
     step = recipe.train.max_steps
     record = final_tau(recipe, out / f"step_{step}", data, recipe.train.final_eval_prompts)
-    with (out / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps({"step": step, **record}) + "\n")
+    append_log(out / "metrics.jsonl", {"step": step, **record})
     meta_path = out / f"step_{step}" / "meta.json"
     write_text_atomic(meta_path, json.dumps({**json.loads(meta_path.read_text()), **record}, indent=2))
+    record_checksums(meta_path.parent, ["meta.json"])
     print(f"align train: real τ on {record['final_tau_prompts']} held-out prompts: {record['final_tau']:.3f}")
     return record
 
@@ -563,8 +599,7 @@ def main(recipe: Recipe, command: str) -> int:
             record.update(held_out_streak(trainer, data, recipe))
             trainer.engine.train()
         if rank == 0:
-            with (out / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_log(out / "metrics.jsonl", record)
             trackers.log({k: v for k, v in record.items() if k != "step"}, step + 1)
             bar.update()
             bar.set_postfix(loss=f"{record['loss']:.4f}")
@@ -599,6 +634,16 @@ def script(argv: list[str]) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank would say the same
             print(f"align train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:  # one process, no launcher (a rank ends silently: launch.handle_interrupts)
+        signum = interrupt_signal(interrupt)
+        print("align train: interrupted" + ("" if signum == signal.SIGINT else " by SIGTERM"), file=sys.stderr)
+        return 128 + signum
+    except Exception as error:
+        line = disk_fault(error)  # a full disk, a quota, a read-only output: the rank that met it says where
+        if line is None:
+            raise
+        print(f"align train: error: {line}", file=sys.stderr)
+        return EXIT_DISK_FAULT
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Optional, Sequence
 
 from align.config import RecipeError
+from align.launch import forget_child, start_child, stop_group
 
 VENV = ".venv-vllm"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -115,15 +116,16 @@ class VllmRunner:
             # vLLM takes the first visible GPU: each rank's worker must see its own (cuda:LOCAL_RANK), not GPU 0.
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[cuda_device] if visible else str(cuda_device)
-        self.process = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.log, text=True, env=env)
+        # In a process group of its own (with vLLM's engine processes): an interrupt of align stops them all.
+        self.process = start_child([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=self.log, text=True, env=env)
         self.version = ""
         try:
             ready = self._ask({"model": str(model), "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
                                "speculative_config": speculative_config,
                                "kv_cache_memory_bytes": int(kv_cache_gib * GIB)})
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.close(interrupted=isinstance(e, KeyboardInterrupt))
             raise
         self.version, self.load_seconds = ready["vllm"], ready["seconds"]
 
@@ -156,8 +158,11 @@ class VllmRunner:
                        for row in reply["completions"]]
         return Generation(completions, reply["seconds"], reply["spec_decode"])
 
-    def close(self) -> None:
-        """End the worker: closing its stdin lets it shut vLLM down; a worker that hangs is killed."""
+    def close(self, interrupted: bool = False) -> None:
+        """End the worker: closing its stdin lets it shut vLLM down; a worker that hangs is killed. Interrupted, its
+        whole process group is stopped at once (it would finish the request in hand first)."""
+        if interrupted:
+            stop_group(self.process)
         if self.process.poll() is None:
             assert self.process.stdin is not None
             try:
@@ -170,14 +175,15 @@ class VllmRunner:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+        forget_child(self.process)
         if self.process.returncode == 0:
             os.unlink(self.log.name)  # a failed worker's log is kept: errors name it
 
     def __enter__(self) -> "VllmRunner":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, kind: Optional[type], *exc: Any) -> None:
+        self.close(interrupted=kind is not None and issubclass(kind, KeyboardInterrupt))
 
 
 def last_error(log: IO[str]) -> str:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TOY_TRAJECTORIES
+from conftest import TOY_TRAJECTORIES, checkout_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,11 +30,12 @@ def test_slurm_script_on_two_simulated_nodes(toy_trajectories, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[1-2]",
-           "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "1", "MASTER_PORT": str(port),
-           "ALIGN_HOSTFILE": str(tmp_path / "hostfile"), "SRUN_LOG": str(tmp_path / "srun.log"),
-           "DEEPSPEED": str(Path(sys.executable).parent / "deepspeed"), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}
+    # checkout_env: the ranks run this checkout's align/train.py, which must import this checkout's align.
+    env = checkout_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_ID="42",
+                       SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="1", MASTER_PORT=str(port),
+                       ALIGN_HOSTFILE=str(tmp_path / "hostfile"), SRUN_LOG=str(tmp_path / "srun.log"),
+                       DEEPSPEED=str(Path(sys.executable).parent / "deepspeed"), OMP_NUM_THREADS="1",
+                       HF_HUB_OFFLINE="1")
     result = subprocess.run(
         ["bash", "launch/slurm.sbatch", "recipes/tiny/align.yaml", f"drafter.path={root / 'ck' / 'drafter-base'}",
          f"verifier.path={root / 'ck' / 'verifier'}", f"trajectories.out={traj}", *TOY_TRAJECTORIES, f"train.out={out}", "train.max_steps=2", "train.micro_batch_size=2",

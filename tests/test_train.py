@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import TOY_TRAJECTORIES
+from conftest import TOY_TRAJECTORIES, checkout_env
 
 from align.cli import main as align
 from align.train import rank_share, warn_stale_build_locks
@@ -36,7 +36,8 @@ def overrides(trajectories, out, *extra):
 
 
 def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    # The ranks run this checkout's align/train.py: it must import this checkout's align, not the installed one.
+    return checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
 
 def launch(processes, args, wait=True):
