@@ -284,13 +284,14 @@ def render_prompt(tokenizer: Any, prompt: Prompt, template: Optional[str]) -> li
     With a template, the conversation (a plain prompt is one user turn) is rendered with add_generation_prompt=True,
     so the ids end where the answer begins. The rendered text already holds the template's special tokens (a BOS, turn
     markers), so it is tokenized with add_special_tokens=False: a tokenizer that adds a BOS of its own would otherwise
-    give two. Plain text is tokenized as it always was here, also without added special tokens.
+    give two. Plain text gets what its tokenizer adds (a BOS for Gemma and Llama 3, whose models were trained with one
+    and drift without it; nothing for the tiny family or SmolLM2), as `tokenizer(text)` and `generate()` users see it.
     """
     if template is None:
         if not isinstance(prompt, str):
             raise RecipeError("data.chat_template: chat-message prompts need a chat template, and none is applied "
                               "(data.chat_template=off, or the tokenizer has none)")
-        return tokenizer(prompt, add_special_tokens=False).input_ids
+        return tokenizer(prompt).input_ids
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tokenizers.processors import TemplateProcessing
 
 from align.cli import main
 from align.config import RecipeError, load_recipe
@@ -99,6 +100,12 @@ def test_plain_prompts_are_tokenized_as_before_without_a_template():
     tokenizer = load_tokenizer(str(TOKENIZER))
     assert chat_template(tokenizer, "auto", str(TOKENIZER)) is None and tokenizer.chat_template is None
     assert render_prompt(tokenizer, "def f(x):", None) == tokenizer("def f(x):", add_special_tokens=False).input_ids
+    # A tokenizer that adds a BOS (Gemma's, Llama 3's) keeps it in plain text: those models drift without it.
+    bos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single=f"{tokenizer.eos_token} $A",
+                                                             special_tokens=[(tokenizer.eos_token, bos)])
+    plain = tokenizer("def f(x):", add_special_tokens=False).input_ids
+    assert render_prompt(tokenizer, "def f(x):", None) == [bos, *plain]
     with pytest.raises(RecipeError, match="data.chat_template: on, but the tokenizer of .* has no chat template"):
         chat_template(tokenizer, "on", str(TOKENIZER))
     with pytest.raises(RecipeError, match="chat-message prompts need a chat template"):
