@@ -63,6 +63,10 @@ UNMARKED_SIGNS: tuple[tuple[str, str, Optional[str]], ...] = (
 HELD_LOCKS = "ALIGN_HELD_LOCKS"
 # In a folder align wrote: relative file name -> sha256 of every other file in it (meta.json included).
 CHECKSUMS = "sha256.json"
+# Recorded but not checked: the settings a user edits on purpose (a longer context, a fixed chat template). Their
+# damage cannot pass unseen (they are parsed and validated where read); weights, states and tokenizers' vocabularies
+# could change silently, so those are checked.
+EDITABLE_FILES = frozenset({"config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja"})
 # Why a write fails that the user must fix outside align (free space, a quota, a read-only or forbidden folder), or
 # that the disk itself reports: said as one line naming the path, never as a traceback.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
@@ -398,13 +402,14 @@ def read_checksums(folder: str | os.PathLike) -> Optional[dict[str, str]]:
 
 
 def verify_checksums(folder: str | os.PathLike, key: str = "") -> bool:
-    """Check every file `folder`/sha256.json lists against it; False when there is no record (nothing to check).
+    """Check every file `folder`/sha256.json lists against it (but EDITABLE_FILES); False when there is no record.
     Raises RecipeError naming the first missing or differing file. Hashing is the cost of reading the files once
     (well under a second for the tiny family); a folder already verified in this process is not hashed again."""
     folder = Path(folder).resolve()
     record = read_checksums(folder)
     if record is None:
         return False
+    record = {name: digest for name, digest in record.items() if Path(name).name not in EDITABLE_FILES}
     stats = tuple((name, *_stat(folder / name)) for name in sorted(record))
     problem = _first_mismatch(folder, json.dumps(record, sort_keys=True), stats)
     if problem:

@@ -185,6 +185,18 @@ def test_checksums_follow_a_file_rewritten_after_the_save(tmp_path):
     assert not verify_checksums(tmp_path / "nonexistent")  # a folder without a record: nothing to check
 
 
+def test_settings_a_user_edits_on_purpose_are_not_refused_but_a_vocabulary_is(tmp_path):
+    for name in ("config.json", "chat_template.jinja", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text("{}")
+    record_checksums(tmp_path)
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')  # a longer context, by hand
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")  # a fixed template
+    assert verify_checksums(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"x": 1}')
+    with pytest.raises(RecipeError, match="tokenizer.json is corrupted"):
+        verify_checksums(tmp_path)
+
+
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_export_refuses_non_finite_weights_before_writing(toy_family, tmp_path, capsys, poison):
     from safetensors.torch import load_file, save_file
