@@ -13,6 +13,7 @@ import torch
 from huggingface_hub import metadata_load
 from transformers import AutoModelForCausalLM
 
+from align.checkpoint import record_checksums
 from align.cli import main
 from align.decoding.specdiff import specdiff_generate
 from align.models import DrafterSpec
@@ -209,6 +210,7 @@ def perturbed_copy(source: Path, dest: Path, scale: float) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * scale * p.std().clamp_min(1e-3))
     model.save_pretrained(dest)
+    record_checksums(dest)  # as align's own save records them: other weights, intact
     return dest
 
 
@@ -301,6 +303,7 @@ def test_an_eval_without_rows_for_the_exported_drafter_is_refused(compared, tmp_
         perturbed_copy(run / "aligned", tmp_path / "perturbed", 0.1)
         weights = (run / "aligned" / "model.safetensors").read_bytes()
         shutil.copy2(tmp_path / "perturbed" / "model.safetensors", run / "aligned" / "model.safetensors")
+        record_checksums(run / "aligned", ["model.safetensors"])
     else:  # schema 2 names drafters by the paths as given, which only resolve in the folder the eval ran in
         old = json.loads(evaluation.read_text())
         del old["meta"]["drafters"]
@@ -312,6 +315,7 @@ def test_an_eval_without_rows_for_the_exported_drafter_is_refused(compared, tmp_
     finally:
         if case == "trained further since the eval":
             (run / "aligned" / "model.safetensors").write_bytes(weights)
+            record_checksums(run / "aligned", ["model.safetensors"])
     err = capsys.readouterr().err.strip()
     assert "has no rows for the exported drafter" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
