@@ -168,6 +168,9 @@ class DFlashSection(Section):
     aux_layer_ids: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
     #: block size written for serving (anchor + drafted tokens: vLLM drafts block_size - 1); None: train.gamma + 1
     block_size: Optional[int] = Field(default=None, ge=2)
+    #: the token marking masked positions; None: the tokenizer's mask token, else one align chooses and says
+    #: (align/mask_token.py: an embedding row past the vocabulary, or an unused special token)
+    mask_token_id: Optional[int] = Field(default=None, ge=0)
 
 
 class ArDrafterSection(ModelSection):
@@ -1210,6 +1213,10 @@ def check_train(recipe: Recipe) -> None:
             raise RecipeError(f"train.lora_r: {recipe.drafter.path} is a {model_type} model, whose encoder and "
                               "decoder share their weights; LoRA would adapt them apart. Train it fully "
                               "(train.lora_r=0)")
+    if recipe.dflash is not None:  # the mask token: chosen (or the recipe's checked) before any launcher starts
+        from align.mask_token import dflash_mask_token
+
+        dflash_mask_token(recipe)
     from align.tracking import check_trackers  # imports a tracker's package only when the recipe names it
 
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)

@@ -173,18 +173,16 @@ def load_drafter(
     return model, spec
 
 
-def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSection,
-                       tokenizer: PreTrainedTokenizerBase, gamma: int) -> tuple[PreTrainedModel, DrafterSpec]:
+def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSection, mask_token_id: int,
+                       gamma: int) -> tuple[PreTrainedModel, DrafterSpec]:
     """A DFlash drafter with random weights, shaped to the verifier at `verifier.path` (settings: a DFlashSection),
-    on `drafter`'s device and dtype. Its mask token is the tokenizer's."""
+    on `drafter`'s device and dtype, marking masked positions with `mask_token_id` (mask_token.dflash_mask_token)."""
     verifier_config = AutoConfig.from_pretrained(verifier.path, trust_remote_code=verifier.trust_remote_code)
     num_layers = verifier_config.get_text_config().num_hidden_layers
     if settings.aux_layer_ids and max(settings.aux_layer_ids) >= num_layers:
         raise RecipeError(f"dflash.aux_layer_ids: {settings.aux_layer_ids} must be below the verifier's {num_layers} "
                           "layers (id k is the input of layer k)")
-    if tokenizer.mask_token_id is None:
-        raise RecipeError(f"dflash: the tokenizer of {verifier.path} has no mask token for the drafter's block")
-    config = config_for_verifier(verifier_config, tokenizer.mask_token_id, settings.num_layers,
+    config = config_for_verifier(verifier_config, mask_token_id, settings.num_layers,
                                  settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1)
     device = resolve_device(drafter.device)
     model = DFlashDrafter(config).to(device=device, dtype=resolve_dtype(drafter.dtype, device))

@@ -55,6 +55,7 @@ from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_traject
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
 from align.launch import interrupt_signal, strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
+from align.mask_token import dflash_mask_token  # noqa: E402
 from align.tracking import open_trackers  # noqa: E402
 from align.dflash import dflash_window_logits  # noqa: E402
 from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)  # noqa: E402
@@ -99,6 +100,7 @@ class Trainer:
     rank: int
     world: int
     device: torch.device  # this rank's (cuda:LOCAL_RANK on GPUs): batches and collective tensors live there
+    mask_token: Optional[str] = None  # how a new DFlash drafter's mask token was chosen (kept in each meta.json)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -285,10 +287,14 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
     torch.manual_seed(t.seed)
     if recipe.dflash is not None:  # a new DFlash drafter, shaped to the verifier whose tokenizer it shares
         tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
-        model, spec = new_dflash_drafter(recipe.verifier, recipe.dflash, recipe.drafter, tokenizer, t.gamma)
+        mask_token_id, mask_token = dflash_mask_token(recipe)
+        if rank == 0:
+            print(f"align train: the drafter marks masked positions with {mask_token}")
+        model, spec = new_dflash_drafter(recipe.verifier, recipe.dflash, recipe.drafter, mask_token_id, t.gamma)
     else:
         tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
         model, spec = load_drafter(recipe.drafter, tokenizer)
+        mask_token = None
     model.train()
     if t.lora_r:
         from peft import LoraConfig, get_peft_model
@@ -307,7 +313,7 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
     verifier = load_verifier(recipe.verifier) if data.online or spec.kind == "dflash" else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
-                   engine.device)
+                   engine.device, mask_token)
 
 
 def resume(trainer: Trainer, out: Path) -> int:
@@ -581,7 +587,7 @@ def main(recipe: Recipe, command: str) -> int:
     trackers = open_trackers(t.report_to, out, t.project, t.run_name, recipe.to_dict(), start) if rank == 0 else None
     meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path, "verifier": recipe.verifier.path,
             "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
-            "command": command}
+            "command": command, **({"mask_token": trainer.mask_token} if trainer.mask_token else {})}
     bar = tqdm(total=t.max_steps, initial=start, desc="align", unit="step", disable=rank != 0, dynamic_ncols=True)
     status = 0
     for step in range(start, t.max_steps):

@@ -335,7 +335,7 @@ def dflash_drafter(verifier: Path, folder: Path) -> None:
     section = VerifierSection(path=str(verifier), device="cpu", dtype="float32")
     tokenizer = load_tokenizer(str(verifier))
     torch.manual_seed(0)
-    drafter, _ = new_dflash_drafter(section, DFlashSection(intermediate_size=64), section, tokenizer, 4)
+    drafter, _ = new_dflash_drafter(section, DFlashSection(intermediate_size=64), section, tokenizer.mask_token_id, 4)
     save_merged(drafter, tokenizer, folder, {})
 
 

@@ -211,7 +211,7 @@ def dflash_drafter(tmp_path_factory) -> str:
     tokenizer = load_tokenizer(VERIFIER)
     torch.manual_seed(0)
     drafter, _ = new_dflash_drafter(VerifierSection(path=VERIFIER), DFlashSection(aux_layer_ids=[0]),
-                                    VerifierSection(path=VERIFIER, device="cpu"), tokenizer, 4)
+                                    VerifierSection(path=VERIFIER, device="cpu"), tokenizer.mask_token_id, 4)
     save_merged(drafter, tokenizer, folder, {})
     return str(folder)
 

@@ -456,7 +456,7 @@ def dflash_drafter(tmp_path_factory) -> Path:
     section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")
     tokenizer = load_tokenizer(str(VERIFIER))
     torch.manual_seed(0)
-    drafter, _ = new_dflash_drafter(section, DFlashSection(intermediate_size=64), section, tokenizer, 4)
+    drafter, _ = new_dflash_drafter(section, DFlashSection(intermediate_size=64), section, tokenizer.mask_token_id, 4)
     folder = tmp_path_factory.mktemp("dflash") / "step_1"
     save_merged(drafter, tokenizer, folder, {})
     return folder

@@ -441,7 +441,7 @@ def speculators_export(folder: Path, gamma: int = 8) -> Path:
     section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")
     torch.manual_seed(0)
     drafter, _ = new_dflash_drafter(section, DFlashSection(aux_layer_ids=[1, 3, 6], intermediate_size=256), section,
-                                    tokenizer, gamma)
+                                    tokenizer.mask_token_id, gamma)
     save_merged(drafter, tokenizer, folder / "step_0", {})
     out = folder / "export"
     assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={VERIFIER}", f"drafter.path={folder / 'step_0'}",

@@ -172,7 +172,7 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
     tokenizer = load_tokenizer(verifier_path)
     torch.manual_seed(0)
     drafter, _ = new_dflash_drafter(VerifierSection(path=verifier_path), DFlashSection(aux_layer_ids=[0]),
-                                    VerifierSection(path=verifier_path, device="cpu"), tokenizer, 4)
+                                    VerifierSection(path=verifier_path, device="cpu"), tokenizer.mask_token_id, 4)
     save_merged(drafter, tokenizer, tmp_path / "step_1", {})
     out = tmp_path / "export"
     assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={verifier_path}",

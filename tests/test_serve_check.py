@@ -49,7 +49,7 @@ def dflash_checkpoint(folder: Path, train_steps: int) -> Path:
     verifier = load_verifier(section)
     torch.manual_seed(0)
     drafter, _ = new_dflash_drafter(section, DFlashSection(aux_layer_ids=[1, 3, 6], intermediate_size=256),
-                                    section, tokenizer, GAMMA)
+                                    section, tokenizer.mask_token_id, GAMMA)
     sequences = []
     for text in PROMPTS:
         prompt_ids = tokenizer(text, return_tensors="pt").input_ids

@@ -237,6 +237,15 @@ def test_every_method_is_greedy_identical_to_ar_with_the_real_verifier(verifier,
     assert all(t >= 1.5 for (name, _), t in taus.items() if name.startswith("specdiff")), taus
 
 
+def test_the_mask_token_chosen_for_the_real_verifier(smollm2):
+    from align.config import load_recipe
+    from align.mask_token import dflash_mask_token
+
+    # SmolLM2's tokenizer has no mask token and no embedding row past its 49,152 tokens: its last unused special token.
+    recipe = load_recipe(ROOT / "recipes" / "tiny" / "dflash.yaml", [f"verifier.path={smollm2}"])
+    assert dflash_mask_token(recipe)[0] == 16  # <empty_output>
+
+
 def test_a_dflash_drafter_on_the_real_verifier_is_greedy_identical_to_ar(verifier, tokenizer):
     from align.dflash import DFlashDrafter, config_for_verifier
     from align.decoding.specdiff import specdiff_generate
