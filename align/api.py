@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe,
                           RecipeError, check_context, check_models, one_line)
 from align.data import chat_template as template_for, conversation, render_prompt
-from align.decoding.cps import TrigramModel
+from align.decoding.path_search import TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
 from align.methods import (DFLASH_METHODS, METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
                            trigram_proxy)

@@ -21,14 +21,14 @@ from align.checkpoint import atomic_folder
 from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError
 from align.corpus import ensure_data
 from align.data import load_trajectories
-from align.decoding.adl import AdaptiveLength
+from align.decoding.adaptive_length import AdaptiveLength
 from align.decoding.ar import ar_generate
-from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import specdiff_generate
-from align.decoding.specdiff2 import specdiff2_select_generate
+from align.decoding.self_selection import specdiff2_select_generate
 from align.decoding.tree import specdiff_tree_generate
 from align.models import DrafterSpec
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.config import DecodeSection
-from align.decoding.cps import TrigramModel
+from align.decoding.path_search import TrigramModel
 from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
 from align.decoding.spiffy import spiffy_generate

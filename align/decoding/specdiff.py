@@ -9,9 +9,9 @@ import torch
 from transformers import PreTrainedModel
 
 from align.decoding.acceptance import accept_draft
-from align.decoding.adl import AdaptiveLength
+from align.decoding.adaptive_length import AdaptiveLength
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
-from align.decoding.cps import PathSearch, TrigramModel, causal_path_search
+from align.decoding.path_search import PathSearch, TrigramModel, causal_path_search
 from align.decoding.sizing import CostAwareSize
 from align.dflash import DFlashContext, HiddenTap, dflash_block_logits
 from align.models import DrafterContext, DrafterSpec, block_logits

@@ -23,8 +23,8 @@ from transformers.cache_utils import DynamicLayer
 
 from align.config import RecipeError
 from align.decoding.acceptance import accept_tree
-from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start
+from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sizing import CostAwareSize
 from align.decoding.specdiff import DraftPass
 from align.dflash import HiddenTap, aux_hidden
