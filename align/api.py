@@ -30,8 +30,9 @@ from pydantic import ValidationError
 from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe,
                           RecipeError, check_context, check_models, one_line)
 from align.data import chat_template as template_for, conversation, render_prompt
-from align.decoding.cps import TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
+from align.decoding.options import method_name
+from align.decoding.path_search import TrigramModel
 from align.methods import (DFLASH_METHODS, METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
                            trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
@@ -99,7 +100,8 @@ class Pair:
 
     def generate(self, prompts: Union[PromptArg, Sequence[PromptArg]], method: str = "specdiff", *,
                  eos_token_id: EosArg = None, **settings: Any) -> list[Generation]:
-        """Decode each prompt with `method` (a name of align.methods.METHODS), one after the other.
+        """Decode each prompt with `method` (a name of align.methods.METHODS, or its options spelled as in
+        align/decoding/options.py: specdiff+cps+tree), one after the other.
 
         prompts: a list of prompts, or one prompt (text, chat messages, or token ids); one Generation per prompt, in
         order. eos_token_id: the tokens that end a generation; None: the pair's (the verifier's generation_config and
@@ -108,8 +110,12 @@ class Pair:
         unset ones keep the pair's. Greedy (temperature 0, the default) gives exactly the verifier's own greedy
         tokens with every method; sampling draws prompt i from its own generator, seeded from seed and i.
         """
-        if method not in METHODS:
-            raise RecipeError(f"method {method!r}: unknown; the methods are {', '.join(METHODS)}")
+        try:  # a name (specdiff_cps_tree) or a spelling of its options (specdiff+tree+cps): decoded as its name
+            if not isinstance(method, str):
+                raise ValueError(method)
+            method = method_name(method)
+        except ValueError:
+            raise RecipeError(f"method {method!r}: unknown; the methods are {', '.join(METHODS)}") from None
         missing = self._missing(method)
         if missing:
             what, argument = ROLES[missing]

@@ -24,6 +24,8 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       field_validator, model_validator)
 
+from align.decoding.options import METHOD_NAMES, method_name, parse_method
+
 
 class RecipeError(ValueError):
     """A recipe or override the user must fix. Its message is one line, shown without a traceback."""
@@ -50,14 +52,10 @@ class Section(BaseModel):
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-# The evaluation methods (align/methods.py's METHODS must have exactly these keys; a test checks it). Listed here so
-# that a bad name is refused when the recipe loads, before torch is imported.
-METHOD_NAMES: tuple[str, ...] = (
-    "ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps",
-    "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
-    "specdiff_cps_tree", "specdiff_cps_tree_cost",
-)
-MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
+# The evaluation methods: every option set align/decoding/options.py's grammar allows, by name (align/methods.py's
+# METHODS has exactly these keys). A name or a spelling (specdiff+cps+tree) is checked when the recipe loads, before
+# torch is imported, and kept as its name.
+MethodName = Annotated[str, AfterValidator(method_name)]
 # align/losses.py's WINDOW_LOSSES keys, likewise.
 LOSS_NAMES: tuple[str, ...] = ("streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal",
                               "chain", "streak_tv", "fkl", "rkl", "tvd", "jsd")
@@ -1365,7 +1363,7 @@ def check_export(recipe: Recipe) -> None:
 
 # What a DFlash drafter cannot run (align/methods.py's DFLASH_METHODS are the others of METHOD_MODELS' drafter
 # methods; a test checks it): self-selection samples several drafts from one standalone drafter pass.
-NOT_DFLASH_METHODS: tuple[str, ...] = ("specdiff2_select",)
+NOT_DFLASH_METHODS: tuple[str, ...] = tuple(name for name in METHOD_NAMES if "select" in parse_method(name))
 
 
 def check_eval(recipe: Recipe) -> None:

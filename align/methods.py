@@ -1,8 +1,9 @@
 """The decoding methods by name: what `align eval` measures side by side and what the Python API (`align.api`) runs.
 
 Each method is `fn(setup, prompt_ids (1, n), sampling, generator) -> (new tokens, stats)`; a `Setup` holds the models
-and the decode settings. HF's own methods (`hf_generate`, `hf_assisted`, `prompt_lookup`) call `verifier.generate()`
-and count forwards from the outside. Also here, shared by both callers: the tokens that end a generation, each
+and the decode settings. A name is parsed into options (align/decoding/options.py: `specdiff_cps_tree` is
+`specdiff+cps+tree`), and the options pick the speculative step that runs. HF's own methods (`hf_generate`,
+`hf_assisted`, `prompt_lookup`) call `verifier.generate()` and count forwards from the outside. Also here, shared by both callers: the tokens that end a generation, each
 prompt's random stream, and the causal proxy the CPS methods search with.
 """
 
@@ -18,18 +19,20 @@ import torch
 
 from align.bench import count_forwards
 from align.checkpoint import atomic_folder
-from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError
+from align.config import DecodeSection, Recipe, RecipeError
 from align.corpus import ensure_data
 from align.data import load_trajectories
-from align.decoding.adl import AdaptiveLength
+from align.decoding.adaptive_length import AdaptiveLength
 from align.decoding.ar import ar_generate
-from align.decoding.cps import PathSearch, TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
-from align.decoding.sd_ar import sd_ar_generate
+from align.decoding.options import METHOD_NAMES, MethodOptions, parse_method
+from align.decoding.path_search import PathSearch, TrigramModel
+from align.decoding.sd_ar import ARDraftStep
+from align.decoding.self_selection import SelectionStep
 from align.decoding.sizing import CostAwareSize, measure_verify_costs
-from align.decoding.specdiff import specdiff_generate
-from align.decoding.specdiff2 import specdiff2_select_generate
-from align.decoding.tree import specdiff_tree_generate
+from align.decoding.specdiff import PathStep, draft_choice
+from align.decoding.speculative import Decoding, Step, speculative_generate
+from align.decoding.tree import TreeStep
 from align.models import DrafterSpec
 
 
@@ -89,76 +92,53 @@ def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: O
     return tokens, stats
 
 
-def run_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return ar_generate(s.verifier, ids, s.decode.max_new_tokens, sampling, s.eos_ids, gen)
-
-
-def run_hf_generate(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return _hf(s, ids, sampling, gen)
-
-
-def run_hf_assisted(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return _hf(s, ids, sampling, gen, assistant_model=s.ar_drafter)
-
-
-def run_prompt_lookup(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return _hf(s, ids, sampling, gen, prompt_lookup_num_tokens=s.decode.prompt_lookup_tokens)
-
-
-def run_sd_ar(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    return sd_ar_generate(s.verifier, s.ar_drafter, ids, s.decode.gamma, s.decode.max_new_tokens, sampling,
-                          eos_ids=s.eos_ids, generator=gen)
-
-
 def path_search(d: DecodeSection) -> PathSearch:
-    """The CPS settings of a decode section (specdiff_cps* and specdiff_cps_tree)."""
+    """The CPS settings of a decode section (the methods with cps)."""
     return PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight)
 
 
-def _specdiff(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator], cps: bool, adl: bool,
-              cost: bool = False):
+def speculative_step(method: MethodOptions, s: Setup, ids: torch.Tensor, decoding: Decoding,
+                     generator: Optional[torch.Generator]) -> Step:
+    """The step a speculative method's options name, with the decode section's settings."""
     d = s.decode
-    search = (path_search(d), s.proxy) if cps else None
-    adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if adl else None
-    return specdiff_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens, sampling,
-                             eos_ids=s.eos_ids, generator=gen, path_search=search, adaptive=adaptive,
-                             argmax_draft=d.draft_choice == "argmax", sizing=s.cost_aware_size(ids) if cost else None)
-
-
-def run_specdiff2_select(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
-    d = s.decode
-    return specdiff2_select_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.max_new_tokens,
-                                     d.num_candidates, d.draft_temperature, sampling, s.eos_ids, gen)
-
-
-def run_specdiff_tree(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator],
-                      cost: bool = False, cps: bool = False):
-    d = s.decode
-    return specdiff_tree_generate(s.verifier, s.drafter, s.spec, ids, d.gamma, d.tree_nodes, d.max_new_tokens,
-                                  sampling, s.eos_ids, gen, sizing=s.cost_aware_size(ids) if cost else None,
-                                  path_search=(path_search(d), s.proxy) if cps else None)
+    if method.base == "sd_ar":
+        return ARDraftStep(s.verifier, s.ar_drafter, decoding, decoding.sampling, generator)
+    if "select" in method:
+        return SelectionStep(s.verifier, s.drafter, s.spec, decoding, d.num_candidates, d.draft_temperature, generator)
+    sizing = s.cost_aware_size(ids) if "cost" in method else None
+    search = (path_search(d), s.proxy) if "cps" in method else None
+    if "tree" in method:
+        return TreeStep(s.verifier, s.drafter, s.spec, decoding, d.tree_nodes, generator, sizing, search)
+    adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if "adl" in method else None
+    choose = draft_choice(decoding.sampling, generator, argmax_draft=d.draft_choice == "argmax", path_search=search,
+                          eos_ids=decoding.eos_ids)
+    return PathStep(s.verifier, s.drafter, s.spec, decoding, choose, generator, adaptive, sizing)
 
 
 MethodFn = Callable[[Setup, torch.Tensor, Sampling, Optional[torch.Generator]], tuple[list[int], GenerationStats]]
-METHODS: dict[str, MethodFn] = {
-    "ar": run_ar,
-    "hf_generate": run_hf_generate,
-    "hf_assisted": run_hf_assisted,
-    "prompt_lookup": run_prompt_lookup,
-    "sd_ar": run_sd_ar,
-    "specdiff": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=False),
-    "specdiff2_select": run_specdiff2_select,
-    "specdiff_cps": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=False),
-    "specdiff_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=True),
-    "specdiff_cps_adl": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=True),
-    "specdiff_tree": run_specdiff_tree,
-    "specdiff_cost": lambda s, i, p, g: _specdiff(s, i, p, g, cps=False, adl=False, cost=True),
-    "specdiff_cps_cost": lambda s, i, p, g: _specdiff(s, i, p, g, cps=True, adl=False, cost=True),
-    "specdiff_tree_cost": lambda s, i, p, g: run_specdiff_tree(s, i, p, g, cost=True),
-    "specdiff_cps_tree": lambda s, i, p, g: run_specdiff_tree(s, i, p, g, cps=True),
-    "specdiff_cps_tree_cost": lambda s, i, p, g: run_specdiff_tree(s, i, p, g, cost=True, cps=True),
-}
-assert tuple(METHODS) == METHOD_NAMES, "align/config.py's METHOD_NAMES must list METHODS"
+
+
+def method_fn(method: MethodOptions) -> MethodFn:
+    """What runs `method`: HF's generate for its own methods, the AR loop, or the speculative loop with its step."""
+    def run(s: Setup, ids: torch.Tensor, sampling: Sampling, gen: Optional[torch.Generator]):
+        d = s.decode
+        if method.base == "ar":
+            return ar_generate(s.verifier, ids, d.max_new_tokens, sampling, s.eos_ids, gen)
+        if method.base == "hf_generate":
+            return _hf(s, ids, sampling, gen)
+        if method.base == "hf_assisted":
+            return _hf(s, ids, sampling, gen, assistant_model=s.ar_drafter)
+        if method.base == "prompt_lookup":
+            return _hf(s, ids, sampling, gen, prompt_lookup_num_tokens=d.prompt_lookup_tokens)
+        decoding = Decoding(d.gamma, d.max_new_tokens, sampling, s.eos_ids)
+        return speculative_generate(s.verifier, ids, speculative_step(method, s, ids, decoding, gen), decoding, gen)
+
+    run.__name__ = run.__qualname__ = method.name
+    return run
+
+
+# Every method by name (align/decoding/options.py's METHOD_NAMES, which the recipe schema checks names against).
+METHODS: dict[str, MethodFn] = {name: method_fn(parse_method(name)) for name in METHOD_NAMES}
 
 
 def eos_token_ids(verifier: Any, tokenizer: Any) -> frozenset[int]:
@@ -185,8 +165,8 @@ def base_method(name: str) -> str:
 # What a DFlash drafter runs: one block per draft (SpecDiff), with path search and adaptive length on top. Several
 # candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet. A draft
 # tree (specdiff_tree) needs one block: the accepted path's verifier states join the drafter's context.
-DFLASH_METHODS = ("specdiff", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost",
-                  "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree", "specdiff_cps_tree_cost")
+DFLASH_METHODS = tuple(name for name in METHOD_NAMES
+                       if parse_method(name).base == "specdiff" and "select" not in parse_method(name))
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")

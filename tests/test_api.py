@@ -136,6 +136,15 @@ def test_seeded_sampling_is_reproducible(pair):
     assert [r.token_ids for r in first] != [r.token_ids for r in other]
 
 
+def test_a_method_spelled_by_its_options_is_that_method(pair):
+    named = pair.generate(PROMPTS, method="specdiff_cps_tree", max_new_tokens=12, temperature=1.0, seed=3)
+    spelled = pair.generate(PROMPTS, method="specdiff+tree+cps", max_new_tokens=12, temperature=1.0, seed=3)
+    assert [r.token_ids for r in spelled] == [r.token_ids for r in named]
+    assert [r.stats.tree_nodes for r in spelled] == [r.stats.tree_nodes for r in named] and named[0].stats.tree_nodes
+    with pytest.raises(RecipeError, match=r"^method 'specdiff\+adl\+tree': unknown; the methods are ar, "):
+        pair.generate(PROMPTS, method="specdiff+adl+tree")
+
+
 @pytest.mark.parametrize("method", ["sd_ar", "specdiff_cps_adl"])
 def test_generate_creates_its_tensors_on_the_models_device(pair, method):
     """As tests/test_devices.py checks the methods: with the default device set to `meta`, a tensor or generator made

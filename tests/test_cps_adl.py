@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from align.decoding.adl import AdaptiveLength
-from align.decoding.cps import PathSearch, TrigramModel, candidate_sets, causal_path_search
+from align.decoding.adaptive_length import AdaptiveLength
+from align.decoding.path_search import PathSearch, TrigramModel, candidate_sets, causal_path_search
 
 EOS = 3
 

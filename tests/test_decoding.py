@@ -6,13 +6,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import numpy as np
 
-from align.decoding.adl import AdaptiveLength
+from align.decoding.adaptive_length import AdaptiveLength
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
-from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
+from align.decoding.self_selection import specdiff2_select_generate
 from align.decoding.specdiff import specdiff_generate
-from align.decoding.specdiff2 import specdiff2_select_generate
 from align.models import DrafterSpec
 
 VOCAB, MASK = 48, 47

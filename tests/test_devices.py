@@ -11,9 +11,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.config import DecodeSection
-from align.decoding.cps import TrigramModel
 from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
+from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
 from align.methods import METHODS, Setup

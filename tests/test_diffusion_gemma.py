@@ -28,9 +28,9 @@ from align.checkpoint import merged_model, save_merged
 from align.cli import main as align
 from align.config import DecodeSection, DrafterSection, drafter_spec_from_config
 from align.decoding.ar import ar_generate
-from align.decoding.cps import TrigramModel
 from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
+from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
 from align.methods import METHODS, Setup

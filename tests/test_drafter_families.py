@@ -23,9 +23,9 @@ from conftest import checkout_env
 from align.cli import main as align
 from align.config import DecodeSection, DrafterSection, ModelSection
 from align.decoding.ar import ar_generate
-from align.decoding.cps import TrigramModel
 from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
+from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
 from align.methods import METHODS, Setup

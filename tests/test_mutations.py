@@ -41,9 +41,9 @@ MUTATIONS = (
              "decoding/acceptance.py", "fallback = residual(verifier_probs[num_accepted], draft_probs[num_accepted])",
              "fallback = verifier_probs[num_accepted]", (EVERY_METHOD + "[sd_ar]", EVERY_METHOD + "[specdiff]")),
     Mutation("a draft sampled from the truncated q, accepted against the untruncated q",
-             "decoding/specdiff.py", "draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)",
-             "draft = torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1); "
-             "draft_probs = Sampling(draft_sampling.temperature).probs(draft_logits)",
+             "decoding/specdiff.py", "draft = torch.multinomial(draft_probs, 1, generator=self.generator).squeeze(-1)",
+             "draft = torch.multinomial(draft_probs, 1, generator=self.generator).squeeze(-1); "
+             "draft_probs = Sampling(self.draft_sampling.temperature).probs(draft_logits)",
              (SAMPLING + "test_truncated_sampling_is_lossless[specdiff-top_k]",
               SAMPLING + "test_truncated_sampling_is_lossless[specdiff-top_p]")),
     Mutation("tree: after every child is rejected, sample p instead of the residual",
@@ -58,7 +58,7 @@ MUTATIONS = (
     Mutation("acceptance ratio inverted: q/p for p/q", "decoding/acceptance.py",
              "accepted = (u * draft_p < verifier_p)", "accepted = (u * verifier_p < draft_p)",
              (EVERY_METHOD + "[specdiff]",)),
-    Mutation("the verifier's cache not cropped after a rejection", "decoding/specdiff.py",
+    Mutation("the verifier's cache not cropped after a rejection", "decoding/speculative.py",
              "cache.crop(-(len(draft) - num_accepted))", "None", (EVERY_METHOD + "[specdiff]",)),
     Mutation("self-selection: the target not replaced by the residual after a candidate is rejected",
              "decoding/acceptance.py", "target = residual(target, draft_probs[depth])", "target = target",

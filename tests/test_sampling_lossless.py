@@ -36,8 +36,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.config import DecodeSection
-from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
+from align.decoding.path_search import TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
 from align.methods import METHODS, Setup
 from align.models import DrafterSpec

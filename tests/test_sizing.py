@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.config import DecodeSection
 from align.decoding.ar import ar_generate
-from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
+from align.decoding.path_search import TrigramModel
 from align.decoding.sizing import CostAwareSize, measure_verify_costs, non_decreasing
 from align.methods import METHODS, Setup
 from align.models import DrafterSpec

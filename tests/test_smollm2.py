@@ -19,8 +19,8 @@ from align.cli import main
 from align.config import DecodeSection, load_recipe
 from align.data import chat_template, load_trajectories, prompt_ids_sha256, render_prompt
 from align.decoding.ar import ar_generate
-from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
+from align.decoding.path_search import TrigramModel
 from align.methods import METHODS, Setup, eos_token_ids
 from align.models import DrafterSpec
 from align.weights import locate

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.config import DrafterSection, ModelSection, RecipeError
 from align.decoding.ar import ar_generate
-from align.decoding.cps import PathSearch, TrigramModel
+from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.tree import (DraftTree, build_consistent_draft_tree, build_draft_tree, keep_path,
                                  specdiff_tree_generate, tree_forward)
 from align.dflash import DFlashDrafter, config_for_verifier

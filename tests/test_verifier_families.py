@@ -16,8 +16,8 @@ from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, Llam
 
 from align.config import DecodeSection
 from align.decoding.ar import ar_generate
-from align.decoding.cps import TrigramModel
 from align.decoding.generation import Sampling
+from align.decoding.path_search import TrigramModel
 from align.methods import METHODS, Setup
 from align.models import DrafterSpec
 

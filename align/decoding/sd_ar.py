@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from align.decoding.acceptance import accept_draft
-from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
+from align.decoding.generation import GenerationStats, Sampling, verifier_forward
+from align.decoding.speculative import Decoding, Draft, Step, speculative_generate, verify_path
 from align.models import rollback_cache
 
 
@@ -37,7 +36,31 @@ def draft_autoregressive(
     return torch.stack(tokens), (torch.stack(probs) if probs else None)
 
 
-@torch.inference_mode()
+class ARDraftStep(Step):
+    """An AR drafter drafts γ tokens one forward each. `draft_sampling` is how it drafts: temperature 0 gives argmax
+    drafts, accepted by the point-mass rule when the verifier samples; otherwise drafts are sampled and accepted
+    against the distributions they were drawn from. Either way the output is distributed as the verifier's."""
+
+    def __init__(self, verifier: PreTrainedModel, drafter: PreTrainedModel, decoding: Decoding,
+                 draft_sampling: Sampling, generator: Optional[torch.Generator] = None) -> None:
+        self.verifier, self.drafter, self.decoding, self.generator = verifier, drafter, decoding, generator
+        self.draft_sampling, self.draft_cache = draft_sampling, rollback_cache(drafter)
+
+    def propose(self, context: torch.Tensor, room: int) -> Draft:
+        draft_len = min(self.decoding.gamma, room)
+        draft, draft_probs = draft_autoregressive(self.drafter, context, self.draft_cache, draft_len,
+                                                  self.draft_sampling, self.generator)
+        return Draft(draft, draft_probs, draft_len, forwards=draft_len)
+
+    def verify(self, draft: Draft, context: torch.Tensor, cache: DynamicCache) -> tuple[list[int], int]:
+        # The rule follows how the draft was made: an argmax draft is a point mass even when the verifier samples.
+        num_accepted, next_token = verify_path(self.verifier, context, draft.tokens, draft.probs, cache,
+                                               self.decoding.sampling, self.generator)
+        # The drafter's cache covers context ⊕ draft[:-1]; keep only what was accepted.
+        self.draft_cache.crop(-max(0, draft.length - 1 - num_accepted))
+        return draft.tokens[:num_accepted].tolist(), next_token
+
+
 def sd_ar_generate(
     verifier: PreTrainedModel,
     drafter: PreTrainedModel,
@@ -49,32 +72,8 @@ def sd_ar_generate(
     eos_ids: frozenset[int] = frozenset(),
     generator: Optional[torch.Generator] = None,
 ) -> tuple[list[int], GenerationStats]:
-    """Speculative decoding with an AR drafter. prompt_ids: (1, n). Greedy output equals AR greedy exactly.
-
-    `draft_sampling` (default: the verifier's settings) is how the drafter drafts: temperature 0 gives argmax drafts,
-    accepted by the point-mass rule when the verifier samples; otherwise drafts are sampled and accepted against the
-    distributions they were drawn from. Either way the output is distributed as the verifier's.
-    """
-    draft_sampling = draft_sampling or sampling
-    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator)
-    draft_cache = rollback_cache(drafter)
-    while not finished(tokens, max_new_tokens, eos_ids):
-        draft_len = min(gamma, max_new_tokens - len(tokens))
-        context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
-
-        t_draft = time.perf_counter()
-        draft, draft_probs = draft_autoregressive(drafter, context, draft_cache, draft_len, draft_sampling, generator)
-        stats.drafter_forwards += draft_len
-        stats.draft_s += time.perf_counter() - t_draft
-
-        t_verify = time.perf_counter()
-        verify_logits = verifier_forward(verifier, torch.cat([context[:, -1:], draft[None]], dim=1), cache)
-        # The rule follows how the draft was made: an argmax draft is a point mass even when the verifier samples.
-        num_accepted, next_token = accept_draft(draft, draft_probs, verify_logits, sampling, generator)
-        cache.crop(-(draft_len - num_accepted))
-        # The drafter's cache covers context ⊕ draft[:-1]; keep only what was accepted.
-        draft_cache.crop(-max(0, draft_len - 1 - num_accepted))
-        stats.verify_s += time.perf_counter() - t_verify
-        stats.record(num_accepted, draft_len)
-        tokens += [*draft[:num_accepted].tolist(), next_token]
-    return finish(stats, tokens, max_new_tokens, eos_ids)
+    """Speculative decoding with an AR drafter (`ARDraftStep`; `draft_sampling` defaults to the verifier's settings).
+    prompt_ids: (1, n). Greedy output equals AR greedy exactly."""
+    decoding = Decoding(gamma, max_new_tokens, sampling, eos_ids)
+    step = ARDraftStep(verifier, drafter, decoding, draft_sampling or sampling, generator)
+    return speculative_generate(verifier, prompt_ids, step, decoding, generator)

@@ -23,10 +23,11 @@ from transformers.cache_utils import DynamicLayer
 
 from align.config import RecipeError
 from align.decoding.acceptance import accept_tree
-from align.decoding.cps import PathSearch, TrigramModel
-from align.decoding.generation import GenerationStats, Sampling, finish, finished, start
+from align.decoding.generation import GenerationStats, Sampling
+from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sizing import CostAwareSize
 from align.decoding.specdiff import DraftPass
+from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
 from align.dflash import HiddenTap, aux_hidden
 from align.models import DrafterSpec, attention_masks, check_mask_layer_types
 
@@ -209,7 +210,58 @@ def check_tree_cache(cache: DynamicCache) -> None:
                           "cannot keep one branch of a tree")
 
 
-@torch.inference_mode()
+class TreeStep(Step):
+    """A draft tree of `num_nodes` nodes, at most γ deep, from one drafter pass, verified in one tree forward.
+    sizing (cost-aware node budget): `num_nodes` is the largest tree, and `sizing` picks how many of its best-first
+    nodes to verify each step. path_search: rank the tree's nodes by CPS's score (`build_consistent_draft_tree`).
+    Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size."""
+
+    def __init__(self, verifier: PreTrainedModel, drafter: PreTrainedModel, spec: DrafterSpec, decoding: Decoding,
+                 num_nodes: int, generator: Optional[torch.Generator] = None, sizing: Optional[CostAwareSize] = None,
+                 path_search: Optional[tuple[PathSearch, TrigramModel]] = None) -> None:
+        check_tree_verifier(verifier)
+        # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and
+        # the accepted path's join its context (they equal a plain forward's over that path, as the logits do).
+        drafting = DraftPass(drafter, spec)
+        self.verifier, self.drafting, self.decoding, self.num_nodes = verifier, drafting, decoding, num_nodes
+        self.generator, self.sizing, self.path_search, self.tap = generator, sizing, path_search, drafting.tap
+        self.tree = DraftTree([], [], [], [])
+
+    def begin(self, cache: DynamicCache) -> None:
+        check_tree_cache(cache)
+        self.drafting.prefilled()
+
+    def propose(self, context: torch.Tensor, room: int) -> Draft:
+        started = time.perf_counter()
+        depth_limit = min(self.decoding.gamma, room)
+        draft_logits = self.drafting.block_logits(self.verifier, context, depth_limit)  # (γ, V)
+        draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
+        eos_ids = self.decoding.eos_ids
+        if self.path_search is None:
+            tree = build_draft_tree(draft_log_probs, self.num_nodes, eos_ids)
+        else:
+            tail = context[0, -2:].tolist()
+            tree = build_consistent_draft_tree(draft_log_probs, self.num_nodes, tail, self.path_search, eos_ids)
+        if self.sizing is not None:
+            tree = tree.prefix(self.sizing.choose(tree.scores, tree.depths, time.perf_counter() - started))
+        self.tree = tree
+        return Draft(tree, None, depth_limit, nodes=len(tree))
+
+    def verify(self, draft: Draft, context: torch.Tensor, cache: DynamicCache) -> tuple[list[int], int]:
+        tree = draft.tokens
+        verify_logits = tree_forward(self.verifier, context[:, -1:], tree, cache, self.tap)  # (N + 1, V)
+        path, next_token = accept_tree(tree.tokens, tree.children(), verify_logits, self.decoding.sampling,
+                                       self.generator)
+        keep_path(cache, tree, path)
+        if self.tap is not None:  # the root and the accepted path are verified now
+            self.drafting.verified(torch.tensor([0, *[node + 1 for node in path]], device=self.tap.last.device))
+        return [tree.tokens[node] for node in path], next_token
+
+    def update(self, num_accepted: int) -> None:
+        if self.sizing is not None:
+            self.sizing.update(self.tree.scores, self.tree.depths, num_accepted)
+
+
 def specdiff_tree_generate(
     verifier: PreTrainedModel,
     drafter: PreTrainedModel,
@@ -224,46 +276,8 @@ def specdiff_tree_generate(
     sizing: Optional[CostAwareSize] = None,
     path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
 ) -> tuple[list[int], GenerationStats]:
-    """Speculative decoding with a draft tree of `num_nodes` nodes, at most γ deep, from one drafter pass.
-    prompt_ids: (1, n). Lossless: greedy outputs equal AR greedy's; sampled ones follow the verifier's distribution
-    (`accept_tree`). Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size.
-    sizing (cost-aware node budget): `num_nodes` is the largest tree, and `sizing` picks how many of its best-first
-    nodes to verify each step. path_search: rank the tree's nodes by CPS's score (`build_consistent_draft_tree`)."""
-    check_tree_verifier(verifier)
-    # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and the
-    # accepted path's join its context (they equal a plain forward's over that path, as the logits do).
-    drafting = DraftPass(drafter, spec)
-    # Invariant: the verifier's cache covers every token but the newest one.
-    stats, cache, tokens = start(verifier, prompt_ids, sampling, generator, drafting.tap)
-    check_tree_cache(cache)
-    drafting.prefilled()
-    while not finished(tokens, max_new_tokens, eos_ids):
-        depth_limit = min(gamma, max_new_tokens - len(tokens))  # never draft past max_new_tokens
-        context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)
-
-        t_draft = time.perf_counter()
-        draft_logits = drafting.block_logits(verifier, context, depth_limit)  # (γ, V)
-        draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
-        if path_search is None:
-            tree = build_draft_tree(draft_log_probs, num_nodes, eos_ids)
-        else:
-            tail = context[0, -2:].tolist()
-            tree = build_consistent_draft_tree(draft_log_probs, num_nodes, tail, path_search, eos_ids)
-        if sizing is not None:
-            tree = tree.prefix(sizing.choose(tree.scores, tree.depths, time.perf_counter() - t_draft))
-        stats.drafter_forwards += 1
-        stats.draft_s += time.perf_counter() - t_draft
-
-        t_verify = time.perf_counter()
-        verify_logits = tree_forward(verifier, context[:, -1:], tree, cache, drafting.tap)  # (N + 1, V)
-        path, next_token = accept_tree(tree.tokens, tree.children(), verify_logits, sampling, generator)
-        keep_path(cache, tree, path)
-        if drafting.tap is not None:  # the root and the accepted path are verified now
-            drafting.verified(torch.tensor([0, *[node + 1 for node in path]], device=drafting.tap.last.device))
-        stats.verify_s += time.perf_counter() - t_verify
-        stats.record(len(path), depth_limit)
-        stats.tree_nodes.append(len(tree))
-        if sizing is not None:
-            sizing.update(tree.scores, tree.depths, len(path))
-        tokens += [*[tree.tokens[node] for node in path], next_token]
-    return finish(stats, tokens, max_new_tokens, eos_ids)
+    """Speculative decoding with a draft tree (`TreeStep`). prompt_ids: (1, n). Lossless: greedy outputs equal AR
+    greedy's; sampled ones follow the verifier's distribution (`accept_tree`)."""
+    decoding = Decoding(gamma, max_new_tokens, sampling, eos_ids)
+    step = TreeStep(verifier, drafter, spec, decoding, num_nodes, generator, sizing, path_search)
+    return speculative_generate(verifier, prompt_ids, step, decoding, generator)
