@@ -22,7 +22,9 @@ from align.cli import main
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.models import DrafterSpec
+from align.decoding.ar import ar_generate
 from test_sampling_lossless import NEW_TOKENS, PROMPT, SAMPLING, TRIALS, chi_square_pvalue, exact_joint, peaky
+from test_verifier_families import FAMILIES, MASK as FAMILY_MASK, SLIDING_WINDOW, peaky as family_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "checkpoints" / "tiny"
@@ -188,6 +190,43 @@ def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
     assert out.sequences[0].tolist() == verifier.generate(prompt, max_new_tokens=20, do_sample=False)[0].tolist()
     assert out.accept_counts == stats.accept_counts and out.tau == pytest.approx(stats.tau)
     assert shift == 0 or min(out.accept_counts[:-1]) >= 1
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
+def test_a_sliding_window_drafter_decodes_as_align_does(family, shift):
+    # #22 defect 4 in this file: a block-causal drafter whose layers slide (Mistral: `sliding_window` alone; Qwen2:
+    # `layer_types`) gets only the window's keys from its context cache once the context passes the window, and its
+    # block mask, sized cached + rows, crashed there (size mismatch). Sized and windowed as align's runtime masks it
+    # (models.attention_masks, which tests/test_models.py checks against the model's own forward), it drafts what
+    # align drafts: the same tokens and the same accepted lengths, iteration by iteration. The drafter is the
+    # verifier's own weights (so the verifier slides too), so that drafts read right are often accepted.
+    from align.custom_generate import generate
+
+    drafter, verifier = family_model(FAMILIES[family], 9), family_model(FAMILIES[family], 9)
+    spec = DrafterSpec(FAMILY_MASK, shift, "block_causal")
+    drafter.config.drafter_spec = spec.to_dict()
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    out = generate(verifier, prompt, assistant_model=drafter, max_new_tokens=40, gamma=4, eos_token_id=None,
+                   return_dict_in_generate=True)
+    tokens, stats = specdiff_generate(verifier, drafter, spec, prompt, 4, 40)
+    assert prompt.shape[1] + len(tokens) > 2 * SLIDING_WINDOW  # the drafter's context went past its window
+    assert out.sequences[0].tolist() == prompt[0].tolist() + tokens
+    assert tokens == ar_generate(verifier, prompt, 40)[0]
+    assert out.accept_counts == stats.accept_counts
+    assert shift == 0 or min(out.accept_counts[:-1]) >= 1  # a shifted drafter's first token is the verifier's
+
+
+def test_a_drafter_whose_masks_it_cannot_build_is_refused_before_any_work():
+    from align.custom_generate import generate
+
+    drafter = family_model(FAMILIES["qwen2"], 0)
+    drafter.config.layer_types = ["chunked_attention"] * 2
+    drafter.config.drafter_spec = DrafterSpec(FAMILY_MASK, 1, "block_causal").to_dict()
+    with pytest.raises(ValueError, match="chunked_attention") as refused:
+        generate(family_model(FAMILIES["llama"], 1), torch.tensor([[1, 2]]), assistant_model=drafter,
+                 max_new_tokens=4)
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
