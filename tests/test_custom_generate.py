@@ -2,9 +2,10 @@
 
 `verifier.generate(ids, assistant_model=drafter, custom_generate=folder, trust_remote_code=True)` runs in a process
 where `import align` fails, decodes exactly what `verifier.generate()` decodes greedily, and reports the τ of align's
-runtime; sampled, its first tokens are distributed as the verifier's (the chi-square of test_sampling_lossless). Every
-setting of generate() it takes means what it means in generate() (the same support and distributions sampled, the
-same tokens greedy, with each logits processor), and what it cannot reproduce is refused by name (#22 defect 3)."""
+runtime; sampled, its first tokens are distributed as the verifier's (the power-tested chi-square of
+test_sampling_lossless, on full-attention and sliding-window verifiers). Every setting of generate() it takes means
+what it means in generate() (the same support and distributions sampled, the same tokens greedy, with each logits
+processor), and what it cannot reproduce is refused by name (#22 defect 3)."""
 
 import copy
 import json
@@ -23,7 +24,8 @@ from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.models import DrafterSpec
 from align.decoding.ar import ar_generate
-from test_sampling_lossless import NEW_TOKENS, PROMPT, SAMPLING, TRIALS, chi_square_pvalue, exact_joint, peaky
+from test_sampling_lossless import (ALPHA, DECODES, NEW_TOKENS, PROMPT, SEED, TABLE_PROMPT, TEMPERATURE, VERIFIER_KINDS,
+                                    exact_joint, lossless_pvalue, peaky, transformer_setup)
 from test_verifier_families import FAMILIES, MASK as FAMILY_MASK, SLIDING_WINDOW, peaky as family_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,29 +128,35 @@ def test_refuses_drafters_it_cannot_read(exported):
         generate(verifier, torch.ones(1, 3, dtype=torch.long), assistant_model=verifier, max_new_tokens=4)
 
 
-def test_sampling_is_the_verifiers_distribution(tmp_path):
-    # The peaky 8-token models of test_sampling_lossless, the drafter saved with its spec beside the shipped file.
+# The sliding-window kinds cost ~15 s each and verify as the full-attention one does (the model's own masks over a
+# cropped cache, which test_sampling_lossless's sliding tests check for specdiff): marked slow.
+@pytest.mark.parametrize("kind", [kind if kind == "llama" else pytest.param(kind, marks=pytest.mark.slow)
+                                  for kind in VERIFIER_KINDS])
+def test_sampling_is_the_verifiers_distribution(tmp_path, kind):
+    """Through what generate(custom_generate=folder) runs (`load_custom_generate`), on a transformer verifier with full
+    attention, one whose every layer slides (`sliding_window` alone) and one with `layer_types` (a sliding and a full
+    layer), all spread out, decoded past the window, with the table drafter of test_sampling_lossless (a spread-out q
+    of its own: drafts are rejected and residuals drawn) at γ 2. Temperature 0.9, 1,000 decodes: a marginal deviation
+    of w ≥ 0.231 (a 0.093 shift of a probability of 0.2) and a joint one of w ≥ 0.32 are detected at α = 1e-4 with
+    power 0.99 (test_sampling_lossless's power test)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: threads cost more than they give
-    verifier, drafter = peaky(0), peaky(1)
-    verifier.generation_config.eos_token_id = None  # the table counts NEW_TOKENS tokens every time
-    drafter.config.drafter_spec = DrafterSpec(7, 1, "block_causal").to_dict()
-    drafter.save_pretrained(tmp_path)
+    setup = transformer_setup(kind)
+    setup.drafter.config.drafter_spec = setup.spec.to_dict()
     (tmp_path / "custom_generate").mkdir()
     shutil.copy2(ROOT / "align" / "custom_generate.py", tmp_path / "custom_generate" / "generate.py")
     try:
-        decode = verifier.load_custom_generate(str(tmp_path), trust_remote_code=True)  # what generate() runs
-        torch.manual_seed(0)
+        decode = setup.verifier.load_custom_generate(str(tmp_path), trust_remote_code=True)  # what generate() runs
+        torch.manual_seed(SEED)  # generate() samples from the global generator
         samples = []
-        for _ in range(TRIALS):
-            out = decode(model=verifier, inputs=PROMPT, assistant_model=drafter, gamma=1, do_sample=True,
-                         temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, max_new_tokens=NEW_TOKENS)
-            samples.append(out[0, PROMPT.shape[1]:].tolist())
+        for _ in range(DECODES):
+            out = decode(model=setup.verifier, inputs=TABLE_PROMPT, assistant_model=setup.drafter, gamma=2,
+                         do_sample=True, temperature=TEMPERATURE.temperature, max_new_tokens=NEW_TOKENS)
+            samples.append(out[0, TABLE_PROMPT.shape[1]:].tolist())
     finally:
         torch.set_num_threads(threads)
     assert all(len(s) == NEW_TOKENS for s in samples)
-    assert chi_square_pvalue(samples, exact_joint(verifier, PROMPT, Sampling(SAMPLING.temperature,
-                                                                             SAMPLING.top_k))) > 1e-3
+    assert lossless_pvalue(samples, exact_joint(setup.verifier, TABLE_PROMPT, TEMPERATURE)) > ALPHA
 
 
 @pytest.mark.parametrize("config, ships", [
