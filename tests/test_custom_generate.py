@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ from test_sampling_lossless import (ALPHA, DECODES, NEW_TOKENS, PROMPT, SEED, TA
 from test_verifier_families import FAMILIES, MASK as FAMILY_MASK, SLIDING_WINDOW, peaky as family_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# The file `align export` ships, from the align imported (as export.py copies it): a mutant copy's, under
+# tests/test_mutations.py.
+SHIPPED = Path(import_module("align.custom_generate").__file__)
 TINY = ROOT / "checkpoints" / "tiny"
 GAMMA, MAX_NEW_TOKENS = 8, 24
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def", "for i in range(", "# sort a list\ndef",
@@ -144,7 +148,7 @@ def test_sampling_is_the_verifiers_distribution(tmp_path, kind):
     setup = transformer_setup(kind)
     setup.drafter.config.drafter_spec = setup.spec.to_dict()
     (tmp_path / "custom_generate").mkdir()
-    shutil.copy2(ROOT / "align" / "custom_generate.py", tmp_path / "custom_generate" / "generate.py")
+    shutil.copy2(SHIPPED, tmp_path / "custom_generate" / "generate.py")
     try:
         decode = setup.verifier.load_custom_generate(str(tmp_path), trust_remote_code=True)  # what generate() runs
         torch.manual_seed(SEED)  # generate() samples from the global generator
@@ -189,7 +193,7 @@ def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
     drafter.config.drafter_spec = spec.to_dict()
     drafter.save_pretrained(tmp_path)
     (tmp_path / "custom_generate").mkdir()
-    shutil.copy2(ROOT / "align" / "custom_generate.py", tmp_path / "custom_generate" / "generate.py")
+    shutil.copy2(SHIPPED, tmp_path / "custom_generate" / "generate.py")
     prompt = torch.tensor([[1, 5, 2, 3, 6]])
     out = verifier.generate(prompt, assistant_model=drafter, custom_generate=str(tmp_path), trust_remote_code=True,
                             max_new_tokens=20, gamma=3, return_dict_in_generate=True)
@@ -402,7 +406,7 @@ def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_f
     if not folder.exists():
         drafter.save_pretrained(folder)
         (folder / "custom_generate").mkdir()
-        shutil.copy2(ROOT / "align" / "custom_generate.py", folder / "custom_generate" / "generate.py")
+        shutil.copy2(SHIPPED, folder / "custom_generate" / "generate.py")
     setting = dict(setting)
     length = {} if setting.pop("no_max_new_tokens", False) or "max_length" in setting else {"max_new_tokens": 24}
     drafted = 0
