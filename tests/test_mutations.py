@@ -83,6 +83,10 @@ MUTATIONS = (
     Mutation("custom_generate: after a rejection, sample the verifier's p, not norm(max(p - q, 0))",
              "custom_generate.py", "residual = diff / diff.sum() if diff.sum() > 0 else verifier_probs[num_accepted]",
              "residual = verifier_probs[num_accepted]", (CUSTOM + "test_sampling_is_the_verifiers_distribution[llama]",)),
+    Mutation("HF's baselines without an attention mask: generate() hides every prompt token equal to the pad token",
+             "methods.py", "prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens",
+             "prompt_ids, max_new_tokens",
+             ("tests/test_verifier_families.py::test_greedy_hf_baselines_equal_ar_for_every_verifier_family[llama]",)),
 )
 
 
