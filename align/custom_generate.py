@@ -19,7 +19,9 @@ transformers copies this file alone into its module cache: it must not import al
 
 The drafter's `config.drafter_spec` says how to read it: `mask_token_id`, `logits_shift` (0: position t's prediction
 is at logits[t]; 1: at logits[t-1]) and `attention` (`block_causal`: the context is causal, so its KV cache is exact
-and only grows; `bidirectional`: the context is re-encoded for every draft).
+and only grows; `bidirectional`: the context is re-encoded for every draft). A block-causal drafter's forwards take
+an explicit block mask, per layer type and through each sliding layer's window as the model's own masks would be
+(`block_masks`, models.py `attention_masks` restated): its sliding cache layers hand back only the window's keys.
 """
 
 from __future__ import annotations
@@ -148,6 +150,60 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device), blocked)[None, None]
 
 
+# The layer types a block-causal drafter's block mask is built for (as align's models.MASK_LAYER_TYPES).
+MASK_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def drafter_layer_types(model) -> list[str]:
+    """Each layer's attention type, as transformers' cache and masks read the config (`get_layer_types_and_kwargs`):
+    its `layer_types`, or for a config without them (Mistral, Phi-3) sliding for every layer when `sliding_window` is
+    set, chunked when `attention_chunk_size` is. Refuses layers whose masks block_masks cannot build (chunked, linear
+    attention, ...), before any work."""
+    config = model.config.get_text_config(decoder=True)
+    declared = getattr(config, "layer_types", None)
+    if declared:
+        types = list(declared)
+    elif getattr(config, "sliding_window", None) is not None:
+        types = ["sliding_attention"] * config.num_hidden_layers
+    elif getattr(config, "attention_chunk_size", None) is not None:
+        types = ["chunked_attention"] * config.num_hidden_layers
+    else:
+        types = ["full_attention"] * config.num_hidden_layers
+    unknown = set(types) - set(MASK_LAYER_TYPES)
+    if unknown:
+        raise ValueError(f"this custom_generate builds a block-causal drafter's masks for "
+                         f"{' and '.join(MASK_LAYER_TYPES)} layers only; the drafter has {', '.join(sorted(unknown))} "
+                         "layers")
+    return types
+
+
+def block_masks(model, cache: DynamicCache, layer_types: list[str], allowed: torch.Tensor,
+                positions: torch.Tensor):
+    """The additive masks of a forward of q new tokens over what `cache` holds. allowed: bool (q, q), which new
+    tokens each new token attends to; positions: (q,) theirs. Every new token also sees the cached keys its layer's
+    cache hands back (`get_mask_sizes`: all of a full layer's, the last window−1 of a sliding layer's), and a sliding
+    layer's mask hides every key `sliding_window` or more positions before the query, as the model's own mask would.
+    Returns (1, 1, q, kv) additive masks: one tensor for a config without `layer_types` (Llama, Mistral), else a
+    dict per layer type, which such models take (Qwen2, Gemma)."""
+    q = allowed.shape[0]
+    window = model.config.get_text_config(decoder=True).sliding_window if "sliding_attention" in layer_types else None
+
+    def mask_for(layer_type: str) -> torch.Tensor:
+        sliding = layer_type == "sliding_attention"
+        layer_idx = cache.is_sliding.index(sliding) if sliding in cache.is_sliding else 0
+        kv_length, offset = cache.get_mask_sizes(q, layer_idx)
+        cached_keys = kv_length - q
+        key_positions = torch.cat([torch.arange(offset, offset + cached_keys, device=positions.device), positions])
+        sees = torch.cat([allowed.new_ones(q, cached_keys), allowed], dim=1)  # (q, kv)
+        if sliding:
+            sees = sees & (key_positions[None, :] > positions[:, None] - window)
+        return additive_mask(sees, model.dtype)
+
+    if getattr(model.config.get_text_config(decoder=True), "layer_types", None):
+        return {layer_type: mask_for(layer_type) for layer_type in set(layer_types)}
+    return mask_for(layer_types[0])  # without `layer_types`, every layer is of one type (drafter_layer_types)
+
+
 class Drafter:
     """Reads a diffusion drafter the way its DrafterSpec says; `propose` gives the logits of a block after a context.
     A block-causal drafter keeps an exact context cache that only grows: drafts never enter it."""
@@ -166,6 +222,8 @@ class Drafter:
             raise ValueError(f"unknown drafter_spec {spec}")
         self.model, self.mask_token_id = model, spec["mask_token_id"]
         self.shift, self.cached = spec["logits_shift"], spec["attention"] == "block_causal"
+        # Checked now, before any work: the block mask is built here for these layer types only.
+        self.layer_types = drafter_layer_types(model) if self.cached else None
         self.cache = rollback_cache(model) if self.cached else None
         self.last_logits: Optional[torch.Tensor] = None  # (V,): a shifted drafter's prediction for block position 0
 
@@ -181,13 +239,15 @@ class Drafter:
 
     def _cached_propose(self, context: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         # One forward for the context tokens not cached yet and the block (a draft costs one drafter call): the new
-        # context tokens are causal, the block sees the whole context and itself.
+        # context tokens are causal, the block sees the whole context and itself (the cached context through each
+        # sliding layer's window: its cache hands back only the window's keys).
         cached, n, gamma = self.cache.get_seq_length(), context.shape[1], block.shape[1]
         ids = torch.cat([context[:, cached:], block], dim=1)
-        rows = torch.arange(cached, n + gamma, device=ids.device)
-        allowed = torch.arange(n + gamma, device=ids.device)[None, :] <= rows[:, None]
+        positions = torch.arange(cached, n + gamma, device=ids.device)
+        allowed = torch.ones(n - cached + gamma, n - cached + gamma, dtype=torch.bool, device=ids.device).tril()
         allowed[n - cached:] = True
-        logits = forward(self.model, ids, self.cache, additive_mask(allowed, self.model.dtype))[0]
+        mask = block_masks(self.model, self.cache, self.layer_types, allowed, positions)
+        logits = forward(self.model, ids, self.cache, mask)[0]
         self.cache.crop(-gamma)  # the block is a guess: it never stays in the context cache
         if n > cached:
             self.last_logits = logits[n - cached - 1]

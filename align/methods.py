@@ -82,9 +82,11 @@ def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: O
         mode = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     assistant = extra.get("assistant_model") or torch.nn.Identity()
     with count_forwards(setup.verifier) as verifier_calls, count_forwards(assistant) as drafts:
+        # An explicit mask: generate() would otherwise infer one hiding every prompt token equal to pad_token_id
+        # (Qwen2's pad token is its <|endoftext|>, which prompts hold), and decode another prompt than the verifier's.
         out = setup.verifier.generate(
-            prompt_ids, max_new_tokens=setup.decode.max_new_tokens, eos_token_id=sorted(setup.eos_ids) or None,
-            pad_token_id=setup.tokenizer.pad_token_id, **mode, **extra,
+            prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=setup.decode.max_new_tokens,
+            eos_token_id=sorted(setup.eos_ids) or None, pad_token_id=setup.tokenizer.pad_token_id, **mode, **extra,
         )
     tokens = out[0, prompt_ids.shape[1]:].tolist()
     stats = GenerationStats(new_tokens=len(tokens), verifier_forwards=verifier_calls[0] - 1,

@@ -2,9 +2,10 @@
 
 `verifier.generate(ids, assistant_model=drafter, custom_generate=folder, trust_remote_code=True)` runs in a process
 where `import align` fails, decodes exactly what `verifier.generate()` decodes greedily, and reports the τ of align's
-runtime; sampled, its first tokens are distributed as the verifier's (the chi-square of test_sampling_lossless). Every
-setting of generate() it takes means what it means in generate() (the same support and distributions sampled, the
-same tokens greedy, with each logits processor), and what it cannot reproduce is refused by name (#22 defect 3)."""
+runtime; sampled, its first tokens are distributed as the verifier's (the power-tested chi-square of
+test_sampling_lossless, on full-attention and sliding-window verifiers). Every setting of generate() it takes means
+what it means in generate() (the same support and distributions sampled, the same tokens greedy, with each logits
+processor), and what it cannot reproduce is refused by name (#22 defect 3)."""
 
 import copy
 import json
@@ -12,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -22,9 +24,15 @@ from align.cli import main
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.models import DrafterSpec
-from test_sampling_lossless import NEW_TOKENS, PROMPT, SAMPLING, TRIALS, chi_square_pvalue, exact_joint, peaky
+from align.decoding.ar import ar_generate
+from test_sampling_lossless import (ALPHA, DECODES, NEW_TOKENS, PROMPT, SEED, TABLE_PROMPT, TEMPERATURE, VERIFIER_KINDS,
+                                    exact_joint, lossless_pvalue, peaky, transformer_setup)
+from test_verifier_families import FAMILIES, MASK as FAMILY_MASK, SLIDING_WINDOW, peaky as family_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# The file `align export` ships, from the align imported (as export.py copies it): a mutant copy's, under
+# tests/test_mutations.py.
+SHIPPED = Path(import_module("align.custom_generate").__file__)
 TINY = ROOT / "checkpoints" / "tiny"
 GAMMA, MAX_NEW_TOKENS = 8, 24
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def", "for i in range(", "# sort a list\ndef",
@@ -124,29 +132,35 @@ def test_refuses_drafters_it_cannot_read(exported):
         generate(verifier, torch.ones(1, 3, dtype=torch.long), assistant_model=verifier, max_new_tokens=4)
 
 
-def test_sampling_is_the_verifiers_distribution(tmp_path):
-    # The peaky 8-token models of test_sampling_lossless, the drafter saved with its spec beside the shipped file.
+# The sliding-window kinds cost ~15 s each and verify as the full-attention one does (the model's own masks over a
+# cropped cache, which test_sampling_lossless's sliding tests check for specdiff): marked slow.
+@pytest.mark.parametrize("kind", [kind if kind == "llama" else pytest.param(kind, marks=pytest.mark.slow)
+                                  for kind in VERIFIER_KINDS])
+def test_sampling_is_the_verifiers_distribution(tmp_path, kind):
+    """Through what generate(custom_generate=folder) runs (`load_custom_generate`), on a transformer verifier with full
+    attention, one whose every layer slides (`sliding_window` alone) and one with `layer_types` (a sliding and a full
+    layer), all spread out, decoded past the window, with the table drafter of test_sampling_lossless (a spread-out q
+    of its own: drafts are rejected and residuals drawn) at γ 2. Temperature 0.9, 1,000 decodes: a marginal deviation
+    of w ≥ 0.231 (a 0.093 shift of a probability of 0.2) and a joint one of w ≥ 0.32 are detected at α = 1e-4 with
+    power 0.99 (test_sampling_lossless's power test)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: threads cost more than they give
-    verifier, drafter = peaky(0), peaky(1)
-    verifier.generation_config.eos_token_id = None  # the table counts NEW_TOKENS tokens every time
-    drafter.config.drafter_spec = DrafterSpec(7, 1, "block_causal").to_dict()
-    drafter.save_pretrained(tmp_path)
+    setup = transformer_setup(kind)
+    setup.drafter.config.drafter_spec = setup.spec.to_dict()
     (tmp_path / "custom_generate").mkdir()
-    shutil.copy2(ROOT / "align" / "custom_generate.py", tmp_path / "custom_generate" / "generate.py")
+    shutil.copy2(SHIPPED, tmp_path / "custom_generate" / "generate.py")
     try:
-        decode = verifier.load_custom_generate(str(tmp_path), trust_remote_code=True)  # what generate() runs
-        torch.manual_seed(0)
+        decode = setup.verifier.load_custom_generate(str(tmp_path), trust_remote_code=True)  # what generate() runs
+        torch.manual_seed(SEED)  # generate() samples from the global generator
         samples = []
-        for _ in range(TRIALS):
-            out = decode(model=verifier, inputs=PROMPT, assistant_model=drafter, gamma=1, do_sample=True,
-                         temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, max_new_tokens=NEW_TOKENS)
-            samples.append(out[0, PROMPT.shape[1]:].tolist())
+        for _ in range(DECODES):
+            out = decode(model=setup.verifier, inputs=TABLE_PROMPT, assistant_model=setup.drafter, gamma=2,
+                         do_sample=True, temperature=TEMPERATURE.temperature, max_new_tokens=NEW_TOKENS)
+            samples.append(out[0, TABLE_PROMPT.shape[1]:].tolist())
     finally:
         torch.set_num_threads(threads)
     assert all(len(s) == NEW_TOKENS for s in samples)
-    assert chi_square_pvalue(samples, exact_joint(verifier, PROMPT, Sampling(SAMPLING.temperature,
-                                                                             SAMPLING.top_k))) > 1e-3
+    assert lossless_pvalue(samples, exact_joint(setup.verifier, TABLE_PROMPT, TEMPERATURE)) > ALPHA
 
 
 @pytest.mark.parametrize("config, ships", [
@@ -179,7 +193,7 @@ def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
     drafter.config.drafter_spec = spec.to_dict()
     drafter.save_pretrained(tmp_path)
     (tmp_path / "custom_generate").mkdir()
-    shutil.copy2(ROOT / "align" / "custom_generate.py", tmp_path / "custom_generate" / "generate.py")
+    shutil.copy2(SHIPPED, tmp_path / "custom_generate" / "generate.py")
     prompt = torch.tensor([[1, 5, 2, 3, 6]])
     out = verifier.generate(prompt, assistant_model=drafter, custom_generate=str(tmp_path), trust_remote_code=True,
                             max_new_tokens=20, gamma=3, return_dict_in_generate=True)
@@ -188,6 +202,43 @@ def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
     assert out.sequences[0].tolist() == verifier.generate(prompt, max_new_tokens=20, do_sample=False)[0].tolist()
     assert out.accept_counts == stats.accept_counts and out.tau == pytest.approx(stats.tau)
     assert shift == 0 or min(out.accept_counts[:-1]) >= 1
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
+def test_a_sliding_window_drafter_decodes_as_align_does(family, shift):
+    # #22 defect 4 in this file: a block-causal drafter whose layers slide (Mistral: `sliding_window` alone; Qwen2:
+    # `layer_types`) gets only the window's keys from its context cache once the context passes the window, and its
+    # block mask, sized cached + rows, crashed there (size mismatch). Sized and windowed as align's runtime masks it
+    # (models.attention_masks, which tests/test_models.py checks against the model's own forward), it drafts what
+    # align drafts: the same tokens and the same accepted lengths, iteration by iteration. The drafter is the
+    # verifier's own weights (so the verifier slides too), so that drafts read right are often accepted.
+    from align.custom_generate import generate
+
+    drafter, verifier = family_model(FAMILIES[family], 9), family_model(FAMILIES[family], 9)
+    spec = DrafterSpec(FAMILY_MASK, shift, "block_causal")
+    drafter.config.drafter_spec = spec.to_dict()
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    out = generate(verifier, prompt, assistant_model=drafter, max_new_tokens=40, gamma=4, eos_token_id=None,
+                   return_dict_in_generate=True)
+    tokens, stats = specdiff_generate(verifier, drafter, spec, prompt, 4, 40)
+    assert prompt.shape[1] + len(tokens) > 2 * SLIDING_WINDOW  # the drafter's context went past its window
+    assert out.sequences[0].tolist() == prompt[0].tolist() + tokens
+    assert tokens == ar_generate(verifier, prompt, 40)[0]
+    assert out.accept_counts == stats.accept_counts
+    assert shift == 0 or min(out.accept_counts[:-1]) >= 1  # a shifted drafter's first token is the verifier's
+
+
+def test_a_drafter_whose_masks_it_cannot_build_is_refused_before_any_work():
+    from align.custom_generate import generate
+
+    drafter = family_model(FAMILIES["qwen2"], 0)
+    drafter.config.layer_types = ["chunked_attention"] * 2
+    drafter.config.drafter_spec = DrafterSpec(FAMILY_MASK, 1, "block_causal").to_dict()
+    with pytest.raises(ValueError, match="chunked_attention") as refused:
+        generate(family_model(FAMILIES["llama"], 1), torch.tensor([[1, 2]]), assistant_model=drafter,
+                 max_new_tokens=4)
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
@@ -355,7 +406,7 @@ def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_f
     if not folder.exists():
         drafter.save_pretrained(folder)
         (folder / "custom_generate").mkdir()
-        shutil.copy2(ROOT / "align" / "custom_generate.py", folder / "custom_generate" / "generate.py")
+        shutil.copy2(SHIPPED, folder / "custom_generate" / "generate.py")
     setting = dict(setting)
     length = {} if setting.pop("no_max_new_tokens", False) or "max_length" in setting else {"max_new_tokens": 24}
     drafted = 0

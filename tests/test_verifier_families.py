@@ -5,6 +5,7 @@ full attention), `sliding_window` alone (Mistral-7B-v0.1, Phi-3-mini: every laye
 `use_sliding_window` (layers from `max_window_layers` on slide); and so are they with a block-causal drafter whose own
 layers slide."""
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -19,8 +20,9 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.methods import METHODS, Setup
-from align.models import DrafterSpec
+from align.models import DrafterSpec, load_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB, MASK, NEW_TOKENS, SLIDING_WINDOW = 64, 63, 40, 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
@@ -86,6 +88,24 @@ def test_greedy_outputs_equal_ar_for_every_verifier_family(family, drafters):
             assert hf == expected
             for name in SPECULATIVE:
                 assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, shift, name)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_hf_baselines_equal_ar_for_every_verifier_family(family, drafters):
+    # HF's generate, assisted generation (the AR drafter) and prompt lookup, as align eval runs them. The tiny
+    # tokenizer's pad token is 1, which the first prompt holds: generate() infers an attention mask hiding it unless
+    # it is given one, and decoded another prompt than the verifier's (issue 22: every method decodes as AR does).
+    _, ar_drafter, proxy = drafters
+    tokenizer = load_tokenizer(str(ROOT / "checkpoints" / "tiny" / "tokenizer"))
+    assert tokenizer.pad_token_id in PROMPTS[0][0].tolist()
+    verifier = peaky(FAMILIES[family], 1)
+    new_tokens = SLIDING_WINDOW  # prompt and output past the window
+    setup = Setup(verifier, None, DrafterSpec(MASK, 1, "block_causal"), ar_drafter, tokenizer, frozenset(),
+                  DecodeSection(gamma=4, max_new_tokens=new_tokens), proxy)
+    prompt = PROMPTS[0]
+    expected = ar_generate(verifier, prompt, new_tokens)[0]
+    for name in ("hf_generate", "hf_assisted", "prompt_lookup"):
+        assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, name)
 
 
 @pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
