@@ -241,7 +241,9 @@ def greedy_samples(model: torch.nn.Module, tokenizer: Any, prompts: list[dict[st
     samples = []
     for task in prompts[:n]:
         ids = tokenizer(task["prompt"], return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        # A mask of ones: without it generate() hides every prompt token equal to the pad id.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
         samples.append({"task_id": task["task_id"], "prompt": task["prompt"],
                         "completion": tokenizer.decode(out[0, ids.shape[1]:])})
     return samples

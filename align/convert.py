@@ -196,13 +196,16 @@ def _check_saved(folder: Path, reference: Any, tokenizer: Any, end_ids: list[int
 
     saved = AutoModelForCausalLM.from_pretrained(folder).eval()
     template = tokenizer.get_chat_template() if tokenizer.chat_template else None
-    # A base model (no template) reads plain text with the tokenizer's own special tokens: Gemma without its BOS
-    # answers in garbage.
-    ids = torch.tensor([render_prompt(tokenizer, PROBE, template) if template else tokenizer(PROBE).input_ids])
+    # A base model (no template) reads plain text with the tokenizer's own special tokens (render_prompt): Gemma
+    # without its BOS answers in garbage.
+    ids = torch.tensor([render_prompt(tokenizer, PROBE, template)])
     with torch.inference_mode():
         diff = (saved(ids).logits.float() - reference(ids).logits.float()).abs().max().item()
-        out = saved.generate(ids, max_new_tokens=PROBE_TOKENS, do_sample=False, temperature=None, top_p=None,
-                             top_k=None, eos_token_id=end_ids or None, pad_token_id=tokenizer.pad_token_id)
+        # The mask says every token is real: without one generate() hides each token equal to the pad id, and
+        # SmolLM2's pad is its turn marker <|im_end|>.
+        out = saved.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=PROBE_TOKENS, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, eos_token_id=end_ids or None,
+                             pad_token_id=tokenizer.pad_token_id)
     answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     return {"prompt": PROBE, "chat_template": template is not None, "max_abs_logit_diff": diff,
             "greedy_answer": answer, "new_tokens": PROBE_TOKENS}
