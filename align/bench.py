@@ -174,9 +174,14 @@ def throughput_table(run_dirs: list[Path], warmup_steps: int = 5) -> str:
     lines = ["| run | processes | threads each | tokens/s per rank | tokens/s in all |", "|---|---|---|---|---|"]
     for run in run_dirs:
         records = read_log(run / "metrics.jsonl", "align throughput")  # a cut last line is dropped, and said
-        speeds = [r["tokens_per_s_per_rank"] for r in records if "tokens_per_s_per_rank" in r][warmup_steps:]
+        measured = [r["tokens_per_s_per_rank"] for r in records if "tokens_per_s_per_rank" in r]
+        speeds = measured[warmup_steps:]
         meta = json.loads((latest_step(run) / "meta.json").read_text())
-        per_rank = statistics.median(speeds) if speeds else float("nan")
+        if not speeds:  # said in the table, not a NaN: a short run has only warm-up steps
+            missing = f"— ({len(measured)} steps logged, none past the {warmup_steps} warm-up steps)"
+            lines.append(f"| {run.name} | {meta['world_size']} | {meta['threads_per_rank']} | {missing} | — |")
+            continue
+        per_rank = statistics.median(speeds)
         lines.append(f"| {run.name} | {meta['world_size']} | {meta['threads_per_rank']} | {per_rank:.0f} | "
                      f"{per_rank * meta['world_size']:.0f} |")
     return "\n".join(lines)

@@ -36,6 +36,13 @@ def test_throughput_table_reads_runs(tmp_path, capsys):
     assert align(["throughput", str(run), "--warmup-steps", "2"]) == 0
     assert "| p2-t1 | 2 | 1 | 200 | 400 |" in capsys.readouterr().out
     assert align(["throughput", str(tmp_path / "missing")]) == 2
+    # A run with only warm-up steps (and a line cut mid-write) says so, instead of a NaN.
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "tok')
+    assert align(["throughput", str(run), "--warmup-steps", "5"]) == 0
+    captured = capsys.readouterr()
+    assert "| p2-t1 | 2 | 1 | — (5 steps logged, none past the 5 warm-up steps) | — |" in captured.out
+    assert "nan" not in captured.out and "line 6 was cut short" in captured.err
 
 
 def test_before_after_table_pairs_each_method_with_its_compared_drafters():
