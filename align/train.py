@@ -59,7 +59,7 @@ from align.tracking import open_trackers  # noqa: E402
 from align.dflash import dflash_window_logits  # noqa: E402
 from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)  # noqa: E402
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
-                           verifier_window_logits, window_logits)
+                           verifier_window_logits, window_forwards, window_logits)
 
 EXIT_NOT_FINITE = 3
 # The recipe sections that define a run, and what in them may change when it resumes: how far it runs (the cosine
@@ -385,6 +385,17 @@ def rank_share(indices: list[int], rank: int, world: int) -> tuple[list[int], li
 # --------------------------------------------------------------------------------------------------------------------
 # the step
 # --------------------------------------------------------------------------------------------------------------------
+def agreed_forwards(trainer: Trainer, batch: WindowBatch, recipe: Recipe) -> int:
+    """How many drafter forwards every rank makes for its micro-batch: under ZeRO-3 each forward (and backward)
+    gathers parameters from every rank, so all make the most any rank's batch needs (`window_forwards`; a canvas
+    decoder's grows with its rows' windows), the others padding forwards. 0 (no padding) outside ZeRO-3."""
+    if recipe.train.zero_stage != 3 or trainer.world == 1:
+        return 0
+    count = torch.tensor([window_forwards(trainer.engine.module, trainer.spec, batch)], device=trainer.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recipe: Recipe, num_windows: int,
                    num_tokens: int) -> dict[str, torch.Tensor]:
     """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
@@ -397,7 +408,9 @@ def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recip
                                                              batch.starts, recipe.train.gamma)
         draft_logits, verifier_logits = draft_logits.float().flatten(0, 1), verifier_logits.float().flatten(0, 1)
     else:
-        draft_logits = window_logits(trainer.engine.module, trainer.spec, batch).float().flatten(0, 1)  # (B·W, γ, V)
+        draft_logits = window_logits(trainer.engine.module, trainer.spec, batch,
+                                     forwards=agreed_forwards(trainer, batch, recipe))
+        draft_logits = draft_logits.float().flatten(0, 1)  # (B·W, γ, V)
     if recipe.train.data_mode == "on_policy":
         # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
         # tokens there (what greedy verification would accept), distributions its distributions there.
@@ -490,7 +503,8 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
         rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                               np.random.default_rng([t.seed, start])).to(trainer.device)
-        logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier).float()
+        logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier,
+                               forwards=agreed_forwards(trainer, batch, recipe)).float()
         log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
         log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
         hits = (logits.argmax(-1) == batch.targets) & batch.target_mask
