@@ -526,12 +526,15 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
 def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
     """`out/step_<N>/` (the drafter with LoRA merged, in the run's dtype, written atomically by rank 0), then the
     DeepSpeed state for exact resume. Only called with finite weights."""
-    import deepspeed
-
     module = trainer.engine.module
-    # Under ZeRO-3 each rank holds a shard: every rank enters the gather, rank 0 copies the full weights.
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None,
-                                           enabled=recipe.train.zero_stage == 3):
+    if recipe.train.zero_stage == 3:
+        # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
+        # at a time and copies them to rank 0's host memory only: no rank holds the whole model on its device (a
+        # gather of every parameter at once would add the full 16-bit model to each GPU).
+        state = trainer.engine._zero3_consolidated_16bit_state_dict()
+        if state is not None and trainer.device.type == "cpu":
+            state = {k: v.clone() for k, v in state.items()}  # on a CPU `.cpu()` copies nothing: own the weights
+    else:
         state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
                  else None)
     if trainer.rank == 0:
