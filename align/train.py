@@ -34,6 +34,7 @@ import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -69,7 +70,7 @@ EXIT_NOT_FINITE = 3
 RUN_SECTIONS = ("drafter", "dflash", "verifier", "train")
 MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_every", "train.eval_every",
                                   "train.final_eval_prompts", "train.report_to", "train.project", "train.run_name",
-                                  "drafter.device", "verifier.device"})
+                                  "train.keep_last", "train.held_out_max_rows", "drafter.device", "verifier.device"})
 RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
 # One prompt in HELD_OUT_EVERY is kept out of training, for the simulated accepted length and the final real τ.
 HELD_OUT_EVERY = 20
@@ -266,12 +267,16 @@ def init_distributed() -> tuple[int, int]:
 def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
     """The DeepSpeed config, derived from the recipe (never hand-maintained beside it)."""
     t = recipe.train
+    # bf16 gradients summed over many micro-batches lose the small ones: fp32 where DeepSpeed accumulates so (ZeRO
+    # stages 1-3; at stage 0 it has no such mode for bf16 weights and accumulates in their dtype).
+    accumulate = t.grad_accum_dtype or ("fp32" if t.zero_stage > 0 else None)
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": t.bf16},
+        **({"data_types": {"grad_accum_dtype": accumulate}} if t.bf16 and accumulate else {}),
         "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with the progress bar
         "wall_clock_breakdown": False,
     }
@@ -492,13 +497,23 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
             "tokens_per_s_per_rank": float(sum(b.target_mask.sum() for b in batches)) / (time.perf_counter() - t0)}
 
 
+def held_out_sample(held_out: list[int], max_rows: Optional[int], seed: int) -> list[int]:
+    """At most `max_rows` of the held-out rows (all when None): a seeded sample, the same at every eval and in any
+    process layout, so that the metric compares like with like across a run and costs a bounded time."""
+    if max_rows is None or len(held_out) <= max_rows:
+        return held_out
+    chosen = np.random.default_rng([seed, len(held_out)]).choice(len(held_out), size=max_rows, replace=False)
+    return [held_out[i] for i in sorted(chosen)]
+
+
 @torch.no_grad()
 def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[str, float]:
     """Simulated accepted length on held-out trajectories: the expected streak Σ_j Π_{i≤j} q(x_i), and the greedy
     streak (draft tokens matching x before the first miss), per window, averaged over every rank's share."""
     t = recipe.train
     totals = torch.zeros(3, dtype=torch.float64, device=trainer.device)
-    mine, weights = rank_share(data.held_out, trainer.rank, trainer.world)
+    mine, weights = rank_share(held_out_sample(data.held_out, t.held_out_max_rows, t.seed), trainer.rank,
+                               trainer.world)
     for start in range(0, len(mine), t.micro_batch_size):
         rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
@@ -547,6 +562,29 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
                                        save_latest=False)
     if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
         commit_state(out / "ds_state", f"step_{step}")
+        if recipe.train.keep_last is not None:
+            prune_checkpoints(out, recipe.train.keep_last)
+
+
+def prune_checkpoints(out: Path, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` newest step_<N> folders and ds_state tags (never the tag `latest` names, nor
+    its step folder); returns what was deleted. Called on rank 0 after a save is committed. Each is first renamed out
+    of the step_<N> pattern, so that an interrupted delete leaves no half folder that a resume or an export would
+    take for a checkpoint."""
+    state_dir = out / "ds_state"
+    latest = (state_dir / "latest").read_text().strip() if (state_dir / "latest").is_file() else None
+    deleted = []
+    for folder in (out, state_dir):
+        steps = step_folders(folder)
+        for _, path in steps[: max(0, len(steps) - keep_last)]:
+            if path.name == latest:
+                continue
+            doomed = path.with_name(f".{path.name}.pruned")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(path, doomed)
+            shutil.rmtree(doomed)
+            deleted.append(path)
+    return deleted
 
 
 def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> dict[str, float]:

@@ -66,7 +66,8 @@ def canvas_run(tmp_path_factory):
             f"trajectories.out={root / 'trajectories'}", "trajectories.max_new_tokens=40",
             "trajectories.completions_per_prompt=1", "train.gamma=4", f"train.windows_per_sequence={WINDOWS}",
             "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
-            "train.max_steps=3", "train.save_every=100", "train.eval_every=1", "train.zero_stage=3"]
+            "train.max_steps=3", "train.save_every=1", "train.keep_last=2", "train.eval_every=1",
+            "train.zero_stage=3"]
     recipe = load_recipe(RECIPE, args)
     write_trajectories(recipe, root / "trajectories")
     return args, recipe
@@ -109,6 +110,9 @@ def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_pat
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["expected_streak"]) for r in records), records
+    # A save under ZeRO-3 at every step, and only the last two kept.
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_2", "step_3"]
+    assert sorted(p.name for p in (out / "ds_state").glob("step_*")) == ["step_2", "step_3"]
     # The checkpoint rank 0 wrote holds the trained weights: DeepSpeed's fp32 master weights (from the shards in
     # ds_state) in the run's dtype (bf16), bit for bit.
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -121,3 +125,58 @@ def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_pat
     assert len(shared) >= len(saved) - 1, set(saved) - set(master)  # (a tied output embedding is saved once)
     assert all(torch.equal(saved[k], master[k].to(torch.bfloat16)) for k in shared)
 
+
+# --------------------------------------------------------------------------------------------------------------------
+# the keys that make ZeRO-3 runs scale: fp32 gradient accumulation, pruned checkpoints, a capped held-out metric
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, expected", [
+    (["train.zero_stage=3"], {"grad_accum_dtype": "fp32"}),  # the default under bf16 with ZeRO
+    (["train.zero_stage=2", "train.grad_accum_dtype=bf16"], {"grad_accum_dtype": "bf16"}),
+    (["train.zero_stage=0"], None),  # DeepSpeed has no fp32 accumulation for bf16 weights without ZeRO
+    (["train.zero_stage=3", "train.bf16=false"], None),  # fp32 weights: fp32 gradients
+])
+def test_gradients_accumulate_in_fp32_under_bf16_with_zero(overrides, expected):
+    from align.train import deepspeed_config
+
+    config = deepspeed_config(load_recipe("recipes/tiny/align.yaml", ["train.bf16=true", *overrides]))
+    assert config.get("data_types") == expected
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["train.grad_accum_dtype=fp32", "train.bf16=false"], "bf16 training only"),
+    (["train.grad_accum_dtype=fp32", "train.bf16=true", "train.zero_stage=0"], "needs zero_stage >= 1"),
+    (["train.grad_accum_dtype=fp16"], "train.grad_accum_dtype"),
+    (["train.keep_last=0"], "train.keep_last"),
+    (["train.held_out_max_rows=0"], "train.held_out_max_rows"),
+])
+def test_bad_values_of_the_new_keys_are_refused_in_one_line(overrides, says, capsys):
+    from align.cli import main
+
+    assert main(["validate", "recipes/tiny/align.yaml", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and says in err, err
+
+
+def test_keep_last_prunes_older_checkpoints_never_the_latest(tmp_path):
+    from align.train import prune_checkpoints
+
+    for step in range(1, 6):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "model.safetensors").write_text("x")
+        (tmp_path / "ds_state" / f"step_{step}").mkdir(parents=True)
+    (tmp_path / "ds_state" / "latest").write_text("step_1")  # (a hand edit: resume from step 1)
+    prune_checkpoints(tmp_path, 2)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["ds_state", "step_1", "step_4", "step_5"]
+    assert sorted(p.name for p in (tmp_path / "ds_state").iterdir()) == ["latest", "step_1", "step_4", "step_5"]
+
+
+def test_the_held_out_metric_reads_a_fixed_sample_of_capped_size():
+    from align.train import held_out_sample
+
+    held_out = list(range(0, 4000 * 20, 20))
+    sample = held_out_sample(held_out, 256, seed=0)
+    assert len(sample) == 256 and set(sample) <= set(held_out) and sample == sorted(sample)
+    assert held_out_sample(held_out, 256, seed=0) == sample  # the same rows at every eval
+    assert held_out_sample(held_out[:100], 256, seed=0) == held_out[:100]
+    assert held_out_sample(held_out, None, seed=0) == held_out
