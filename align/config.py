@@ -264,14 +264,23 @@ class TrainSection(Section):
     #: DeepSpeed ZeRO stage
     zero_stage: Literal[0, 1, 2, 3] = 0
     bf16: bool = True
+    #: under bf16, the dtype gradients are accumulated (and reduced) in across micro-batches: fp32 or bf16; None:
+    #: fp32 with ZeRO (stages 1-3), bf16 at stage 0, where DeepSpeed has no fp32 accumulation for bf16 weights
+    grad_accum_dtype: Optional[Literal["fp32", "bf16"]] = None
     #: LoRA rank; 0: full fine-tuning
     lora_r: int = Field(default=0, ge=0)
     lora_alpha: float = Field(default=16.0, gt=0.0)
     seed: Seed = 0
     #: save a checkpoint every N steps (and at the end)
     save_every: int = Field(default=100, ge=1)
+    #: after each save, keep this many newest checkpoints (step_<N>/ and ds_state/step_<N>/), deleting older ones;
+    #: None: keep every one
+    keep_last: Optional[int] = Field(default=None, ge=1)
     #: held-out simulated accepted length every N steps
     eval_every: int = Field(default=50, ge=1)
+    #: the held-out metric reads at most this many held-out trajectories, the same seeded sample at every eval;
+    #: None: all of them
+    held_out_max_rows: Optional[int] = Field(default=256, ge=1)
     #: at the end, real τ of SpecDiff greedy decoding on this many held-out prompts (64 new tokens); 0: skip
     final_eval_prompts: int = Field(default=8, ge=0)
     #: experiment trackers of the training metrics, named as transformers' report_to: tensorboard (events in
@@ -282,6 +291,17 @@ class TrainSection(Section):
     project: TrackerProject = "align"
     #: the run's name in the trackers; None: the name of the run folder (train.out)
     run_name: Optional[str] = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainSection":
+        if self.grad_accum_dtype is not None and not self.bf16:
+            raise ValueError(f"grad_accum_dtype={self.grad_accum_dtype} applies to bf16 training only; with "
+                             "bf16=false gradients are fp32 (leave grad_accum_dtype unset)")
+        if self.grad_accum_dtype == "fp32" and self.zero_stage == 0:
+            raise ValueError("grad_accum_dtype=fp32 with bf16 needs zero_stage >= 1 (DeepSpeed accumulates bf16 "
+                             "weights' gradients in bf16 without ZeRO); set zero_stage, or leave grad_accum_dtype "
+                             "unset")
+        return self
 
     def labels_online(self) -> bool:
         """Whether the verifier runs inside the training step: on-policy, or online with a loss that reads its

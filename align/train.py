@@ -34,6 +34,7 @@ import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -60,7 +61,7 @@ from align.tracking import open_trackers  # noqa: E402
 from align.dflash import dflash_window_logits  # noqa: E402
 from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)  # noqa: E402
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
-                           verifier_window_logits, window_logits)
+                           verifier_window_logits, window_forwards, window_logits)
 
 EXIT_NOT_FINITE = 3
 # The recipe sections that define a run, and what in them may change when it resumes: how far it runs (the cosine
@@ -70,7 +71,7 @@ EXIT_NOT_FINITE = 3
 RUN_SECTIONS = ("drafter", "dflash", "verifier", "train")
 MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_every", "train.eval_every",
                                   "train.final_eval_prompts", "train.report_to", "train.project", "train.run_name",
-                                  "drafter.device", "verifier.device"})
+                                  "train.keep_last", "train.held_out_max_rows", "drafter.device", "verifier.device"})
 RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
 # One prompt in HELD_OUT_EVERY is kept out of training, for the simulated accepted length and the final real τ.
 HELD_OUT_EVERY = 20
@@ -268,12 +269,16 @@ def init_distributed() -> tuple[int, int]:
 def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
     """The DeepSpeed config, derived from the recipe (never hand-maintained beside it)."""
     t = recipe.train
+    # bf16 gradients summed over many micro-batches lose the small ones: fp32 where DeepSpeed accumulates so (ZeRO
+    # stages 1-3; at stage 0 it has no such mode for bf16 weights and accumulates in their dtype).
+    accumulate = t.grad_accum_dtype or ("fp32" if t.zero_stage > 0 else None)
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": t.bf16},
+        **({"data_types": {"grad_accum_dtype": accumulate}} if t.bf16 and accumulate else {}),
         "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with the progress bar
         "wall_clock_breakdown": False,
     }
@@ -391,6 +396,17 @@ def rank_share(indices: list[int], rank: int, world: int) -> tuple[list[int], li
 # --------------------------------------------------------------------------------------------------------------------
 # the step
 # --------------------------------------------------------------------------------------------------------------------
+def agreed_forwards(trainer: Trainer, batch: WindowBatch, recipe: Recipe) -> int:
+    """How many drafter forwards every rank makes for its micro-batch: under ZeRO-3 each forward (and backward)
+    gathers parameters from every rank, so all make the most any rank's batch needs (`window_forwards`; a canvas
+    decoder's grows with its rows' windows), the others padding forwards. 0 (no padding) outside ZeRO-3."""
+    if recipe.train.zero_stage != 3 or trainer.world == 1:
+        return 0
+    count = torch.tensor([window_forwards(trainer.engine.module, trainer.spec, batch)], device=trainer.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recipe: Recipe, num_windows: int,
                    num_tokens: int) -> dict[str, torch.Tensor]:
     """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
@@ -403,7 +419,9 @@ def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recip
                                                              batch.starts, recipe.train.gamma)
         draft_logits, verifier_logits = draft_logits.float().flatten(0, 1), verifier_logits.float().flatten(0, 1)
     else:
-        draft_logits = window_logits(trainer.engine.module, trainer.spec, batch).float().flatten(0, 1)  # (B·W, γ, V)
+        draft_logits = window_logits(trainer.engine.module, trainer.spec, batch,
+                                     forwards=agreed_forwards(trainer, batch, recipe))
+        draft_logits = draft_logits.float().flatten(0, 1)  # (B·W, γ, V)
     if recipe.train.data_mode == "on_policy":
         # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
         # tokens there (what greedy verification would accept), distributions its distributions there.
@@ -485,18 +503,29 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
             "tokens_per_s_per_rank": float(sum(b.target_mask.sum() for b in batches)) / (time.perf_counter() - t0)}
 
 
+def held_out_sample(held_out: list[int], max_rows: Optional[int], seed: int) -> list[int]:
+    """At most `max_rows` of the held-out rows (all when None): a seeded sample, the same at every eval and in any
+    process layout, so that the metric compares like with like across a run and costs a bounded time."""
+    if max_rows is None or len(held_out) <= max_rows:
+        return held_out
+    chosen = np.random.default_rng([seed, len(held_out)]).choice(len(held_out), size=max_rows, replace=False)
+    return [held_out[i] for i in sorted(chosen)]
+
+
 @torch.no_grad()
 def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[str, float]:
     """Simulated accepted length on held-out trajectories: the expected streak Σ_j Π_{i≤j} q(x_i), and the greedy
     streak (draft tokens matching x before the first miss), per window, averaged over every rank's share."""
     t = recipe.train
     totals = torch.zeros(3, dtype=torch.float64, device=trainer.device)
-    mine, weights = rank_share(data.held_out, trainer.rank, trainer.world)
+    mine, weights = rank_share(held_out_sample(data.held_out, t.held_out_max_rows, t.seed), trainer.rank,
+                               trainer.world)
     for start in range(0, len(mine), t.micro_batch_size):
         rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                               np.random.default_rng([t.seed, start])).to(trainer.device)
-        logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier).float()
+        logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier,
+                               forwards=agreed_forwards(trainer, batch, recipe)).float()
         log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
         log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
         hits = (logits.argmax(-1) == batch.targets) & batch.target_mask
@@ -518,12 +547,15 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
 def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
     """`out/step_<N>/` (the drafter with LoRA merged, in the run's dtype, written atomically by rank 0), then the
     DeepSpeed state for exact resume. Only called with finite weights."""
-    import deepspeed
-
     module = trainer.engine.module
-    # Under ZeRO-3 each rank holds a shard: every rank enters the gather, rank 0 copies the full weights.
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None,
-                                           enabled=recipe.train.zero_stage == 3):
+    if recipe.train.zero_stage == 3:
+        # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
+        # at a time and copies them to rank 0's host memory only: no rank holds the whole model on its device (a
+        # gather of every parameter at once would add the full 16-bit model to each GPU).
+        state = trainer.engine._zero3_consolidated_16bit_state_dict()
+        if state is not None and trainer.device.type == "cpu":
+            state = {k: v.clone() for k, v in state.items()}  # on a CPU `.cpu()` copies nothing: own the weights
+    else:
         state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
                  else None)
     if trainer.rank == 0:
@@ -536,6 +568,29 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
                                        save_latest=False)
     if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
         commit_state(out / "ds_state", f"step_{step}")
+        if recipe.train.keep_last is not None:
+            prune_checkpoints(out, recipe.train.keep_last)
+
+
+def prune_checkpoints(out: Path, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` newest step_<N> folders and ds_state tags (never the tag `latest` names, nor
+    its step folder); returns what was deleted. Called on rank 0 after a save is committed. Each is first renamed out
+    of the step_<N> pattern, so that an interrupted delete leaves no half folder that a resume or an export would
+    take for a checkpoint."""
+    state_dir = out / "ds_state"
+    latest = (state_dir / "latest").read_text().strip() if (state_dir / "latest").is_file() else None
+    deleted = []
+    for folder in (out, state_dir):
+        steps = step_folders(folder)
+        for _, path in steps[: max(0, len(steps) - keep_last)]:
+            if path.name == latest:
+                continue
+            doomed = path.with_name(f".{path.name}.pruned")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(path, doomed)
+            shutil.rmtree(doomed)
+            deleted.append(path)
+    return deleted
 
 
 def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> dict[str, float]:

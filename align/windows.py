@@ -141,14 +141,23 @@ def bidirectional_windows(rows: list[dict[str, Any]], spec: DrafterSpec, gamma: 
 WINDOW_BUILDERS = {"block_causal": block_causal_windows, "bidirectional": bidirectional_windows}
 
 
-def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: Any = None) -> torch.Tensor:
+def window_forwards(model: Any, spec: DrafterSpec, batch: WindowBatch) -> int:
+    """How many forwards `window_logits` makes of `model` for `batch`: one, but a canvas decoder's one per used window
+    (each an encoder and a decoder forward). Under ZeRO-3 each is a collective, so ranks agree on the most of them
+    (`forwards` of window_logits) before any runs."""
+    return batch.num_windows if spec.kind != "dflash" and is_canvas_decoder(model) else 1
+
+
+def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: Any = None,
+                  forwards: int = 0) -> torch.Tensor:
     """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec.
     verifier: a DFlash drafter's (it reads the verifier's hidden states; `dflash_window_logits` also returns the
-    verifier's logits from that same forward)."""
+    verifier's logits from that same forward). forwards: make at least this many forwards of `model` (see
+    `window_forwards`; only a canvas decoder's count depends on the batch, the other layouts always make one)."""
     if spec.kind == "dflash":
         return dflash_window_logits(model, verifier, batch.clean_ids, batch.starts, batch.targets.shape[-1])[0]
     if is_canvas_decoder(model):
-        return canvas_window_logits(model, spec, batch)
+        return canvas_window_logits(model, spec, batch, forwards)
     if spec.noise != "mask":
         raise ValueError(f"windows fill noised positions with the mask token; noise {spec.noise!r} is read only by "
                          "the canvas-decoder families (DiffusionGemma)")
@@ -171,7 +180,7 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: A
     return model.get_output_embeddings()(window_hidden)
 
 
-def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> torch.Tensor:
+def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, forwards: int = 0) -> torch.Tensor:
     """(B, W, γ, V) for DiffusionGemma, with gradients, exactly as it drafts: per row, the encoder's context cache
     grows from one window start to the next (each context token is encoded once) and the decoder denoises each
     window's canvas (noised positions filled by `noise_fill`, no self-conditioning) reading that cache.
@@ -179,6 +188,11 @@ def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> t
     A window costs a decoder forward of γ tokens; the block-causal builder's one-forward layout does not apply, since
     the encoder and the decoder are two passes. Unused window slots (padding) get zero logits, masked out of every
     loss.
+
+    forwards: make at least this many window forwards (encoder and decoder each), the ones beyond the batch's used
+    windows on a one-token context, their logits added to the result times zero. Under ZeRO-3 every forward of a
+    module, and its backward, gathers the module's parameters from every rank: ranks whose rows have fewer windows
+    must still make as many forwards, and the padding ones stay in the graph so that their backwards run too.
     """
     B, W, gamma = batch.targets.shape
     canvas = torch.full((1, gamma), spec.mask_token_id, dtype=torch.long, device=batch.clean_ids.device)
@@ -192,7 +206,11 @@ def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch) -> t
             logits[w] = canvas_logits(model, spec, context, canvas, state)[0]  # (γ, V)
         zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
         rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
-    return torch.stack(rows)
+    out = torch.stack(rows)
+    for _ in range(forwards - batch.num_windows):
+        padding = canvas_logits(model, spec, batch.clean_ids[:1, :1], canvas)  # a fresh one-token context
+        out = out + 0.0 * padding.sum().to(out.dtype)
+    return out
 
 
 def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, mask: torch.Tensor) -> torch.Tensor:

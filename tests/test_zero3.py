@@ -1,0 +1,182 @@
+"""ZeRO-3 across ranks: every rank makes the same number of collective forwards, whatever its rows.
+
+Under ZeRO-3 every forward of a module gathers its parameters from all ranks (a collective), and so does its backward.
+DiffusionGemma's windows cost one encoder and one decoder forward each, and a row has min(windows, completion length)
+of them: two ranks holding rows of very different lengths would make different numbers of collectives and wait on
+each other forever. These tests run 2 DeepSpeed ranks (gloo, CPU) on trajectories written to make that happen.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import checkout_env
+from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
+
+from align.config import load_recipe
+from align.data import TRAJECTORY_MANIFEST, chat_template
+from align.models import load_tokenizer
+from align.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
+from align.trajectories import settings_of, write_chunk
+
+ROOT = Path(__file__).resolve().parents[1]
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+TOKENIZER = str(ROOT / "checkpoints/tiny/tokenizer")
+# Completion lengths, one per prompt: long ones (every window used) and ones shorter than the windows asked for.
+LENGTHS = [40, 2, 3, 40, 2, 40, 3, 2] * 3
+WINDOWS = 4
+# Long enough for the ranks to load and run several steps here; a rank waiting on a collective its peer never makes
+# waits for the process group's timeout (30 minutes).
+HANG_S = 600
+
+
+def write_trajectories(recipe, out: Path) -> None:
+    """Trajectories as `align trajectories` writes them (chunk, checksums, manifest with the recipe's settings), of
+    random token ids with the completion lengths of LENGTHS."""
+    rng = np.random.default_rng(0)
+    rows = [{"prompt_ids": rng.integers(3, 8000, 5).tolist(), "completion_ids": rng.integers(3, 8000, n).tolist(),
+             "prompt_index": i} for i, n in enumerate(LENGTHS)]
+    tokenizer = load_tokenizer(recipe.verifier.path)
+    settings = settings_of(recipe, [r["prompt_ids"] for r in rows],
+                           chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path))
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    write_chunk(rows, out / "chunks" / "chunk-00000", settings_hash)
+    chunk = json.loads((out / "chunks" / "chunk-00000" / "chunk.json").read_text())
+    (out / TRAJECTORY_MANIFEST).write_text(json.dumps({
+        "settings_hash": settings_hash, "settings": settings, "rows": len(rows),
+        "completion_tokens": chunk["tokens"], "chunks": {"chunk-00000": chunk["sha256"]}}))
+
+
+@pytest.fixture(scope="module")
+def canvas_run(tmp_path_factory):
+    """(recipe overrides, the loaded recipe) of a tiny DiffusionGemma drafter on uneven trajectories, ZeRO-3."""
+    root = tmp_path_factory.mktemp("zero3")
+    tokenizer = load_tokenizer(TOKENIZER)
+    verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, root / "verifier")
+    drafter = save_with_tokenizer(tiny_diffusion_gemma(0), tokenizer, root / "drafter")
+    args = [f"verifier.path={verifier}", f"drafter.path={drafter}", "verifier.dtype=float32", "drafter.dtype=float32",
+            f"trajectories.out={root / 'trajectories'}", "trajectories.max_new_tokens=40",
+            "trajectories.completions_per_prompt=1", "train.gamma=4", f"train.windows_per_sequence={WINDOWS}",
+            "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
+            "train.max_steps=3", "train.save_every=1", "train.keep_last=2", "train.eval_every=1",
+            "train.zero_stage=3"]
+    recipe = load_recipe(RECIPE, args)
+    write_trajectories(recipe, root / "trajectories")
+    return args, recipe
+
+
+def used_windows(length: int) -> int:
+    return min(WINDOWS, length)
+
+
+def test_the_ranks_rows_ask_for_different_numbers_of_forwards(canvas_run):
+    """The premise of the run below: in its steps and in its held-out metric the two ranks' rows need different
+    numbers of window forwards (else the run would pass on code that lets them differ)."""
+    _, recipe = canvas_run
+    t = recipe.train
+    train_rows = [i for i, n in enumerate(LENGTHS) if i % HELD_OUT_EVERY]
+    held_out = [i for i in range(len(LENGTHS)) if i % HELD_OUT_EVERY == 0]
+    step_forwards = [[sum(used_windows(LENGTHS[train_rows[i]]) for m in range(t.gradient_accumulation_steps)
+                          for i in rows_at(stream_position(step, m, rank, 2, recipe), t.micro_batch_size, t.seed,
+                                           len(train_rows)))
+                      for rank in range(2)] for step in range(t.max_steps)]
+    assert any(a != b for a, b in step_forwards), step_forwards
+    held = [sum(used_windows(LENGTHS[i]) for i in rank_share(held_out, rank, 2)[0]) for rank in range(2)]
+    assert held[0] != held[1], held
+
+
+def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_path):
+    args, _ = canvas_run
+    out = tmp_path / "run"
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000 + 7), "align/train.py",
+           RECIPE, *args, f"train.out={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=HANG_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = proc.communicate()[0]
+        pytest.fail(f"the 2-rank ZeRO-3 run hung (killed after {HANG_S} s): {log[-2000:]}")
+    assert proc.returncode == 0, log[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["expected_streak"]) for r in records), records
+    # A save under ZeRO-3 at every step, and only the last two kept.
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_2", "step_3"]
+    assert sorted(p.name for p in (out / "ds_state").glob("step_*")) == ["step_2", "step_3"]
+    # The checkpoint rank 0 wrote holds the trained weights: DeepSpeed's fp32 master weights (from the shards in
+    # ds_state) in the run's dtype (bf16), bit for bit.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    saved = load_file(out / "step_3" / "model.safetensors")
+    master = get_fp32_state_dict_from_zero_checkpoint(str(out / "ds_state"), tag="step_3")
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    shared = [k for k in saved if k in master]
+    assert len(shared) >= len(saved) - 1, set(saved) - set(master)  # (a tied output embedding is saved once)
+    assert all(torch.equal(saved[k], master[k].to(torch.bfloat16)) for k in shared)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the keys that make ZeRO-3 runs scale: fp32 gradient accumulation, pruned checkpoints, a capped held-out metric
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, expected", [
+    (["train.zero_stage=3"], {"grad_accum_dtype": "fp32"}),  # the default under bf16 with ZeRO
+    (["train.zero_stage=2", "train.grad_accum_dtype=bf16"], {"grad_accum_dtype": "bf16"}),
+    (["train.zero_stage=0"], None),  # DeepSpeed has no fp32 accumulation for bf16 weights without ZeRO
+    (["train.zero_stage=3", "train.bf16=false"], None),  # fp32 weights: fp32 gradients
+])
+def test_gradients_accumulate_in_fp32_under_bf16_with_zero(overrides, expected):
+    from align.train import deepspeed_config
+
+    config = deepspeed_config(load_recipe("recipes/tiny/align.yaml", ["train.bf16=true", *overrides]))
+    assert config.get("data_types") == expected
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["train.grad_accum_dtype=fp32", "train.bf16=false"], "bf16 training only"),
+    (["train.grad_accum_dtype=fp32", "train.bf16=true", "train.zero_stage=0"], "needs zero_stage >= 1"),
+    (["train.grad_accum_dtype=fp16"], "train.grad_accum_dtype"),
+    (["train.keep_last=0"], "train.keep_last"),
+    (["train.held_out_max_rows=0"], "train.held_out_max_rows"),
+])
+def test_bad_values_of_the_new_keys_are_refused_in_one_line(overrides, says, capsys):
+    from align.cli import main
+
+    assert main(["validate", "recipes/tiny/align.yaml", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and says in err, err
+
+
+def test_keep_last_prunes_older_checkpoints_never_the_latest(tmp_path):
+    from align.train import prune_checkpoints
+
+    for step in range(1, 6):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "model.safetensors").write_text("x")
+        (tmp_path / "ds_state" / f"step_{step}").mkdir(parents=True)
+    (tmp_path / "ds_state" / "latest").write_text("step_1")  # (a hand edit: resume from step 1)
+    prune_checkpoints(tmp_path, 2)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["ds_state", "step_1", "step_4", "step_5"]
+    assert sorted(p.name for p in (tmp_path / "ds_state").iterdir()) == ["latest", "step_1", "step_4", "step_5"]
+
+
+def test_the_held_out_metric_reads_a_fixed_sample_of_capped_size():
+    from align.train import held_out_sample
+
+    held_out = list(range(0, 4000 * 20, 20))
+    sample = held_out_sample(held_out, 256, seed=0)
+    assert len(sample) == 256 and set(sample) <= set(held_out) and sample == sorted(sample)
+    assert held_out_sample(held_out, 256, seed=0) == sample  # the same rows at every eval
+    assert held_out_sample(held_out[:100], 256, seed=0) == held_out[:100]
+    assert held_out_sample(held_out, None, seed=0) == held_out
