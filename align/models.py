@@ -39,12 +39,17 @@ from transformers.masking_utils import (find_first_full_attention_index, sliding
 
 from align.checkpoint import verify_checksums
 from align.config import ModelSection, RecipeError
+# Remote code written for transformers 4 (Dream, DiffuCoder, LLaDA) goes through named compatibility shims as it loads.
+from align.remote_code import MASKS_IGNORED, honours_attention_masks, masks_ignored
+from align.remote_code import install as install_remote_code_shims
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
 from align.dflash import DFlashDrafter, config_for_verifier, is_dflash
 # The DrafterSpec and its checks need no torch, so that cli can check a drafter's config before loading anything; they
 # live in align/config.py and are part of this module's interface.
 from align.config import (ATTENTION_MODES, CANVAS_DECODER_FAMILIES, KNOWN_DLLMS, Attention,  # noqa: F401
                           DrafterSpec, check_vocab_compatible, context_length, drafter_spec_from_config)
+
+install_remote_code_shims()
 
 # --------------------------------------------------------------------------------------------------------------------
 # devices, dtypes
@@ -170,7 +175,21 @@ def load_drafter(
         raise RecipeError(f"drafter.mask_token_id: {spec.mask_token_id} is outside the vocabulary ({vocab_size(model)})")
     if spec.attention == "block_causal" and not is_canvas_decoder(model) and not is_dflash(model):
         check_mask_layer_types(model, "drafter")  # its block mask is align's: refused now, not at the first draft
+    if section.trust_remote_code and not is_canvas_decoder(model) and not is_dflash(model):
+        _check_masks_are_read(model, spec)
     return model, spec
+
+
+def _check_masks_are_read(model: PreTrainedModel, spec: DrafterSpec) -> None:
+    """Remote code may drop the masks it is handed (LLaDA's attention hard-codes `attn_mask=None`). Such a drafter is
+    marked (`MASKS_IGNORED`) so that no padded batch relies on one (`full_mask_kwargs` refuses, the training windows
+    run row by row unpadded); a block-causal drafter, whose every forward needs its block mask, is refused."""
+    if honours_attention_masks(model, full_mask_kwargs, vocab_size(model)):
+        return
+    if spec.attention == "block_causal":
+        raise RecipeError(f"drafter.attention: {type(model).__name__} ignores attention masks, and block_causal "
+                          "drafting needs one; use drafter.attention=bidirectional")
+    setattr(model, MASKS_IGNORED, True)
 
 
 def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSection, mask_token_id: int,
@@ -212,6 +231,9 @@ def full_mask_kwargs(model: Any, mask: Optional[torch.Tensor]) -> dict[str, Opti
     transformers models and Dream; LLaDA reads `attention_mask` as a 2-D padding mask and takes 4-D masks as
     `attention_bias`."""
     key = "attention_bias" if "attention_bias" in forward_parameters(model) else "attention_mask"
+    if mask is not None and masks_ignored(model) and bool((mask < 0).any()):
+        raise ValueError(f"{type(model).__name__} ignores attention masks: a batch that needs one (padding, blocks) "
+                         "cannot be read from it; send rows unpadded")
     return {key: mask}
 
 

@@ -20,6 +20,7 @@ import torch
 from align.dflash import dflash_window_logits
 from align.models import (DrafterContext, DrafterSpec, additive_mask, attention_masks, canvas_logits,
                           config_vocab_size, forward_parameters, full_mask_kwargs, is_canvas_decoder)
+from align.remote_code import masks_ignored
 
 
 @dataclass
@@ -222,12 +223,32 @@ def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch
             batch.input_ids.shape[0], -1)):
         raise ValueError(f"{type(model).__name__} takes no position ids; only windows at positions 0..T-1 "
                          "(bidirectional windows) can be read from it")
-    logits = model(input_ids=batch.input_ids, **full_mask_kwargs(model, mask)).logits  # (B, T, V)
+    if masks_ignored(model):
+        logits = _unpadded_rows_logits(model, batch.input_ids, mask)
+    else:
+        logits = model(input_ids=batch.input_ids, **full_mask_kwargs(model, mask)).logits  # (B, T, V)
     # Position start+i is read at start+i-shift; a shifted window's first position at the clean token before it.
     index = batch.block_index[..., None] + offsets - spec.logits_shift  # (B, W, γ)
     if spec.logits_shift:
         index[..., 0] = (batch.starts - 1).clamp_min(0)
     return logits.gather(1, index.view(B, -1, 1).expand(-1, -1, logits.shape[-1])).view(B, W, gamma, -1)
+
+
+def _unpadded_rows_logits(model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits of right-padded rows for a model that drops attention masks (LLaDA): each row alone, cut to
+    its real tokens, needs no mask; the padding positions get zero logits (no window reads them).
+
+    input_ids: (B, T); mask: (B, 1, T, T) additive, which must hide exactly each row's right padding from its tokens.
+    """
+    B, T = input_ids.shape
+    lengths = (mask[:, 0, 0] == 0).sum(-1)  # the keys a row's first token attends to: its real tokens
+    for b, n in enumerate(lengths.tolist()):
+        real = torch.arange(T, device=mask.device) < n
+        if not torch.equal(mask[b, 0, :n] == 0, real.expand(n, -1)):  # what the real tokens see, and only that
+            raise ValueError(f"{type(model).__name__} ignores attention masks, and this batch's mask is more than "
+                             "right padding")
+    rows = [model(input_ids=input_ids[b : b + 1, : int(n)]).logits[0] for b, n in enumerate(lengths)]
+    return torch.stack([torch.nn.functional.pad(row, (0, 0, 0, T - row.shape[0])) for row in rows])
 
 
 def verifier_window_logits(verifier: Any, batch: WindowBatch) -> torch.Tensor:

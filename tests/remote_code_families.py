@@ -9,6 +9,7 @@ becomes the config's `mask_token_id`). It loads only with `trust_remote_code=Tru
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tiny" / "tokenizer"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
+
+def code_folder(name: str) -> Path:
+    """Where family `name`'s modelling files come from: $ALIGN_REMOTE_CODE/<name> (the files as the Hub ships them,
+    kept outside the repository) when that is set, else the stand-ins in tests/fixtures/<name>."""
+    real = os.environ.get("ALIGN_REMOTE_CODE")
+    return Path(real) / name if real else FIXTURES / name
+
 # What the Hub configs say (Dream-org/Dream-v0-Instruct-7B and apple/DiffuCoder-7B-cpGRPO; GSAI-ML/LLaDA-8B-Instruct),
 # with sizes made tiny. The vocabulary is the tiny tokenizer's, so that a tiny verifier can share it.
 FAMILIES: dict[str, dict] = {
@@ -30,7 +38,8 @@ FAMILIES: dict[str, dict] = {
                               "AutoModel": "modeling_dream.DreamModel"},
                     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, use_cache=False,
-                    tie_word_embeddings=False),
+                    tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-06, rope_scaling=None,
+                    use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02),
     ),
     "llada": dict(
         modules=("configuration_llada.py", "modeling_llada.py"),
@@ -40,7 +49,15 @@ FAMILIES: dict[str, dict] = {
                               "AutoModel": "modeling_llada.LLaDAModelLM"},
                     d_model=32, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=64, max_sequence_length=512,
                     rope=True, rope_theta=10000.0, alibi=False, weight_tying=False, block_type="llama",
-                    use_cache=False),
+                    use_cache=False,
+                    # the rest of the Hub config's fields, as they are there (the class defaults differ: swiglu)
+                    activation_type="silu", alibi_bias_max=8.0, attention_dropout=0.0, attention_layer_norm=False,
+                    attention_layer_norm_with_affine=True, bias_for_layer_norm=False, block_group_size=1,
+                    embedding_dropout=0.0, flash_attention=False, include_bias=False, include_qkv_bias=False,
+                    init_cutoff_factor=None, init_device="meta", init_fn="mitchell", init_std=0.02,
+                    input_emb_norm=False, layer_norm_type="rms", layer_norm_with_affine=True, mlp_ratio=4,
+                    multi_query_attention=None, precision="amp_bf16", residual_dropout=0.0, rms_norm_eps=1e-05,
+                    rope_full_precision=True, scale_logits=False),
     ),
 }
 
@@ -64,6 +81,9 @@ def write_family(name: str, folder: Path, seed: int = 0, dtype: torch.dtype = to
     """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+    from align.remote_code import install
+
+    install()  # the real files need align's shims to build under transformers 5, as align's loader applies them
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     family = FAMILIES[name]
@@ -74,8 +94,11 @@ def write_family(name: str, folder: Path, seed: int = 0, dtype: torch.dtype = to
     if name == "llada":
         config["embedding_size"] = vocab
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for module in family["modules"]:
-        shutil.copy2(FIXTURES / name / module, folder / module)
+    # Both Hub repos ship one; Dream's own from_pretrained reads it (DreamGenerationConfig) and fails without it.
+    generation = {k: config[k] for k in ("eos_token_id", "pad_token_id", "mask_token_id")}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    for module in sorted(code_folder(name).glob("*.py")):  # Dream's modelling code imports its generation_utils
+        shutil.copy2(module, folder / module.name)
     torch.manual_seed(seed)
     model = AutoModel.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True)
     restrict(model, sharpen, favoured)
