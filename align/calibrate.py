@@ -8,7 +8,8 @@ import torch
 from tqdm.auto import tqdm
 
 from align.checkpoint import mark_folder
-from align.config import Recipe, RecipeError, fits_context, model_context
+from align.config import Recipe, RecipeError
+from align.preflight import fits_context, model_context
 from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_prompt, template_sha256,
                         tiny_prompts_path)
 from align.decoding.dllm import BlockTrace, dllm_generate

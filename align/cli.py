@@ -27,9 +27,10 @@ from typing import Callable, NoReturn, Optional, Union, get_args
 
 import yaml
 
-from align.config import (VERIFIER_ARCHITECTURES, Dtype, Recipe, RecipeError, check_calibrate, check_eval,
-                          check_export, check_gkd, check_inputs, check_models, check_new_tokens, check_output,
-                          check_train, check_trajectories, eval_models, get_key, load_recipe, train_models)
+from align.config import Dtype, Recipe, RecipeError, get_key, load_recipe
+from align.families import VERIFIER_ARCHITECTURES
+from align.preflight import (check_calibrate, check_eval, check_export, check_gkd, check_inputs, check_models,
+                             check_new_tokens, check_output, check_train, check_trajectories, eval_models, train_models)
 from align.launch import integer_in
 
 EXIT_BAD_INPUT = 2
@@ -72,7 +73,7 @@ class Stage:
     #: recipe sections the stage reads (shown in its --help)
     sections: tuple[str, ...]
     #: the model keys the stage loads, given the recipe (verifier.path, drafter.path, ar_drafter.path,
-    #: eval.compare_drafters.<label>): all go through config.check_models before the stage starts
+    #: eval.compare_drafters.<label>): all go through preflight.check_models before the stage starts
     models: Callable[[Recipe], tuple[str, ...]] = _none
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
@@ -193,7 +194,7 @@ def show_throughput(args: argparse.Namespace) -> int:
 
 def show_exact(args: argparse.Namespace) -> int:
     """Exit 1 unless every temperature-0 method of every eval.json matched its reference token for token."""
-    from align.config import read_eval
+    from align.preflight import read_eval
 
     try:  # every file read and checked before any line is printed: a bad one is a refusal, not a half report
         evaluations = {path: read_eval(path, "align exact", ("exact_match",)) for path in args.evals}

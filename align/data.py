@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
 from align.checkpoint import file_sha256
-from align.config import (Recipe, RecipeError, check_context, first_line, fits_context, get_key, hub_offline,
-                          is_hub_id, model_context, model_section)
+from align.config import Recipe, RecipeError, first_line, get_key
+from align.preflight import check_context, fits_context, hub_offline, is_hub_id, model_context, model_section
 from align.corpus import ensure_data
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ import torch
 
 from align.bench import interleaved, machine, report_json, versions
 from align.checkpoint import mark_folder, write_result, write_text_atomic
-from align.config import Recipe, RecipeError, model_context
+from align.config import Recipe, RecipeError
+from align.preflight import model_context
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.dllm import DllmStats, dllm_generate

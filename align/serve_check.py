@@ -22,7 +22,9 @@ import torch
 
 from align.bench import cpu_model
 from align.checkpoint import mark_folder, write_result, write_text_atomic
-from align.config import Recipe, RecipeError, drafter_spec_from_config, model_context
+from align.config import Recipe, RecipeError
+from align.families import drafter_spec_from_config
+from align.preflight import model_context
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling

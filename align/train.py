@@ -49,8 +49,8 @@ from tqdm.auto import tqdm  # noqa: E402
 from align.checkpoint import (EXIT_DISK_FAULT, append_log, check_output_owner, commit_state,  # noqa: E402
                               disk_fault, folder_lock, mark_folder, merged_model, naming_path, read_log,
                               record_checksums, save_merged, state_to_resume, step_folders, write_text_atomic)
-from align.config import (Recipe, RecipeError, check_models, check_output, check_train, first_line,  # noqa: E402
-                          load_recipe, train_models)
+from align.config import Recipe, RecipeError, first_line, load_recipe  # noqa: E402
+from align.preflight import check_models, check_output, check_train, train_models  # noqa: E402
 from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories  # noqa: E402
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
 from align.launch import interrupt_signal, strip_launcher_args  # noqa: E402

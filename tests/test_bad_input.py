@@ -156,7 +156,7 @@ def test_shipped_models_pass_the_checks(capsys, started, tmp_path, stage, recipe
 
 
 def test_check_weights_reads_only_the_header(tmp_path):
-    from align.config import check_weights
+    from align.preflight import check_weights
 
     check_weights("drafter.path", DRAFTER)
     weights = (DRAFTER / "model.safetensors").read_bytes()
@@ -172,7 +172,7 @@ def test_check_weights_reads_only_the_header(tmp_path):
 def test_sharded_weights_name_a_missing_shard(tmp_path):
     import json
 
-    from align.config import check_weights
+    from align.preflight import check_weights
 
     folder = copy_model(DRAFTER, tmp_path / "sharded")
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
@@ -238,7 +238,7 @@ def test_output_under_a_folder_that_cannot_be_written(capsys, started, tmp_path)
 
 
 def test_check_output_uses_access(tmp_path, monkeypatch):
-    from align.config import check_output
+    from align.preflight import check_output
 
     check_output("train.out", str(tmp_path / "a" / "b"))  # a new folder under a writable one
     check_output("train.out", str(tmp_path))  # an existing folder

@@ -26,7 +26,8 @@ from conftest import checkout_env
 
 from align.checkpoint import merged_model, save_merged
 from align.cli import main as align
-from align.config import DecodeSection, DrafterSection, drafter_spec_from_config
+from align.config import DecodeSection, DrafterSection
+from align.families import drafter_spec_from_config
 from align.decoding.ar import ar_generate
 from align.decoding.cps import TrigramModel
 from align.decoding.dllm import dllm_generate

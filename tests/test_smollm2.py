@@ -81,7 +81,7 @@ def test_the_converted_folder_is_an_ordinary_transformers_llama(smollm2, verifie
     assert verifier.dtype == torch.float32 and verifier.generation_config.eos_token_id == 2
     assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
     # align's own checks of a verifier folder (config, weights files) pass, as every stage runs them
-    from align.config import check_models
+    from align.preflight import check_models
 
     check_models(load_recipe(None, [f"verifier.path={smollm2}"]), ["verifier.path"])
 
