@@ -29,13 +29,13 @@ from pydantic import ValidationError
 
 from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe, RecipeError,
                           one_line)
-from align.preflight import check_context, check_models
 from align.data import chat_template as template_for, conversation, render_prompt
 from align.decoding.cps import TrigramModel
 from align.decoding.generation import GenerationStats, Sampling
 from align.methods import (DFLASH_METHODS, METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
                            trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
+from align.preflight import check_context, check_models
 
 # A model: a local folder or Hub id, or a mapping of its section's fields ({"path": ..., "trust_remote_code": True,
 # "logits_shift": 1, ...}) for settings that differ between models.

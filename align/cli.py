@@ -29,9 +29,9 @@ import yaml
 
 from align.config import Dtype, Recipe, RecipeError, get_key, load_recipe
 from align.families import VERIFIER_ARCHITECTURES
+from align.launch import integer_in
 from align.preflight import (check_calibrate, check_eval, check_export, check_gkd, check_inputs, check_models,
                              check_new_tokens, check_output, check_train, check_trajectories, eval_models, train_models)
-from align.launch import integer_in
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C (143: SIGTERM)

@@ -26,7 +26,8 @@ from typing import Any, Optional
 from align.checkpoint import CHECKSUMS, MARKER, atomic_folder, non_finite_weights
 from align.config import HUB_LICENSES, Recipe, RecipeError
 from align.families import CANVAS_DECODER_FAMILIES
-from align.preflight import check_file, check_inputs, hub_offline, hub_snapshot, is_hub_id
+from align.hub import hub_offline, hub_snapshot, is_hub_id
+from align.preflight import check_file, check_inputs
 
 EXIT_UPLOAD_FAILED = 1
 

@@ -15,8 +15,8 @@ import torch
 
 from align.checkpoint import mark_folder, save_merged
 from align.config import Recipe, get_key
-from align.preflight import check_inputs
 from align.models import load_tokenizer
+from align.preflight import check_inputs
 from align.tracking import open_trackers, resolve
 
 

@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from align.bench import count_forwards
 from align.checkpoint import atomic_folder
 from align.config import METHOD_NAMES, DecodeSection, Recipe, RecipeError
 from align.corpus import ensure_data
@@ -29,6 +28,7 @@ from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import specdiff_generate
 from align.decoding.specdiff2 import specdiff2_select_generate
+from align.decoding.timers import count_forwards
 from align.decoding.tree import specdiff_tree_generate
 from align.models import DrafterSpec
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -16,6 +15,7 @@ from align.config import (METHOD_MODELS, NOT_DFLASH_METHODS, ModelSection, Recip
                           get_key)
 from align.families import (CANVAS_DECODER_FAMILIES, KNOWN_DLLMS, SPEC_FIELDS, DrafterSpec, _stored_spec,
                             drafter_spec_from_config)
+from align.hub import hub_offline, hub_snapshot, is_hub_id
 
 
 def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter.path") -> None:
@@ -44,29 +44,6 @@ def _vocab_size_of(model_or_config: Any) -> Optional[int]:
 # --------------------------------------------------------------------------------------------------------------------
 # inputs and outputs a stage needs, checked before any work
 # --------------------------------------------------------------------------------------------------------------------
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-
-
-
-def is_hub_id(value: str) -> bool:
-    """An org/name that is no local path: not there, and not under an existing folder (there, it is a typo)."""
-    local = Path(value)
-    return not local.exists() and bool(_HUB_ID.match(value)) and not local.parent.is_dir()
-
-
-def hub_snapshot(repo_id: str) -> Optional[Path]:
-    """The local Hub cache's folder of model `repo_id` (its config.json's folder), when it is cached: then it loads by
-    id with HF_HUB_OFFLINE=1."""
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(repo_id, "config.json")
-    return Path(cached).parent if isinstance(cached, str) else None
-
-
 def check_model_path(key: str, value: str) -> None:
     """A model path is a local HF folder (with config.json) or, when the Hub is reachable, a Hub id."""
     local = Path(value)

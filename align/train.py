@@ -50,14 +50,14 @@ from align.checkpoint import (EXIT_DISK_FAULT, append_log, check_output_owner, c
                               disk_fault, folder_lock, mark_folder, merged_model, naming_path, read_log,
                               record_checksums, save_merged, state_to_resume, step_folders, write_text_atomic)
 from align.config import Recipe, RecipeError, first_line, load_recipe  # noqa: E402
-from align.preflight import check_models, check_output, check_train, train_models  # noqa: E402
 from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories  # noqa: E402
 from align.decoding.specdiff import specdiff_generate  # noqa: E402
+from align.dflash import dflash_window_logits  # noqa: E402
 from align.launch import interrupt_signal, strip_launcher_args  # noqa: E402
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
-from align.tracking import open_trackers  # noqa: E402
-from align.dflash import dflash_window_logits  # noqa: E402
 from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)  # noqa: E402
+from align.preflight import check_models, check_output, check_train, train_models  # noqa: E402
+from align.tracking import open_trackers  # noqa: E402
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
                            verifier_window_logits, window_logits)
 

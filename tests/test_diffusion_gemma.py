@@ -27,15 +27,15 @@ from conftest import checkout_env
 from align.checkpoint import merged_model, save_merged
 from align.cli import main as align
 from align.config import DecodeSection, DrafterSection
-from align.families import drafter_spec_from_config
 from align.decoding.ar import ar_generate
 from align.decoding.cps import TrigramModel
 from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.methods import METHODS, Setup
+from align.families import drafter_spec_from_config
 from align.losses import streak
+from align.methods import METHODS, Setup
 from align.models import (DrafterContext, DrafterSpec, block_logits, load_drafter, load_tokenizer,
                           noise_fill, shared_context_block_logits)
 from align.windows import WINDOW_BUILDERS, window_logits

@@ -57,6 +57,81 @@ def test_the_runtime_never_imports_training_code(name):
     assert not found, f"{name} imports {sorted(found)}"
 
 
+def import_graph() -> dict[str, set[tuple[str, bool]]]:
+    """align's modules -> the align modules each imports, with whether the import is inside a function (run on call,
+    after every module has loaded) rather than at import time (the top level, if/try blocks, class bodies).
+    `from align.x import y` is an edge to align.x.y when that is a module, else to align.x; an import of a package
+    that holds the importer (`from align import __version__`) is none: Python initialises parents first."""
+    mods = {name.removesuffix(".__init__"): path for name, path in modules().items()}
+    graph: dict[str, set[tuple[str, bool]]] = {}
+    for name, path in mods.items():
+        parents = {".".join(name.split(".")[:k]) for k in range(1, name.count(".") + 1)}
+        edges: set[tuple[str, bool]] = set()
+
+        def visit(node: ast.AST, local: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, ast.Import):
+                    edges.update((alias.name, inner) for alias in child.names)
+                elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                    edges.update((f"{child.module}.{alias.name}" if f"{child.module}.{alias.name}" in mods
+                                  else child.module, inner) for alias in child.names)
+                visit(child, inner)
+
+        visit(ast.parse(path.read_text()), False)
+        graph[name] = {(target, local) for target, local in edges if target in mods and target not in parents | {name}}
+    return graph
+
+
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (module -> modules it imports), as the modules along it; [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(name: str) -> list[str]:
+        state[name] = 1
+        path.append(name)
+        for target in sorted(graph.get(name, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := walk(target)):
+                return found
+        state[name] = 2
+        path.pop()
+        return []
+
+    for name in sorted(graph):
+        if name not in state and (found := walk(name)):
+            return found
+    return []
+
+
+# Function-local imports that close a circle, kept on purpose: each defers a module that imports torch (or reaches
+# one that does) to the one check that needs it, so a recipe is checked without torch. They run only when called,
+# after every module has loaded, so they cannot see a half-initialised module; any other circle fails below.
+DEFERRED_CIRCLES = {
+    ("align.preflight", "align.methods"),  # check_eval names a DFlash drafter's methods in its refusal
+    ("align.preflight", "align.draft_graph"),  # check_eval and check_export read a draft graph
+    ("align.data", "align.models"),  # reading a model's own tokenizer for its prompts
+}
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    at_import = {name: {t for t, local in edges if not local} for name, edges in graph.items()}
+    assert not circle(at_import), f"modules import each other at import time: {' -> '.join(circle(at_import))}"
+    every = {name: {t for t, local in edges if not (local and (name, t) in DEFERRED_CIRCLES)}
+             for name, edges in graph.items()}
+    assert not circle(every), f"an import circle (through function-local imports): {' -> '.join(circle(every))}"
+    kept = {(name, t) for name, edges in graph.items() for t, local in edges if local}
+    assert DEFERRED_CIRCLES <= kept, f"no longer imported: {sorted(DEFERRED_CIRCLES - kept)} (drop them here)"
+
+
+def test_the_circle_check_sees_a_circle():
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
 def renames(path: Path) -> list[int]:
     """Lines that rename a file or folder: os.replace/os.rename/shutil.move, Path.rename, Path.replace(target).
     (str.replace takes two arguments, Path.replace one.)"""

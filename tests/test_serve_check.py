@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.bench import cpu_model
 from align.cli import main as align
+from align.machine import cpu_model
 from test_vllm import ROOT, VERIFIER, needs_vllm
 
 PROMPTS = [
