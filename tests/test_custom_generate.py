@@ -158,7 +158,7 @@ def test_sampling_is_the_verifiers_distribution(tmp_path):
 ])
 def test_card_shows_transformers_alone_first_and_never_pip_install_align(config, ships):
     from align.config import load_recipe
-    from align.export import model_card
+    from align.cards import model_card
 
     card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")
     assert "pip install align" not in card and "from its repository" in card

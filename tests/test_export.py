@@ -148,7 +148,7 @@ def test_failed_upload_keeps_the_folder(exported, tmp_path):
 
 
 def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
-    from align.export import measured_table
+    from align.cards import measured_table
 
     def entry(tau):
         return {"tau": tau, "speedup": tau / 2, "exact_match": 1.0}
@@ -168,7 +168,7 @@ def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
 
 def test_card_describes_the_training_run():
     from align.config import load_recipe
-    from align.export import model_card
+    from align.cards import model_card
 
     recipe = load_recipe("recipes/tiny/align.yaml", ["train.losses={streak: 1.0}"])
     meta = {"step": 150, "recipe": recipe.to_dict(), "drafter_base": "ck/base", "world_size": 2,
@@ -191,7 +191,7 @@ def test_card_describes_the_training_run():
 ])
 def test_card_loads_each_family_with_the_class_that_has_its_lm_head(config, loader, fill):
     from align.config import load_recipe
-    from align.export import model_card
+    from align.cards import model_card
 
     card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")
     assert f"drafter = {loader}" in card and fill in card
