@@ -25,7 +25,7 @@ def started(monkeypatch) -> list[str]:
     reached (none may be, for refused input) and no stage does its work."""
     import importlib
 
-    from align.cli import EVAL_MODULES, STAGES
+    from align.stages import EVAL_MODULES, STAGES
 
     calls: list[str] = []
     for name, stage in STAGES.items():
