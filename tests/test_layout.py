@@ -162,7 +162,7 @@ EMBEDDED = re.compile(r"python3?\s+(-c\b|-\s)|<<-?\s*'?PY|safe_load|import yaml"
 
 
 def test_launch_scripts_call_align_commands_only():
-    for script in sorted((ROOT / "launch").iterdir()):
+    for script in sorted([*(ROOT / "launch").iterdir(), *(ROOT / "experiments").iterdir()]):
         found = EMBEDDED.search(script.read_text())
         assert not found, f"{script.name} embeds Python or parses YAML ({found.group(0)!r}): add an align command"
 
