@@ -256,6 +256,7 @@ def test_dangling_link_output(tmp_path, capsys, started):
 # --------------------------------------------------------------------------------------------------------------------
 # 3. Ctrl-C
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     # A stand-in for a long stage: the real cli, with the eval stage's module replaced by one that waits.
     script = tmp_path / "slow.py"
@@ -357,6 +358,7 @@ def test_new_user_mistakes(capsys, started, files, stage, recipe, overrides, exp
     assert err.startswith(prefix) and expected in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, why", [
     (b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text (byte 15)"),  # Latin-1
     (b'{"prompt": "a"}\n{bad json\n', "cannot read"),

@@ -188,6 +188,7 @@ def local_paths_in(folder: Path, paths: list[Path]) -> list[str]:
     return hits
 
 
+@pytest.mark.slow
 def test_a_drafter_exported_by_hub_id_has_a_hub_grade_card(hub_family, tmp_path, online):
     root, home = hub_family
     out = tmp_path / "out"
@@ -214,6 +215,7 @@ def test_a_drafter_exported_by_hub_id_has_a_hub_grade_card(hub_family, tmp_path,
     assert local_paths_in(out, [tmp_path, home, ROOT, root]) == []
 
 
+@pytest.mark.slow
 def test_a_drafter_trained_from_a_hub_model_names_it_and_its_data(hub_family, tmp_path, online):
     from align.config import load_recipe
 
@@ -394,6 +396,7 @@ def run_snippet(code: str, cwd: Path, python: str = sys.executable, timeout: int
     return done.stdout
 
 
+@pytest.mark.slow
 def test_an_align_cards_snippets_run_as_written(toy_family, tmp_path):
     root, _ = toy_family
     out = tmp_path / "out"
@@ -478,6 +481,7 @@ def checkout_like(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_the_readmes_custom_generate_snippet_runs_as_written(tmp_path):
     from align.cli import main as align
 

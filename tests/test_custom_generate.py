@@ -75,6 +75,7 @@ def exported(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_decodes_as_generate_without_align(exported):
     folder = exported / "out"
     assert (folder / "custom_generate" / "generate.py").is_file()
@@ -124,6 +125,7 @@ def test_refuses_drafters_it_cannot_read(exported):
         generate(verifier, torch.ones(1, 3, dtype=torch.long), assistant_model=verifier, max_new_tokens=4)
 
 
+@pytest.mark.slow
 def test_sampling_is_the_verifiers_distribution(tmp_path):
     # The peaky 8-token models of test_sampling_lossless, the drafter saved with its spec beside the shipped file.
     threads = torch.get_num_threads()

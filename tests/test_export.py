@@ -76,6 +76,7 @@ def test_the_card_passes_the_hubs_metadata_validation(exported, monkeypatch):
         assert hub.validated == [[]]
 
 
+@pytest.mark.slow
 def test_loads_in_a_fresh_process_and_decodes_identically(exported):
     root, out, _ = exported
     code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
@@ -107,6 +108,7 @@ def push(args, hub, token="hf_fake"):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_push_to_a_local_hub(exported, tmp_path):
     _, _, args = exported
     out = tmp_path / "pushed"
@@ -136,6 +138,7 @@ def test_no_token_is_refused_before_any_work(exported, tmp_path, monkeypatch, ca
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_failed_upload_keeps_the_folder(exported, tmp_path):
     _, _, args = exported
     out = tmp_path / "kept"

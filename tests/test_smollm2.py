@@ -26,6 +26,8 @@ from align.models import DrafterSpec
 from align.weights import locate
 from align.windows import block_causal_windows
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2" / "convert.yaml"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
