@@ -280,6 +280,7 @@ SAMPLED_SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", SAMPLED_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or
                          "defaults")
 def test_sampling_draws_what_generate_draws(spread_pair, setting):
@@ -341,6 +342,7 @@ GREEDY_SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("own_drafter", [True, False], ids=["accepting-drafter", "rejected-drafter"])
 @pytest.mark.parametrize("setting", GREEDY_SETTINGS, ids=lambda s: ",".join(s) or "defaults")
 def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_factory, setting, own_drafter):

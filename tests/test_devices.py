@@ -49,6 +49,7 @@ def setup() -> Setup:
                  verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("name", RUNTIME_METHODS)
 def test_every_runtime_method_creates_its_tensors_on_the_models_device(setup, name, temperature):
@@ -110,6 +111,7 @@ def block_causal_drafter(folder):
     return folder
 
 
+@pytest.mark.slow
 def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path, monkeypatch):
     """The train stage's own step (DeepSpeed engine, LoRA, windows, online and on-policy verifier labels, every kind
     of loss, the optimiser) and its held-out metric, with the default device set to `meta` around the calls, for a

@@ -34,6 +34,7 @@ def test_spec_says_dflash():
     assert (spec.kind, spec.mask_token_id, spec.logits_shift) == ("dflash", MASK, 0)
 
 
+@pytest.mark.slow
 def test_greedy_specdiff_with_a_dflash_drafter_is_token_identical_to_ar_greedy():
     verifier = tiny_verifier()
     drafter = tiny_dflash(verifier)
@@ -68,6 +69,7 @@ def test_training_windows_see_what_the_runtime_shows_the_drafter():
         torch.testing.assert_close(windows[:, w], expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data_mode", ["offline", "on_policy"])
 @pytest.mark.parametrize("loss", sorted(WINDOW_LOSSES))
 def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(loss, data_mode):
