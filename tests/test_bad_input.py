@@ -688,6 +688,7 @@ def test_gkd_checks_the_trajectories_as_train_does_before_loading_models(capsys,
 # --------------------------------------------------------------------------------------------------------------------
 # 10. the Python API's arguments: the stages' rules, RecipeErrors (issue 24: findings 7, 10)
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_api_token_ids_and_seeds_are_checked_as_the_recipe_checks_them():
     import numpy as np
     import torch

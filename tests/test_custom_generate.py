@@ -169,6 +169,7 @@ def test_card_shows_transformers_alone_first_and_never_pip_install_align(config,
         assert card.index("custom_generate=") < card.index("specdiff_generate")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
 def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):

@@ -158,6 +158,7 @@ def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@pytest.mark.slow
 def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_logits(toy_family, tmp_path):
     import json
 
@@ -207,6 +208,7 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, temperature):
     """Every draft the runtime makes must equal a draft made from scratch: the verifier's states of all tokens before
