@@ -62,7 +62,8 @@ def test_the_runtime_never_imports_training_code(name):
 
 def import_graph() -> dict[str, set[tuple[str, bool]]]:
     """align's modules -> the align modules each imports, with whether the import is inside a function (run on call,
-    after every module has loaded) rather than at import time (the top level, if/try blocks, class bodies).
+    after every module has loaded) rather than at import time (the top level, if/try blocks, class bodies; not an
+    `if __name__ == "__main__":` block, which runs only when the file is a script and so not this module).
     `from align.x import y` is an edge to align.x.y when that is a module, else to align.x; an import of a package
     that holds the importer (`from align import __version__`) is none: Python initialises parents first."""
     mods = {name.removesuffix(".__init__"): path for name, path in modules().items()}
@@ -73,6 +74,8 @@ def import_graph() -> dict[str, set[tuple[str, bool]]]:
 
         def visit(node: ast.AST, local: bool) -> None:
             for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and ast.unparse(child.test) in ("__name__ == '__main__'",):
+                    continue  # runs only as a script (`deepspeed align/train.py`), where the file is __main__
                 inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
                 if isinstance(child, ast.Import):
                     edges.update((alias.name, inner) for alias in child.names)

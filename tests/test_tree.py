@@ -114,6 +114,7 @@ def test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path(family):
         torch.testing.assert_close(after, verifier(input_ids=ids).logits[0, -1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tree_decoding_is_identical_to_ar_for_every_verifier_family(family):
     verifier, drafter = build(family, 1), build("llama", 2)
@@ -129,6 +130,7 @@ def test_greedy_tree_decoding_is_identical_to_ar_for_every_verifier_family(famil
     assert accepted > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
@@ -187,6 +189,7 @@ def test_greedy_tree_decoding_with_a_diffusion_gemma_drafter_and_a_gemma4_verifi
     assert accepted > 0
 
 
+@pytest.mark.slow
 def test_greedy_tree_decoding_with_the_shipped_tiny_checkpoints_is_identical_to_ar():
     tiny = ROOT / "checkpoints" / "tiny"
     tokenizer = load_tokenizer(str(tiny / "tokenizer"))
@@ -200,6 +203,7 @@ def test_greedy_tree_decoding_with_the_shipped_tiny_checkpoints_is_identical_to_
             assert specdiff_tree_generate(verifier, drafter, spec, prompt, 6, nodes, 24, eos_ids=eos)[0] == expected
 
 
+@pytest.mark.slow
 def test_sampling_with_a_branching_tree_follows_the_verifier_distribution():
     # γ 2 and 6 nodes over a vocabulary of 8: siblings at both depths, and with t1 from the prefill, a whole accepted
     # path (t2, t3) puts the bonus token t4 in the table.

@@ -71,6 +71,7 @@ def drafters():
     return peaky(FAMILIES["llama"], 9), peaky(FAMILIES["llama"], 8), proxy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_outputs_equal_ar_for_every_verifier_family(family, drafters):
     drafter, ar_drafter, proxy = drafters
