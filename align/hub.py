@@ -1,5 +1,5 @@
 """Hub ids and the local Hub cache: whether a model path names a Hub repository, whether the Hub is offline, where a
-cached repository is. Plain Python (huggingface_hub is imported on use), for the preflight checks, exports and loading."""
+cached repository is. Plain Python (huggingface_hub is imported on use), for preflight, export and loading."""
 
 from __future__ import annotations
 
