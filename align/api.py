@@ -9,7 +9,7 @@ Shaped like vLLM's `LLM.generate`: load once, pass a list of prompts, get one re
 default comes from the recipe schema (align/config.py), as `align eval` reads it: model settings (dtype, device,
 trust_remote_code, attn_implementation, the drafter's spec fields) from its model sections, decode settings
 (max_new_tokens, gamma, temperature, top_k, top_p, seed, the CPS and ADL settings...) from DecodeSection, the
-chat-template mode from DataSection. Models are checked as every stage checks them (config.check_models) before any
+chat-template mode from DataSection. Models are checked as every stage checks them (preflight.check_models) before any
 weights load; bad input is a one-line RecipeError (a ValueError).
 
 Unlike the decoding functions, which stop at EOS only when told, a generation here ends at the verifier's end tokens
@@ -27,8 +27,8 @@ from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
 import torch
 from pydantic import ValidationError
 
-from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe,
-                          RecipeError, check_context, check_models, one_line)
+from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe, RecipeError,
+                          one_line)
 from align.data import chat_template as template_for, conversation, render_prompt
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.options import method_name
@@ -36,6 +36,7 @@ from align.decoding.path_search import TrigramModel
 from align.methods import (DFLASH_METHODS, METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
                            trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
+from align.preflight import check_context, check_models
 
 # A model: a local folder or Hub id, or a mapping of its section's fields ({"path": ..., "trust_remote_code": True,
 # "logits_shift": 1, ...}) for settings that differ between models.

@@ -1,4 +1,6 @@
-"""Honest timing: the interleaved loop every evaluation uses, forward counting, and cached verifier latency.
+"""The evaluation harness: the interleaved loop every evaluation uses, eval.json's layout, the training throughput
+table, and the verifier cost-curve benchmark. The timers the runtime itself needs (forward counting, cached verifier
+latency) are align/decoding/timers.py; the machine a run was measured on is align/machine.py.
 
 Methods are compared in the same process, after warm-up, with the order rotated per prompt so that no method always
 runs first (caches, allocator, CPU frequency), and a prompt's time is the median of its repeats.
@@ -7,103 +9,18 @@ runs first (caches, allocator, CPU frequency), and a prompt's time is the median
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from align.checkpoint import latest_step, read_log
-from align.decoding.generation import prefill
-
-
-@contextmanager
-def count_forwards(model: torch.nn.Module) -> Iterator[list[int]]:
-    """Count a model's forward calls (HF's generate() reports none of its own)."""
-    calls = [0]
-    handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work: without it a CUDA timing measures kernel launches, not the work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def verifier_latency(verifier: Any, context_len: int, new_tokens: int, batch: int = 1, repeats: int = 7) -> float:
-    """Median seconds of one cached verifier forward over `new_tokens` tokens (× batch) after `context_len` tokens."""
-    device = verifier.device
-    _, cache = prefill(verifier, torch.zeros(1, context_len, dtype=torch.long, device=device))
-    if batch > 1:
-        cache.batch_repeat_interleave(batch)
-    block = torch.zeros(batch, new_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(context_len, context_len + new_tokens, device=device).expand(batch, -1)
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        verifier(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-        cache.crop(-new_tokens)
-    return statistics.median(times)
-
-
-# What a report names the software it was measured with: distribution names (align's is `align-drafters`).
-VERSIONED = ("torch", "transformers", "align-drafters", "deepspeed", "datasets")
-
-
-def versions() -> dict[str, Optional[str]]:
-    """distribution -> installed version (None: not installed), VERSIONED and Python's."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found: dict[str, Optional[str]] = {"python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name ("AMD EPYC 7763 64-Core Processor"): /proc/cpuinfo's `model name` on Linux; else what
-    the platform says (macOS: sysctl's brand string), else the architecture."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    if platform.system() == "Darwin":
-        import subprocess
-
-        try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            pass
-    return platform.processor() or platform.machine()
-
-
-def machine(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Where a run was measured. `processor` (platform.processor(), often just the architecture) stays for the readers
-    of eval.json schema 1; cpu_model names the CPU, gpu the accelerator the models ran on (None on a CPU)."""
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_model": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "device": str(device), "dtype": str(dtype)}
+from align.decoding.timers import synchronize
+from align.machine import machine
 
 
 def _flat(value: Any) -> bool:
@@ -188,11 +105,11 @@ def throughput_table(run_dirs: list[Path], warmup_steps: int = 5) -> str:
 
 
 def model_configs(models: list[str]) -> dict[str, Any]:
-    """name -> config, for names of align.config.VERIFIER_ARCHITECTURES or folders / Hub ids with a config.json;
+    """name -> config, for names of align.families.VERIFIER_ARCHITECTURES or folders / Hub ids with a config.json;
     raises ValueError naming the first that is neither."""
     from transformers import AutoConfig
 
-    from align.config import VERIFIER_ARCHITECTURES as NAMED
+    from align.families import VERIFIER_ARCHITECTURES as NAMED
 
     configs = {}
     for name in models:
@@ -212,7 +129,7 @@ def verify_cost_curves(configs: dict[str, Any], context_len: int, max_tokens: in
     weights are downloaded. Returns {context_len, machine, models: {name: {parameters, verify_s}}}."""
     from transformers import AutoModelForCausalLM
 
-    from align.decoding.sizing import measure_verify_costs  # sizing times its forwards with this module's helpers
+    from align.decoding.sizing import measure_verify_costs
 
     report: dict[str, Any] = {"context_len": context_len, "machine": machine(device, dtype), "models": {}}
     for name, config in configs.items():

@@ -593,7 +593,7 @@ def drafter_identity(path: str) -> dict[str, Any]:
     """How eval.json names a drafter so that it is found again from any folder: `path` as given, `resolved` (the
     absolute folder, or the Hub id) and `weights_sha256` (of the local folder or the Hub cache's snapshot; None when
     neither is on this machine). A relative path alone would be read against whatever folder export runs in."""
-    from align.config import hub_snapshot, is_hub_id
+    from align.hub import hub_snapshot, is_hub_id
 
     local = Path(path).expanduser()
     folder = local if local.is_dir() else hub_snapshot(path) if is_hub_id(path) else None

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
 from align.checkpoint import file_sha256
-from align.config import (Recipe, RecipeError, check_context, first_line, fits_context, get_key, hub_offline,
-                          is_hub_id, model_context, model_section)
+from align.config import Recipe, RecipeError, first_line, get_key
 from align.corpus import ensure_data
+from align.hub import hub_offline, is_hub_id
+from align.preflight import check_context, fits_context, model_context, model_section
 
 if TYPE_CHECKING:
     import torch

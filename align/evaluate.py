@@ -18,15 +18,18 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import AutoConfig
 
-from align.bench import Run, interleaved, machine, report_json, verifier_latency, versions
+from align.bench import Run, interleaved, report_json
 from align.checkpoint import drafter_identity, mark_folder, naming_path, write_result, write_text_atomic
-from align.config import Recipe, RecipeError, eval_models
+from align.config import Recipe, RecipeError
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
+from align.decoding.timers import verifier_latency
+from align.machine import machine, versions
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
+from align.preflight import eval_models
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -326,7 +329,7 @@ def write_report(result: dict[str, Any], recipe: Recipe, command: str, out: Path
 def main(recipe: Recipe, command: str) -> None:
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
-    # The models loaded here are those cli checked before the stage (config.check_models: paths, weights files,
+    # The models loaded here are those cli checked before the stage (preflight.check_models: paths, weights files,
     # drafter specs, one vocabulary).
     needed = eval_models(recipe)
     uses_drafter, uses_ar_drafter = "drafter.path" in needed, "ar_drafter.path" in needed

@@ -13,16 +13,18 @@ from typing import Any, Callable
 
 import torch
 
-from align.bench import interleaved, machine, report_json, versions
+from align.bench import interleaved, report_json
 from align.checkpoint import mark_folder, write_result, write_text_atomic
-from align.config import Recipe, RecipeError, model_context
+from align.config import Recipe, RecipeError
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
+from align.machine import machine, versions
 from align.methods import eos_token_ids
 from align.models import load_drafter, load_tokenizer
+from align.preflight import model_context
 
 
 SCHEMA_VERSION = 2  # of eval.json: what each version holds is in docs/evaluation.md

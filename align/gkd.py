@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from align.checkpoint import mark_folder, save_merged
-from align.config import Recipe, check_inputs, get_key
+from align.config import Recipe, get_key
 from align.models import load_tokenizer
+from align.preflight import check_inputs
 from align.tracking import open_trackers, resolve
 
 

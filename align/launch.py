@@ -1,6 +1,7 @@
 """`align train` and `align trajectories` on several processes: validate the recipe, then run the stage under the
 DeepSpeed launcher (a single local process runs in-process and needs no launcher). Training runs `align/train.py`,
-the script users also give `deepspeed` themselves; other stages run as `python -m align.cli <stage>` on every rank.
+the script users also give `deepspeed` themselves (it runs `align train` on the rank); other stages run as
+`python -m align.cli <stage>` on every rank.
 
 Every process align starts (the launcher and its ranks, a vLLM worker and its engine) is started here, in a process
 group of its own, so that an interrupt stops all of them: SIGINT or SIGTERM to align (Ctrl-C, `timeout`, a

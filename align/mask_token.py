@@ -65,8 +65,8 @@ def choose_mask_token(tokenizer: Any, vocab_size: int, chat_template: Optional[s
 def dflash_mask_token(recipe: Recipe) -> tuple[int, str]:
     """choose_mask_token for the recipe's new DFlash drafter: over the verifier's tokenizer and embedding rows, with
     the template its prompts are rendered with (only the tokenizer and the config are read)."""
-    from align.config import load_model_config
     from align.data import recipe_chat_template
+    from align.preflight import load_model_config
     from align.models import load_tokenizer
 
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)

@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from align.bench import count_forwards
 from align.checkpoint import atomic_folder
 from align.config import DecodeSection, Recipe, RecipeError
 from align.corpus import ensure_data
@@ -31,6 +30,7 @@ from align.decoding.sd_ar import ARDraftStep
 from align.decoding.self_selection import SelectionStep
 from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import PathStep, draft_choice
+from align.decoding.timers import count_forwards
 from align.decoding.speculative import Decoding, Step, speculative_generate
 from align.decoding.tree import TreeStep
 from align.models import DrafterSpec

@@ -45,9 +45,10 @@ from align.remote_code import install as install_remote_code_shims
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
 from align.dflash import DFlashDrafter, config_for_verifier, is_dflash
 # The DrafterSpec and its checks need no torch, so that cli can check a drafter's config before loading anything; they
-# live in align/config.py and are part of this module's interface.
-from align.config import (ATTENTION_MODES, CANVAS_DECODER_FAMILIES, KNOWN_DLLMS, Attention,  # noqa: F401
-                          DrafterSpec, check_vocab_compatible, context_length, drafter_spec_from_config)
+# live in align/families.py and align/preflight.py and are part of this module's interface.
+from align.families import (ATTENTION_MODES, CANVAS_DECODER_FAMILIES, KNOWN_DLLMS, Attention, DrafterSpec,  # noqa: F401
+                            drafter_spec_from_config)
+from align.preflight import check_vocab_compatible, context_length  # noqa: F401
 
 install_remote_code_shims()
 

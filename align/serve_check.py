@@ -20,16 +20,18 @@ from typing import Any, Optional
 
 import torch
 
-from align.bench import cpu_model
 from align.checkpoint import mark_folder, write_result, write_text_atomic
-from align.config import Recipe, RecipeError, drafter_spec_from_config, model_context
+from align.config import Recipe, RecipeError
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.dflash import load_speculators_dflash, write_speculators_folder
+from align.families import drafter_spec_from_config
+from align.machine import cpu_model
 from align.methods import eos_token_ids
 from align.models import load_drafter, load_tokenizer, load_verifier
+from align.preflight import model_context
 from align.vllm_engine import ServeResult, serve, served_drafter_kind, vllm_dtype
 
 EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed

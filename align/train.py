@@ -17,50 +17,52 @@ differ), a finished run says so and does nothing, and the run folder is locked w
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 if __name__ == "__main__":
+    # `deepspeed align/train.py recipe.yaml ...` (what the launcher runs on every rank) and `python align/train.py ...`
+    # are `align train` with the same arguments: the CLI's checks, then main below, imported as align.train.
+    import sys
+    from pathlib import Path
+
     # Run as a script, this file's folder comes first on sys.path, where align's own modules (config, data, ...)
     # would shadow top-level packages of the same names.
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     from align.launch import handle_interrupts
 
-    handle_interrupts()  # before torch is imported: a Ctrl-C meanwhile is as quiet as one later
+    handle_interrupts()  # as the `align` command does, before torch is imported
+    from align.cli import main as align_main
 
-import functools  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import shlex  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+    raise SystemExit(align_main(["train", *sys.argv[1:]]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import functools
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
 
-from align.checkpoint import (EXIT_DISK_FAULT, append_log, check_output_owner, commit_state,  # noqa: E402
-                              disk_fault, folder_lock, mark_folder, merged_model, naming_path, read_log,
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from align.checkpoint import (append_log, commit_state, mark_folder, merged_model, naming_path, read_log,
                               record_checksums, save_merged, state_to_resume, step_folders, write_text_atomic)
-from align.config import (Recipe, RecipeError, check_models, check_output, check_train, first_line,  # noqa: E402
-                          load_recipe, train_models)
-from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories  # noqa: E402
-from align.decoding.specdiff import specdiff_generate  # noqa: E402
-from align.launch import interrupt_signal, strip_launcher_args  # noqa: E402
-from align.losses import WINDOW_LOSSES, needs_verifier_distributions  # noqa: E402
-from align.mask_token import dflash_mask_token  # noqa: E402
-from align.tracking import open_trackers  # noqa: E402
-from align.dflash import dflash_window_logits  # noqa: E402
-from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)  # noqa: E402
-from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,  # noqa: E402
+from align.config import Recipe, RecipeError, first_line
+from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
+from align.decoding.specdiff import specdiff_generate
+from align.dflash import dflash_window_logits
+from align.losses import WINDOW_LOSSES, needs_verifier_distributions
+from align.mask_token import dflash_mask_token
+from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)
+from align.tracking import open_trackers
+from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,
                            verifier_window_logits, window_forwards, window_logits)
 
 EXIT_NOT_FINITE = 3
@@ -675,37 +677,3 @@ def main(recipe: Recipe, command: str) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return status
-
-
-def script(argv: list[str]) -> int:
-    """What the DeepSpeed launcher runs on every rank: the recipe read and checked as `align train` checks it (one
-    line, exit code 2, before any work), then main."""
-    args = strip_launcher_args(argv)
-    try:
-        if not args:
-            raise RecipeError("usage: deepspeed align/train.py recipe.yaml [key=value ...]")
-        recipe = load_recipe(args[0], args[1:])
-        check_models(recipe, train_models(recipe))
-        check_train(recipe)
-        check_output("train.out", recipe.train.out)
-        check_output_owner("train.out", recipe.train.out, "train")
-        with folder_lock("train.out", recipe.train.out):
-            return main(recipe, shlex.join(["align/train.py", *args]))
-    except RecipeError as e:
-        if int(os.environ.get("RANK", 0)) == 0:  # every rank would say the same
-            print(f"align train: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as interrupt:  # one process, no launcher (a rank ends silently: launch.handle_interrupts)
-        signum = interrupt_signal(interrupt)
-        print("align train: interrupted" + ("" if signum == signal.SIGINT else " by SIGTERM"), file=sys.stderr)
-        return 128 + signum
-    except Exception as error:
-        line = disk_fault(error)  # a full disk, a quota, a read-only output: the rank that met it says where
-        if line is None:
-            raise
-        print(f"align train: error: {line}", file=sys.stderr)
-        return EXIT_DISK_FAULT
-
-
-if __name__ == "__main__":
-    raise SystemExit(script(sys.argv[1:]))

@@ -19,13 +19,25 @@ def checkout_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(part for part in (str(ROOT), os.environ.get("PYTHONPATH", "")) if part)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
+# Fixtures that run a stage before the test (trajectories, a DeepSpeed run, a real model's conversion): a test that
+# needs one is in the slow tier, wherever it is. The rest of the slow tier is marked where it is (pytestmark, or
+# @pytest.mark.slow); `pytest -m "not slow"` is the fast tier (docs/install.md).
+SLOW_FIXTURES = {"toy_trajectories", "smollm2"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def started(monkeypatch) -> list[str]:
     """Stages whose main was called: each stage's main is replaced by a recorder, so a test sees which stages a command
     reached (none may be, for refused input) and no stage does its work."""
     import importlib
 
-    from align.cli import EVAL_MODULES, STAGES
+    from align.stages import EVAL_MODULES, STAGES
 
     calls: list[str] = []
     for name, stage in STAGES.items():

@@ -1159,7 +1159,7 @@ def operator_cases() -> list[Case]:
 
 
 def readme_scripts_agree() -> list[str]:
-    """Outputs two of launch/tiny_*.sh's recipes share (trajectories.out) must be made with the same settings."""
+    """Outputs two of experiments/tiny_*.sh's recipes share (trajectories.out) must be made with the same settings."""
     from align.config import load_recipe
 
     recipes = {name: load_recipe(ROOT / "recipes" / "tiny" / name) for name in ("align.yaml", "dflash.yaml")}

@@ -85,11 +85,13 @@ def run_rule(rule_name, seed=0):
     return chi_square_pvalue(samples, joint_of_two(transitions))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["sampled", "point_mass", "multi_candidate"])
 def test_sampled_rules_reproduce_the_verifier_distribution(rule):
     assert run_rule(rule) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_broken_rule_fails_the_same_test():
     assert run_rule("broken") < 1e-6
 

@@ -64,6 +64,7 @@ def verifier_greedy(pair, prompt_ids: list[int], eos: list[int]) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_import_align_stays_cheap():
     code = ("import sys, align\nassert 'torch' not in sys.modules, 'import align imported torch'\n"
             "assert callable(align.load) and 'torch' in sys.modules\nprint(sorted(set(dir(align)) & {'load', 'Pair'}))")
@@ -73,6 +74,7 @@ def test_import_align_stays_cheap():
     assert done.stdout.strip() == "['Pair', 'load']"
 
 
+@pytest.mark.slow
 def test_greedy_results_of_every_method_are_the_verifiers_own(pair):
     assert pair.methods == tuple(METHODS)  # all three models loaded: every method runs
     reference = pair.generate(PROMPTS, method="ar", max_new_tokens=NEW_TOKENS)
@@ -89,6 +91,7 @@ def test_greedy_results_of_every_method_are_the_verifiers_own(pair):
             assert all(r.stats.tau > 1 for r in results), (method, [r.stats.tau for r in results])
 
 
+@pytest.mark.slow
 def test_the_tau_of_hf_methods_is_the_one_align_eval_reports(pair):
     # HF's generate, assisted generation and prompt lookup report forward counts only: τ is (new − 1) / forwards,
     # as eval.json has it (the shared mean_accepted_length), not 1.0. A repeating prompt makes prompt lookup's drafts
@@ -145,6 +148,7 @@ def test_a_method_spelled_by_its_options_is_that_method(pair):
         pair.generate(PROMPTS, method="specdiff+adl+tree")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["sd_ar", "specdiff_cps_adl"])
 def test_generate_creates_its_tensors_on_the_models_device(pair, method):
     """As tests/test_devices.py checks the methods: with the default device set to `meta`, a tensor or generator made
@@ -164,6 +168,7 @@ def end_token(pair) -> tuple[int, int]:
     return tokens[k], k
 
 
+@pytest.mark.slow
 def test_generation_stops_at_the_verifiers_end_tokens_by_default(pair, end_token, tmp_path):
     """Instruct models list their end-of-turn token in generation_config.eos_token_id (a list), beside the tokenizer's
     eos_token: both end a generation unless the caller says otherwise."""
@@ -225,6 +230,7 @@ def dflash_drafter(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 def test_a_dflash_drafter_runs_its_methods_and_refuses_the_others(dflash_drafter, pair):
     dflash = align.load(verifier=VERIFIER, drafter=dflash_drafter)
     assert dflash.spec.kind == "dflash"
@@ -295,6 +301,7 @@ def readme_example(readme: Path) -> str:
     return found.group(1)
 
 
+@pytest.mark.slow
 def test_the_readmes_python_example_runs():
     code = readme_example(ROOT / "README.md")
     assert "align.load(" in code and ".generate(" in code

@@ -156,7 +156,7 @@ def test_shipped_models_pass_the_checks(capsys, started, tmp_path, stage, recipe
 
 
 def test_check_weights_reads_only_the_header(tmp_path):
-    from align.config import check_weights
+    from align.preflight import check_weights
 
     check_weights("drafter.path", DRAFTER)
     weights = (DRAFTER / "model.safetensors").read_bytes()
@@ -172,7 +172,7 @@ def test_check_weights_reads_only_the_header(tmp_path):
 def test_sharded_weights_name_a_missing_shard(tmp_path):
     import json
 
-    from align.config import check_weights
+    from align.preflight import check_weights
 
     folder = copy_model(DRAFTER, tmp_path / "sharded")
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
@@ -238,7 +238,7 @@ def test_output_under_a_folder_that_cannot_be_written(capsys, started, tmp_path)
 
 
 def test_check_output_uses_access(tmp_path, monkeypatch):
-    from align.config import check_output
+    from align.preflight import check_output
 
     check_output("train.out", str(tmp_path / "a" / "b"))  # a new folder under a writable one
     check_output("train.out", str(tmp_path))  # an existing folder
@@ -256,6 +256,7 @@ def test_dangling_link_output(tmp_path, capsys, started):
 # --------------------------------------------------------------------------------------------------------------------
 # 3. Ctrl-C
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     # A stand-in for a long stage: the real cli, with the eval stage's module replaced by one that waits.
     script = tmp_path / "slow.py"
@@ -357,6 +358,7 @@ def test_new_user_mistakes(capsys, started, files, stage, recipe, overrides, exp
     assert err.startswith(prefix) and expected in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, why", [
     (b'{"prompt": "caf\xe9"}\n', "is not UTF-8 text (byte 15)"),  # Latin-1
     (b'{"prompt": "a"}\n{bad json\n', "cannot read"),
@@ -686,6 +688,7 @@ def test_gkd_checks_the_trajectories_as_train_does_before_loading_models(capsys,
 # --------------------------------------------------------------------------------------------------------------------
 # 10. the Python API's arguments: the stages' rules, RecipeErrors (issue 24: findings 7, 10)
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_api_token_ids_and_seeds_are_checked_as_the_recipe_checks_them():
     import numpy as np
     import torch

@@ -136,6 +136,7 @@ def test_a_prompt_without_a_dataset_id_is_named_by_its_token_ids():
     assert sha == "sha256:" + prompt_ids_sha256([[1, 2]])[:16] and sha != prompt_id(PromptRow("x", 0), [2, 1])
 
 
+@pytest.mark.slow
 def test_eval_reports_the_benchmark_ids_and_refuses_a_bad_config_before_work(toy_family, benchmarks, tmp_path,
                                                                             capsys):
     root, _ = toy_family

@@ -58,6 +58,7 @@ def test_rerun_keeps_finished_parts(family, capsys):
     assert before == {p: (root / "ck" / p / "model.safetensors").stat().st_mtime_ns for p in before}
 
 
+@pytest.mark.slow
 def test_pretraining_resumes_from_its_saved_state(tmp_path, family):
     root, _ = family
     tokenizer = AutoTokenizer.from_pretrained(root / "ck" / "tokenizer")

@@ -188,6 +188,7 @@ def local_paths_in(folder: Path, paths: list[Path]) -> list[str]:
     return hits
 
 
+@pytest.mark.slow
 def test_a_drafter_exported_by_hub_id_has_a_hub_grade_card(hub_family, tmp_path, online):
     root, home = hub_family
     out = tmp_path / "out"
@@ -214,6 +215,7 @@ def test_a_drafter_exported_by_hub_id_has_a_hub_grade_card(hub_family, tmp_path,
     assert local_paths_in(out, [tmp_path, home, ROOT, root]) == []
 
 
+@pytest.mark.slow
 def test_a_drafter_trained_from_a_hub_model_names_it_and_its_data(hub_family, tmp_path, online):
     from align.config import load_recipe
 
@@ -250,7 +252,7 @@ def test_a_drafter_trained_from_a_hub_model_names_it_and_its_data(hub_family, tm
 
 def test_an_untrained_local_base_is_cited_by_its_manifest_and_its_licence_is_not_guessed(toy_family, tmp_path):
     from align.config import load_recipe
-    from align.export import model_card
+    from align.cards import model_card
 
     root, _ = toy_family
     recipe = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={root / 'ck' / 'drafter-base'}",
@@ -269,7 +271,7 @@ def test_an_untrained_local_base_is_cited_by_its_manifest_and_its_licence_is_not
 
 def test_a_speculators_card_names_the_verifier_as_its_base():
     from align.config import load_recipe
-    from align.export import speculators_card
+    from align.cards import speculators_card
 
     recipe = load_recipe("recipes/tiny/dflash.yaml", ["verifier.path=Qwen/Qwen3-8B", "export.license=apache-2.0"])
     config = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 7}]}, "block_size": 8,
@@ -298,7 +300,7 @@ def metadata_load_text(text: str) -> dict:
     ("eos </s>, <|im_end|>, /no_think, 12 tokens/s", None),
 ])
 def test_paths_of_this_machine_are_cut_to_what_a_reader_can_use(text, clean, monkeypatch):
-    from align.export import scrub_text
+    from align.provenance import scrub_text
 
     monkeypatch.chdir(ROOT)
     assert scrub_text(text) == (text if clean is None else clean)
@@ -318,7 +320,8 @@ def test_a_licence_the_hub_does_not_know_is_refused_before_any_work():
 
 def test_a_local_base_passes_on_the_licence_of_its_own_card(tmp_path):
     from align.config import load_recipe
-    from align.export import licence, origin
+    from align.cards import licence
+    from align.provenance import origin
 
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "README.md").write_text("---\nlicense: mit\n---\n# base\n")
@@ -333,7 +336,8 @@ def test_a_hub_base_under_a_licence_align_does_not_list_keeps_it_by_name(tmp_pat
     from huggingface_hub import constants
 
     from align.config import load_recipe
-    from align.export import licence, origin
+    from align.cards import licence
+    from align.provenance import origin
 
     cache = tmp_path / "hub"
     snapshot = cache / "models--org--base" / "snapshots" / ("1" * 40)
@@ -352,7 +356,8 @@ def test_a_hub_base_under_a_licence_align_does_not_list_keeps_it_by_name(tmp_pat
 
 def test_a_local_bases_licence_file_comes_along(tmp_path):
     from align.config import load_recipe
-    from align.export import copy_licence_file, origin
+    from align.export import copy_licence_file
+    from align.provenance import origin
 
     base, out = tmp_path / "base", tmp_path / "out"
     base.mkdir(), out.mkdir()
@@ -365,7 +370,7 @@ def test_a_local_bases_licence_file_comes_along(tmp_path):
 def test_a_local_prompt_file_is_named_by_its_name_and_sha256(tmp_path):
     import hashlib
 
-    from align.export import data_source
+    from align.cards import data_source
 
     prompts = tmp_path / "humaneval.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n')
@@ -391,6 +396,7 @@ def run_snippet(code: str, cwd: Path, python: str = sys.executable, timeout: int
     return done.stdout
 
 
+@pytest.mark.slow
 def test_an_align_cards_snippets_run_as_written(toy_family, tmp_path):
     root, _ = toy_family
     out = tmp_path / "out"
@@ -415,7 +421,7 @@ def test_an_align_cards_snippets_run_as_written(toy_family, tmp_path):
 
 def test_the_verifiers_hub_id_is_a_recipe_setting(tmp_path):
     from align.config import load_recipe
-    from align.export import model_card, speculators_card
+    from align.cards import model_card, speculators_card
 
     recipe = load_recipe("recipes/tiny/dflash.yaml", [f"verifier.path={tmp_path}", "export.verifier_hub_id=org/verifier"])
     config = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 7}]}, "block_size": 8,
@@ -475,6 +481,7 @@ def checkout_like(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_the_readmes_custom_generate_snippet_runs_as_written(tmp_path):
     from align.cli import main as align
 

@@ -169,6 +169,7 @@ def chat_run(toy_family, sources, tmp_path_factory):
     return out, common
 
 
+@pytest.mark.slow
 def test_trajectories_eval_and_calibration_read_the_same_token_ids(chat_run):
     out, _ = chat_run
     tokenizer = load_tokenizer(str(out / "verifier"))

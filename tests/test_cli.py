@@ -73,6 +73,22 @@ def test_deepspeed_local_rank_is_ignored():
     assert strip_launcher_args(["r.yaml", "--local_rank", "0", "a.b=1"]) == ["r.yaml", "a.b=1"]
 
 
+def test_the_train_script_is_align_train():
+    # `deepspeed align/train.py` runs this on every rank: the CLI's own parser and checks, not a copy of them.
+    from conftest import checkout_env
+
+    def script(*args):
+        return subprocess.run([sys.executable, "align/train.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env=checkout_env(HF_HUB_OFFLINE="1"))
+
+    shown = script("recipes/tiny/align.yaml", "--help")
+    assert shown.returncode == 0 and shown.stdout == align("train", "--help").stdout
+    for bad in (["--num_gpus", "0"],):  # a launcher option, parsed as the CLI parses it
+        by_script, by_cli = script("recipes/tiny/align.yaml", *bad), align("train", "recipes/tiny/align.yaml", *bad)
+        assert by_script.returncode == by_cli.returncode == 2, (bad, by_script.stderr)
+        assert by_script.stderr == by_cli.stderr and by_script.stderr.count("\n") == 1, bad
+
+
 def test_train_forwards_launcher_options():
     from align.launch import TRAIN_SCRIPT, deepspeed_command
 

@@ -83,6 +83,7 @@ def exported(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_decodes_as_generate_without_align(exported):
     folder = exported / "out"
     assert (folder / "custom_generate" / "generate.py").is_file()
@@ -172,7 +173,7 @@ def test_sampling_is_the_verifiers_distribution(tmp_path, kind):
 ])
 def test_card_shows_transformers_alone_first_and_never_pip_install_align(config, ships):
     from align.config import load_recipe
-    from align.export import model_card
+    from align.cards import model_card
 
     card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")
     assert "pip install align" not in card and "from its repository" in card
@@ -181,6 +182,7 @@ def test_card_shows_transformers_alone_first_and_never_pip_install_align(config,
         assert card.index("custom_generate=") < card.index("specdiff_generate")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
 def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
@@ -329,6 +331,7 @@ SAMPLED_SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", SAMPLED_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or
                          "defaults")
 def test_sampling_draws_what_generate_draws(spread_pair, setting):
@@ -390,6 +393,7 @@ GREEDY_SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("own_drafter", [True, False], ids=["accepting-drafter", "rejected-drafter"])
 @pytest.mark.parametrize("setting", GREEDY_SETTINGS, ids=lambda s: ",".join(s) or "defaults")
 def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_factory, setting, own_drafter):

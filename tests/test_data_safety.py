@@ -320,7 +320,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused(capsys, started, held, toy
 # 6. the README's commands, in any order: folders they share are made with the same settings
 # --------------------------------------------------------------------------------------------------------------------
 COMMAND = re.compile(r"(?:^|[\s;(])(?:\S*/)?align (trajectories|train) (.*)$")
-SCRIPT = re.compile(r"(?:^|\s)bash (launch/\w+\.sh)((?: [^\s`|;&]+)*)")
+SCRIPT = re.compile(r"(?:^|\s)bash ((?:launch|experiments)/\w+\.sh)((?: [^\s`|;&]+)*)")
 ASSIGNMENT = re.compile(r"^(\w+)=(\(.*\)|[^\s$()`]+)$")
 
 
@@ -387,9 +387,10 @@ def readme_commands():
 
 
 def all_commands():
-    """Every README command (and the scripts it runs), every launch script, and each recipe run as it is."""
+    """Every README command (and the scripts it runs), every launch and experiment script, and each recipe run as it
+    is."""
     yield from readme_commands()
-    for script in sorted((ROOT / "launch").glob("*.sh")):
+    for script in sorted([*(ROOT / "launch").glob("*.sh"), *(ROOT / "experiments").glob("*.sh")]):
         yield from commands_of(logical_lines(script.read_text()), [], str(script.relative_to(ROOT)))
     import yaml
 

@@ -48,6 +48,7 @@ def test_ar_loop_matches_hf_generate(verifier):
         assert stats.new_tokens == 24 and stats.verifier_forwards == 23 and stats.tau == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
@@ -97,6 +98,7 @@ def test_sampled_specdiff_runs_and_is_reproducible(verifier):
     assert runs[0] == runs[1] and len(runs[0]) == 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_sd_ar_greedy_is_identical_to_ar(verifier, arch):
     drafter = tiny(arch, seed=3)

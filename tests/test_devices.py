@@ -49,6 +49,7 @@ def setup() -> Setup:
                  verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + 1)], draft_cost=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("name", RUNTIME_METHODS)
 def test_every_runtime_method_creates_its_tensors_on_the_models_device(setup, name, temperature):
@@ -110,6 +111,7 @@ def block_causal_drafter(folder):
     return folder
 
 
+@pytest.mark.slow
 def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path, monkeypatch):
     """The train stage's own step (DeepSpeed engine, LoRA, windows, online and on-policy verifier labels, every kind
     of loss, the optimiser) and its held-out metric, with the default device set to `meta` around the calls, for a
@@ -154,6 +156,7 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_dflash_drafting_and_training_windows_create_their_tensors_on_the_models_device(temperature):
     from align.decoding.specdiff import specdiff_generate
@@ -177,6 +180,7 @@ def test_dflash_drafting_and_training_windows_create_their_tensors_on_the_models
     assert {draft_logits.device.type, verifier_logits.device.type} == {"cpu"}
 
 
+@pytest.mark.slow
 def test_every_host_copy_to_numpy_goes_through_cpu():
     """`.numpy()` raises on a GPU tensor, and the checks above cannot see it (their models are on the CPU, where it
     works): every `.numpy()` in align/ is taken of a `.cpu()` somewhere in its chain of calls. (`launch/gpu_check.sh`

@@ -34,6 +34,7 @@ def test_spec_says_dflash():
     assert (spec.kind, spec.mask_token_id, spec.logits_shift) == ("dflash", MASK, 0)
 
 
+@pytest.mark.slow
 def test_greedy_specdiff_with_a_dflash_drafter_is_token_identical_to_ar_greedy():
     verifier = tiny_verifier()
     drafter = tiny_dflash(verifier)
@@ -68,6 +69,7 @@ def test_training_windows_see_what_the_runtime_shows_the_drafter():
         torch.testing.assert_close(windows[:, w], expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data_mode", ["offline", "on_policy"])
 @pytest.mark.parametrize("loss", sorted(WINDOW_LOSSES))
 def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(loss, data_mode):
@@ -156,6 +158,7 @@ def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@pytest.mark.slow
 def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_logits(toy_family, tmp_path):
     import json
 
@@ -205,6 +208,7 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, temperature):
     """Every draft the runtime makes must equal a draft made from scratch: the verifier's states of all tokens before

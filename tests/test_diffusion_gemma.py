@@ -26,15 +26,16 @@ from conftest import checkout_env
 
 from align.checkpoint import merged_model, save_merged
 from align.cli import main as align
-from align.config import DecodeSection, DrafterSection, drafter_spec_from_config
+from align.config import DecodeSection, DrafterSection
 from align.decoding.ar import ar_generate
 from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.methods import METHODS, Setup
+from align.families import drafter_spec_from_config
 from align.losses import streak
+from align.methods import METHODS, Setup
 from align.models import (DrafterContext, DrafterSpec, block_logits, load_drafter, load_tokenizer,
                           noise_fill, shared_context_block_logits)
 from align.windows import WINDOW_BUILDERS, window_logits
@@ -126,6 +127,7 @@ def test_canvas_position_i_is_the_models_own_prediction_for_token_n_plus_i(draft
     torch.testing.assert_close(ours, own, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_the_context_cache_grows_exactly_past_the_sliding_window(drafter, spec):
     """Drafting from a cache that grew token by token (as the verifier accepts them) equals re-encoding the context;
     K candidate blocks after one context (Spiffy) equal each block drafted alone."""
@@ -146,6 +148,7 @@ def test_the_context_cache_grows_exactly_past_the_sliding_window(drafter, spec):
                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_greedy_speculative_outputs_equal_ar_with_a_gemma4_verifier(drafter, spec):
     verifier = tiny_gemma4_verifier(1)
     new_tokens = 2 * SLIDING_WINDOW  # prompt and output run past both models' sliding window
@@ -163,6 +166,7 @@ def test_greedy_speculative_outputs_equal_ar_with_a_gemma4_verifier(drafter, spe
     assert any(accepted)  # some drafts were accepted, not only rejected: both branches of verification ran
 
 
+@pytest.mark.slow
 def test_one_training_step_on_windows_reads_windows_as_drafts_and_learns(spec):
     model = tiny_diffusion_gemma(3).train()
     rng = np.random.default_rng(0)
@@ -209,6 +213,7 @@ def test_export_round_trip_keeps_logits_and_dtype(spec, tokenizer, tmp_path):
                                    block_logits(model, spec, context, block), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_spiffy_decoding_equals_vanilla_dllm_decoding(drafter, spec):
     traces = []
     prompts = [torch.tensor([[5, 6, 7]]), torch.tensor([[40, 50, 60, 70]])]
@@ -220,6 +225,7 @@ def test_spiffy_decoding_equals_vanilla_dllm_decoding(drafter, spec):
         assert spiffy_generate(drafter, spec, prompt, graph, 16, active=1)[0] == tokens
 
 
+@pytest.mark.slow
 def test_the_draft_and_window_paths_create_their_tensors_on_the_models_device(drafter, spec):
     verifier = tiny_gemma4_verifier(1)
     setup = Setup(verifier, drafter, spec, None, None, frozenset(), DecodeSection(gamma=3, max_new_tokens=6), None)
@@ -281,6 +287,7 @@ def prompt_file(folder, texts) -> str:
 PROMPTS = ["def add(a, b):\n    return", "import os\n\nfor name in", "class Stack:\n    def push(self, item):"]
 
 
+@pytest.mark.slow
 def test_align_eval_with_a_diffusion_gemma_drafter_and_a_gemma4_verifier_is_exact(drafter, tokenizer, tmp_path):
     verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, tmp_path / "verifier")
     drafter_path = save_with_tokenizer(drafter, tokenizer, tmp_path / "drafter")
@@ -296,6 +303,7 @@ def test_align_eval_with_a_diffusion_gemma_drafter_and_a_gemma4_verifier_is_exac
 RECIPE = "recipes/gemma4-diffusiongemma.yaml"
 
 
+@pytest.mark.slow
 def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, tokenizer, tmp_path, capsys):
     """The recipe as written validates; with its two Hub ids swapped for tiny random models of the same
     architectures it evaluates losslessly, makes trajectories and trains one ZeRO-3 bf16 step (its own settings),

@@ -9,7 +9,7 @@ line continuations). Each recorded command is then checked without doing its wor
   its recipe and overrides validated as `align validate` does (`load_recipe`: every key and type). Models, prompt
   files and output folders are not checked, so placeholders (`DIR`, `../shared/benchmarks/...`) pass;
 - `align <tool> ...` and `align <stage> --help`: parsed;
-- `bash launch/x.sh`, `sbatch launch/x.sbatch`: the script exists and `bash -n` parses it;
+- `bash launch/x.sh` (or experiments/x.sh), `sbatch launch/x.sbatch`: the script exists and `bash -n` parses it;
 - `python file.py`, `python -m module`: the file or module exists;
 - a few other programs (pip, trackio) are allowed as they are; any other command fails the test, so a new kind of
   command gets a check here.
@@ -37,8 +37,8 @@ README_MAX_LINES = 250
 # launch scripts whose arguments are a stage's: script -> (stage, the recipe it runs, or None when the first argument
 # is the recipe)
 LAUNCH_STAGES = {
-    "launch/tiny_align.sh": ("train", "recipes/tiny/align.yaml"),
-    "launch/tiny_dflash.sh": ("train", "recipes/tiny/dflash.yaml"),
+    "experiments/tiny_align.sh": ("train", "recipes/tiny/align.yaml"),
+    "experiments/tiny_dflash.sh": ("train", "recipes/tiny/dflash.yaml"),
     "launch/single_node.sh": ("train", None),
     "launch/multi_node.sh": ("train", None),
     "launch/slurm.sbatch": ("train", None),
@@ -264,7 +264,8 @@ def test_every_page_is_linked_from_its_index():
 
 def test_docs_pages_named_in_code_and_recipes_exist():
     """Comments point to docs/ for numbers and details: the pages they name are there."""
-    named = [(rel(f), page) for pattern in ("align/**/*.py", "recipes/**/*.yaml", "launch/*", "tests/*.py")
+    patterns = ("align/**/*.py", "recipes/**/*.yaml", "launch/*", "experiments/*", "tests/*.py")
+    named = [(rel(f), page) for pattern in patterns
              for f in sorted(ROOT.glob(pattern)) if f.is_file()
              for page in re.findall(r"docs/[\w./*-]+\.md", f.read_text())]
     assert named, "no file names a docs page"

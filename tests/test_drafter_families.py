@@ -32,8 +32,10 @@ from align.methods import METHODS, Setup
 from align.models import DrafterSpec, block_logits, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
 from remote_code_families import write_family, write_prompts, write_qwen2
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
-# What the real configs imply (align/config.py KNOWN_DLLMS): Dream/DiffuCoder are adapted from Qwen2.5, hence shifted.
+# What the real configs imply (align/families.py KNOWN_DLLMS): Dream/DiffuCoder are adapted from Qwen2.5, hence shifted.
 EXPECTED = {"dream": (1, "bidirectional"), "llada": (0, "bidirectional")}
 NEW_TOKENS = 24
 FAVOURED = range(100, 104)

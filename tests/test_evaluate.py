@@ -35,6 +35,7 @@ def evaluated(toy_family, tmp_path_factory):
     return out, json.loads((out / "eval.json").read_text())
 
 
+@pytest.mark.slow
 def test_every_method_is_reported_and_exact_at_temperature_0(evaluated):
     _, result = evaluated
     assert set(result["methods"]) == set(METHOD_NAMES)
@@ -67,6 +68,7 @@ def test_every_method_is_reported_and_exact_at_temperature_0(evaluated):
     assert len(costs) == 16 + 1 and costs == sorted(costs)  # up to the tree's nodes and its root
 
 
+@pytest.mark.slow
 def test_sampled_run_and_report(evaluated):
     out, result = evaluated
     assert result["sampling"]["temperature"] == 1.0
@@ -113,6 +115,7 @@ def check_records(methods, ids):
         assert m["tau"] == pytest.approx(expected, abs=1e-4), name
 
 
+@pytest.mark.slow
 def test_records_agree_with_the_aggregates_and_versions_are_recorded(toy_family, evaluated):
     _, result = evaluated
     assert result["schema_version"] == 3
@@ -184,6 +187,7 @@ def test_drafter_with_another_vocabulary_is_refused(toy_family, tmp_path, capsys
     assert "eval.compare_drafters.other: vocabulary size 300 differs" in err
 
 
+@pytest.mark.slow
 def test_compared_drafters_run_in_the_same_interleaved_run(toy_family, tmp_path):
     """A drafter compared under a label is decoded like drafter.path: the same drafter gives the same τ; a randomly
     re-initialised one is still lossless."""
@@ -234,6 +238,7 @@ def test_cps_proxy_fitted_on_the_verifier_trajectories(toy_trajectories, tmp_pat
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_dllm_eval_records_and_versions(toy_family, tmp_path):
     """eval.mode=dllm's eval.json (schema 2): per-prompt records that add up to each method's sums, versions, machine."""
     root, _ = toy_family

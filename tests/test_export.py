@@ -77,6 +77,7 @@ def test_the_card_passes_the_hubs_metadata_validation(exported, monkeypatch):
         assert hub.validated == [[]]
 
 
+@pytest.mark.slow
 def test_loads_in_a_fresh_process_and_decodes_identically(exported):
     root, out, _ = exported
     code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
@@ -108,6 +109,7 @@ def push(args, hub, token="hf_fake"):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_push_to_a_local_hub(exported, tmp_path):
     _, _, args = exported
     out = tmp_path / "pushed"
@@ -137,6 +139,7 @@ def test_no_token_is_refused_before_any_work(exported, tmp_path, monkeypatch, ca
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_failed_upload_keeps_the_folder(exported, tmp_path):
     _, _, args = exported
     out = tmp_path / "kept"
@@ -149,7 +152,7 @@ def test_failed_upload_keeps_the_folder(exported, tmp_path):
 
 
 def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
-    from align.export import measured_table
+    from align.cards import measured_table
 
     def entry(tau):
         return {"tau": tau, "speedup": tau / 2, "exact_match": 1.0}
@@ -169,7 +172,7 @@ def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
 
 def test_card_describes_the_training_run():
     from align.config import load_recipe
-    from align.export import model_card
+    from align.cards import model_card
 
     recipe = load_recipe("recipes/tiny/align.yaml", ["train.losses={streak: 1.0}"])
     meta = {"step": 150, "recipe": recipe.to_dict(), "drafter_base": "ck/base", "world_size": 2,
@@ -192,7 +195,7 @@ def test_card_describes_the_training_run():
 ])
 def test_card_loads_each_family_with_the_class_that_has_its_lm_head(config, loader, fill):
     from align.config import load_recipe
-    from align.export import model_card
+    from align.cards import model_card
 
     card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")
     assert f"drafter = {loader}" in card and fill in card

@@ -24,6 +24,8 @@ from align.checkpoint import (CHECKSUMS, append_log, commit_state, disk_fault, n
 from align.cli import main as align
 from align.config import RecipeError
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

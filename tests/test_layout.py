@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from align.stages import stage_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "align"
-# Modules with a main(recipe, command) that `align <stage>` runs (train.py is also the DeepSpeed launcher's script).
-# cli.py, which dispatches to them, and __main__.py sit above them.
-STAGES = {"bootstrap", "trajectories", "train", "calibrate", "evaluate", "evaluate_dllm", "export", "gkd", "serve_check",
-          "convert", "prompts"}
-ENTRY_POINTS = {"cli", "__main__"}
+# Modules with a main(recipe, command) that `align <stage>` runs, from the one list of stages (align/stages.py; train.py
+# is also the script `deepspeed align/train.py` runs). cli.py, which dispatches to them, stages.py, which names them
+# (and imports a stage's own checks when it runs), and __main__.py sit above them.
+STAGES = {name.removeprefix("align.") for name in stage_modules()}
+ENTRY_POINTS = {"cli", "stages", "__main__"}
 TRAINING_CODE = {"deepspeed", "align.train", "align.windows", "align.losses", "peft", "trl"}
 
 
@@ -36,6 +38,7 @@ def imports(path: Path) -> set[str]:
 
 
 def test_every_stage_has_a_main_and_is_known():
+    assert {"bootstrap", "train", "evaluate", "export"} <= STAGES  # the registry was read, not an empty set
     for name in STAGES:
         tree = ast.parse((PACKAGE / f"{name}.py").read_text())
         assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), name
@@ -55,6 +58,93 @@ def test_no_module_below_the_cli_imports_a_stage(name):
 def test_the_runtime_never_imports_training_code(name):
     found = {m for m in imports(modules()[name]) if m.split(".")[0] in TRAINING_CODE or m in TRAINING_CODE}
     assert not found, f"{name} imports {sorted(found)}"
+
+
+def import_graph() -> dict[str, set[tuple[str, bool]]]:
+    """align's modules -> the align modules each imports, with whether the import is inside a function (run on call,
+    after every module has loaded) rather than at import time (the top level, if/try blocks, class bodies; not an
+    `if __name__ == "__main__":` block, which runs only when the file is a script and so not this module).
+    `from align.x import y` is an edge to align.x.y when that is a module, else to align.x; an import of a package
+    that holds the importer (`from align import __version__`) is none: Python initialises parents first."""
+    mods = {name.removesuffix(".__init__"): path for name, path in modules().items()}
+    graph: dict[str, set[tuple[str, bool]]] = {}
+    for name, path in mods.items():
+        parents = {".".join(name.split(".")[:k]) for k in range(1, name.count(".") + 1)}
+        edges: set[tuple[str, bool]] = set()
+
+        def visit(node: ast.AST, local: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and ast.unparse(child.test) in ("__name__ == '__main__'",):
+                    continue  # runs only as a script (`deepspeed align/train.py`), where the file is __main__
+                inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, ast.Import):
+                    edges.update((alias.name, inner) for alias in child.names)
+                elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                    edges.update((f"{child.module}.{alias.name}" if f"{child.module}.{alias.name}" in mods
+                                  else child.module, inner) for alias in child.names)
+                visit(child, inner)
+
+        visit(ast.parse(path.read_text()), False)
+        graph[name] = {(target, local) for target, local in edges if target in mods and target not in parents | {name}}
+    return graph
+
+
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (module -> modules it imports), as the modules along it; [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(name: str) -> list[str]:
+        state[name] = 1
+        path.append(name)
+        for target in sorted(graph.get(name, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := walk(target)):
+                return found
+        state[name] = 2
+        path.pop()
+        return []
+
+    for name in sorted(graph):
+        if name not in state and (found := walk(name)):
+            return found
+    return []
+
+
+# Function-local imports that close a circle, kept on purpose: each defers a module that imports torch (or reaches
+# one that does) to the one check that needs it, so a recipe is checked without torch. They run only when called,
+# after every module has loaded, so they cannot see a half-initialised module; any other circle fails below.
+DEFERRED_CIRCLES = {
+    ("align.preflight", "align.methods"),  # check_eval names a DFlash drafter's methods in its refusal
+    ("align.preflight", "align.draft_graph"),  # check_eval and check_export read a draft graph
+    ("align.data", "align.models"),  # reading a model's own tokenizer for its prompts
+}
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    at_import = {name: {t for t, local in edges if not local} for name, edges in graph.items()}
+    assert not circle(at_import), f"modules import each other at import time: {' -> '.join(circle(at_import))}"
+    every = {name: {t for t, local in edges if not (local and (name, t) in DEFERRED_CIRCLES)}
+             for name, edges in graph.items()}
+    assert not circle(every), f"an import circle (through function-local imports): {' -> '.join(circle(every))}"
+    kept = {(name, t) for name, edges in graph.items() for t, local in edges if local}
+    assert DEFERRED_CIRCLES <= kept, f"no longer imported: {sorted(DEFERRED_CIRCLES - kept)} (drop them here)"
+
+
+def test_the_circle_check_sees_a_circle():
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_every_module_imports():
+    # The fast tier (-m "not slow") reaches every module at least this far: each imports on its own, in this process.
+    import importlib
+
+    left_out = {"align.__main__", "align.vllm_worker"}  # runs the CLI; imports vllm, which only .venv-vllm has
+    for name in sorted(set(modules()) - left_out):
+        importlib.import_module(name.removesuffix(".__init__"))
 
 
 def renames(path: Path) -> list[int]:
@@ -84,7 +174,7 @@ EMBEDDED = re.compile(r"python3?\s+(-c\b|-\s)|<<-?\s*'?PY|safe_load|import yaml"
 
 
 def test_launch_scripts_call_align_commands_only():
-    for script in sorted((ROOT / "launch").iterdir()):
+    for script in sorted([*(ROOT / "launch").iterdir(), *(ROOT / "experiments").iterdir()]):
         found = EMBEDDED.search(script.read_text())
         assert not found, f"{script.name} embeds Python or parses YAML ({found.group(0)!r}): add an align command"
 

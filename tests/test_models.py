@@ -144,6 +144,7 @@ def read_accuracy(model, spec: DrafterSpec, use_cache: bool = False) -> float:
     return correct / total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["bidirectional", "block_causal"])
 @pytest.mark.parametrize("logits_shift", [0, 1])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

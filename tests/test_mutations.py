@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = "tests/test_sampling_lossless.py::"
 EVERY_METHOD = SAMPLING + "test_every_method_samples_the_verifier_distribution"

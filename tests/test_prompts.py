@@ -75,6 +75,7 @@ def test_each_filter_drops_what_it_names():
 # --------------------------------------------------------------------------------------------------------------------
 # the stage
 # --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_stage_resumes_and_counts_what_it_dropped(chat_verifier, tmp_path, capsys):
     # The tiny verifier writes Python source, whose "messages" mostly run past 16 tokens without an end of text: cut
     # short, as the manifest says; the stage keeps what passes within prompts.max_samples, and says when too few do.

@@ -15,6 +15,8 @@ from align.cli import main as align
 from align.config import load_recipe
 from remote_code_families import write_family, write_prompts, write_qwen2
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 

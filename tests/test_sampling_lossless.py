@@ -47,6 +47,8 @@ from align.decoding.sd_ar import sd_ar_generate
 from align.methods import METHODS, Setup
 from align.models import DrafterSpec
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Shared with test_tree.py and test_custom_generate.py: the peaky 8-token Llama models and the joint they are tested by
 # (those tests decode with real transformer forwards; the tests below use logit tables).

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.bench import cpu_model
 from align.cli import main as align
+from align.machine import cpu_model
 from test_vllm import ROOT, VERIFIER, needs_vllm
 
 PROMPTS = [
@@ -97,6 +97,7 @@ def test_served_drafter_decodes_identically_with_acceptance_within_10_percent(pr
     assert cpu_model() in (tmp_path / "check" / "report.md").read_text()  # the CPU by name, not "x86_64"
 
 
+@pytest.mark.slow
 def test_refusals_are_one_line_before_any_work(prompt_file, tmp_path, capsys, monkeypatch):
     import align.serve_check
 

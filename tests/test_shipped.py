@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "checkpoints" / "tiny"
 PARTS = ("tokenizer", "verifier", "drafter-base", "ar-drafter")

@@ -80,6 +80,7 @@ def models():
     return tiny(1), tiny(2), proxy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", COST_METHODS)
 @pytest.mark.parametrize("curve", ["flat", "steep"])
 def test_cost_aware_methods_equal_ar_greedy_and_follow_the_curve(models, name, curve):
@@ -140,6 +141,7 @@ def test_verify_costs_writes_a_curve_per_model_and_refuses_an_unknown_one_in_one
         assert f"--device {device}: not a device this machine has" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_sampled_drafts_length_is_chosen_before_it_is_drawn():
     """Issue 22, defect 1: specdiff_cost with sampled drafts chose the length from the drafted tokens' own drafter
     probabilities, so on the adversarial construction of test_sampling_lossless (position 2 worth verifying only if

@@ -26,6 +26,8 @@ from align.models import DrafterSpec
 from align.weights import locate
 from align.windows import block_causal_windows
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2" / "convert.yaml"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,7 +83,7 @@ def test_the_converted_folder_is_an_ordinary_transformers_llama(smollm2, verifie
     assert verifier.dtype == torch.float32 and verifier.generation_config.eos_token_id == 2
     assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
     # align's own checks of a verifier folder (config, weights files) pass, as every stage runs them
-    from align.config import check_models
+    from align.preflight import check_models
 
     check_models(load_recipe(None, [f"verifier.path={smollm2}"]), ["verifier.path"])
 

@@ -179,6 +179,7 @@ def tiny_dllm(arch, bidirectional, seed):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, shift, attention", [
     ("llama", 0, "block_causal"), ("qwen2", 1, "block_causal"), ("llama", 0, "bidirectional"),
     ("qwen2", 1, "bidirectional"),
@@ -208,6 +209,7 @@ def test_spiffy_outputs_equal_vanilla(arch, shift, attention, one_thread):
     assert total_spiffy < total_vanilla  # the graph does save forwards on these models
 
 
+@pytest.mark.slow
 def test_calibrate_and_dllm_eval_stages(toy_family, tmp_path, capsys):
     from align.cli import main
 

@@ -21,6 +21,8 @@ from test_train import ROOT, env, launch, losses, overrides
 from align.config import TRACKER_NAMES, RecipeError, load_recipe
 from align.tracking import TRACKERS, TRACKERS_FILE, check_trackers, open_trackers, resolve
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 # The bad-input tests' working directory (the repository); `started` (the stages' mains replaced by a recorder) is
 # conftest's.
 _in_repo = test_bad_input._in_repo

@@ -19,6 +19,8 @@ from conftest import TOY_TRAJECTORIES, checkout_env
 from align.cli import main as align
 from align.train import rank_share, warn_stale_build_locks
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 

@@ -79,6 +79,7 @@ def test_a_corrupted_chunk_is_named(made, tmp_path):
         load_trajectories(copy)
 
 
+@pytest.mark.slow
 def test_two_ranks_split_the_chunks(toy_family, tmp_path):
     root, _ = toy_family
     with socket.socket() as s:

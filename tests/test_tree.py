@@ -115,6 +115,7 @@ def test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path(family):
         torch.testing.assert_close(after, verifier(input_ids=ids).logits[0, -1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tree_decoding_is_identical_to_ar_for_every_verifier_family(family):
     verifier, drafter = build(family, 1), build("llama", 2)
@@ -130,6 +131,7 @@ def test_greedy_tree_decoding_is_identical_to_ar_for_every_verifier_family(famil
     assert accepted > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])
@@ -188,6 +190,7 @@ def test_greedy_tree_decoding_with_a_diffusion_gemma_drafter_and_a_gemma4_verifi
     assert accepted > 0
 
 
+@pytest.mark.slow
 def test_greedy_tree_decoding_with_the_shipped_tiny_checkpoints_is_identical_to_ar():
     tiny = ROOT / "checkpoints" / "tiny"
     tokenizer = load_tokenizer(str(tiny / "tokenizer"))
@@ -201,6 +204,21 @@ def test_greedy_tree_decoding_with_the_shipped_tiny_checkpoints_is_identical_to_
             assert specdiff_tree_generate(verifier, drafter, spec, prompt, 6, nodes, 24, eos_ids=eos)[0] == expected
 
 
+@pytest.mark.slow
+def test_sampling_with_a_branching_tree_follows_the_verifier_distribution():
+    # γ 2 and 6 nodes over a vocabulary of 8: siblings at both depths, and with t1 from the prefill, a whole accepted
+    # path (t2, t3) puts the bonus token t4 in the table.
+    verifier, drafter = peaky(0), peaky(1)
+    spec = DrafterSpec(7, 1, "block_causal")
+    samples = first_tokens(lambda g: specdiff_tree_generate(verifier, drafter, spec, SAMPLING_PROMPT, 2, 6,
+                                                            NEW_TOKENS, SAMPLING, generator=g))
+    assert chi_square_pvalue(samples, exact_joint(verifier, SAMPLING_PROMPT, SAMPLING)) > 1e-3
+    # Ranked by the path score, the tree holds other branches; the acceptance rule keeps sampling exact.
+    proxy = TrigramModel.fit(np.random.default_rng(1).integers(0, 7, 300), 8)
+    samples = first_tokens(lambda g: specdiff_tree_generate(verifier, drafter, spec, SAMPLING_PROMPT, 2, 6,
+                                                            NEW_TOKENS, SAMPLING, generator=g,
+                                                            path_search=(PathSearch(max_candidates=3), proxy)))
+    assert chi_square_pvalue(samples, exact_joint(verifier, SAMPLING_PROMPT, SAMPLING)) > 1e-3
 @pytest.mark.parametrize("path_search", [False, True], ids=["best-first", "path-score"])
 def test_sampling_with_a_branching_tree_follows_the_verifier_distribution(path_search):
     """A transformer verifier (full attention, spread out: test_sampling_lossless.transformer_verifier) and the table

@@ -73,6 +73,7 @@ def drafters():
     return peaky(FAMILIES["llama"], 9), peaky(FAMILIES["llama"], 8), proxy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_outputs_equal_ar_for_every_verifier_family(family, drafters):
     drafter, ar_drafter, proxy = drafters
@@ -108,6 +109,7 @@ def test_greedy_hf_baselines_equal_ar_for_every_verifier_family(family, drafters
         assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
 def test_greedy_outputs_equal_ar_with_a_sliding_window_drafter(family, drafters):
     # A block-causal drafter whose layers slide: once the context passes its window, its context cache hands its

@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from align.bench import verifier_latency
+from align.decoding.timers import verifier_latency
 
 
 def measure_verify_costs(verifier: Any, context_len: int, max_tokens: int, rounds: int = 5) -> list[float]:

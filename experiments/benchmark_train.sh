@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training throughput on this machine, 1 vs 2 processes (a benchmark, not a test: timings vary by machine).
-#   bash launch/benchmark_train.sh [key=value ...]        # STEPS=30 by default; needs `align trajectories` first
+#   bash experiments/benchmark_train.sh [key=value ...]        # STEPS=30 by default; needs `align trajectories` first
 # Runs recipes/tiny/align.yaml for STEPS steps as: 1 process with 1 thread, 1 process with 2 threads (both cores to
 # one rank), 2 processes with 1 thread each; reports median tokens/s per rank over the steps after the first 5, and in
 # all. Reports land in checkpoints/bench-train/report.md.

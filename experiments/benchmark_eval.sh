@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmark every decoding method on the shipped tiny family (a benchmark, not a test: timings vary by machine).
-#   bash launch/benchmark_eval.sh [extra key=value overrides]
+#   bash experiments/benchmark_eval.sh [extra key=value overrides]
 # Runs the tiny test split, then HumanEval's prompts when a copy of the benchmark file is at
 # $HUMANEVAL (default ../shared/benchmarks/humaneval.jsonl), NUM_PROMPTS of each (default 24; every method runs at
 # temperature 0 and at eval.sampling_temperature). Reports land in checkpoints/bench-*/report.md. Compare an aligned

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trajectory throughput of the two backends, HF generate and vLLM, on the same prompts with the same settings
 # (a benchmark, not a test: timings vary by machine).
-#   bash launch/benchmark_trajectories.sh [key=value ...]     # overrides recipes/tiny/align.yaml's trajectories
+#   bash experiments/benchmark_trajectories.sh [key=value ...]     # overrides recipes/tiny/align.yaml's trajectories
 # NUM_PROMPTS (default 128) prompts of the tiny train split, greedy, float32, 64 new tokens, batches of 32, one
 # process; each backend writes into checkpoints/bench-trajectories/<backend> afresh. Prints each run's line
 # (completions, tokens, engine, generation tokens/s with model loading left out) and checks that the greedy

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compare alignment losses on the same trajectories (a benchmark, not a test), with the DistillSpec-style GKD AR
 # drafter beside them:
-#   bash launch/compare_losses.sh [key=value ...]     # LOSSES="streak ce_streak streak_tv fkl" by default;
+#   bash experiments/compare_losses.sh [key=value ...]     # LOSSES="streak ce_streak streak_tv fkl" by default;
 #                                                     # LOSSES="ce_streak dpace ce_streak+first_error_focal" combines
 # Trains one drafter per loss from recipes/tiny/align.yaml (2 processes; KD losses read the verifier online), distils
 # the AR drafter with `align gkd`, then evaluates every drafter at temperature 0 in one interleaved `align eval` run
