@@ -205,20 +205,6 @@ def test_greedy_tree_decoding_with_the_shipped_tiny_checkpoints_is_identical_to_
 
 
 @pytest.mark.slow
-def test_sampling_with_a_branching_tree_follows_the_verifier_distribution():
-    # γ 2 and 6 nodes over a vocabulary of 8: siblings at both depths, and with t1 from the prefill, a whole accepted
-    # path (t2, t3) puts the bonus token t4 in the table.
-    verifier, drafter = peaky(0), peaky(1)
-    spec = DrafterSpec(7, 1, "block_causal")
-    samples = first_tokens(lambda g: specdiff_tree_generate(verifier, drafter, spec, SAMPLING_PROMPT, 2, 6,
-                                                            NEW_TOKENS, SAMPLING, generator=g))
-    assert chi_square_pvalue(samples, exact_joint(verifier, SAMPLING_PROMPT, SAMPLING)) > 1e-3
-    # Ranked by the path score, the tree holds other branches; the acceptance rule keeps sampling exact.
-    proxy = TrigramModel.fit(np.random.default_rng(1).integers(0, 7, 300), 8)
-    samples = first_tokens(lambda g: specdiff_tree_generate(verifier, drafter, spec, SAMPLING_PROMPT, 2, 6,
-                                                            NEW_TOKENS, SAMPLING, generator=g,
-                                                            path_search=(PathSearch(max_candidates=3), proxy)))
-    assert chi_square_pvalue(samples, exact_joint(verifier, SAMPLING_PROMPT, SAMPLING)) > 1e-3
 @pytest.mark.parametrize("path_search", [False, True], ids=["best-first", "path-score"])
 def test_sampling_with_a_branching_tree_follows_the_verifier_distribution(path_search):
     """A transformer verifier (full attention, spread out: test_sampling_lossless.transformer_verifier) and the table
