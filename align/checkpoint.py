@@ -611,7 +611,7 @@ def commit_state(state_dir: str | os.PathLike, tag: str) -> None:
     write_text_atomic(state_dir / "latest", tag)
 
 
-def state_to_resume(state_dir: str | os.PathLike, who: str = "align train") -> Optional[str]:
+def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn: bool = True) -> Optional[str]:
     """The DeepSpeed tag under `state_dir` to resume from, checked against its checksums; None when there is none
     (a new run, or one killed before its first state was complete).
 
@@ -619,7 +619,8 @@ def state_to_resume(state_dir: str | os.PathLike, who: str = "align train") -> O
     a warning, to the newest tag whose checksums verify: resuming is exact from any complete state, so the fallback
     costs only the steps after it, recomputed to the same values. A tag whose files differ from their checksums was
     damaged after it was complete (the disk, a copy): that is refused, naming the file, rather than resumed around.
-    A tag from before checksums were recorded is loaded unchecked."""
+    A tag from before checksums were recorded is loaded unchecked. `warn`: say the fallback (once per run: the
+    preflight asks quietly, the resume says it)."""
     from align.config import RecipeError
 
     state_dir = Path(state_dir)
@@ -639,6 +640,7 @@ def state_to_resume(state_dir: str | os.PathLike, who: str = "align train") -> O
         raise RecipeError(f"train.out: {latest} {why}, and no complete state is left to resume from; delete "
                           f"{state_dir} to start the run afresh")
     verify_checksums(state_dir / complete[0], "train.out")
-    print(f"{who}: warning: {latest} {why}; resuming from {state_dir / complete[0]}, the newest state whose "
-          "checksums verify", file=sys.stderr)
+    if warn:
+        print(f"{who}: warning: {latest} {why}; resuming from {state_dir / complete[0]}, the newest state whose "
+              "checksums verify", file=sys.stderr)
     return complete[0]

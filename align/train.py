@@ -37,7 +37,6 @@ import functools
 import json
 import math
 import os
-import re
 import shutil
 import socket
 import statistics
@@ -52,8 +51,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from align.checkpoint import (append_log, commit_state, mark_folder, merged_model, naming_path, read_log,
-                              record_checksums, save_merged, state_to_resume, step_folders, write_text_atomic)
+from align.checkpoint import (STEP_FOLDER, append_log, commit_state, mark_folder, merged_model, naming_path,
+                              read_log, record_checksums, save_merged, state_to_resume, step_folders,
+                              write_text_atomic)
 from align.config import Recipe, RecipeError, first_line
 from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
@@ -179,12 +179,11 @@ def recorded_run(out: Path) -> Optional[dict[str, Any]]:
 
 
 def resume_step(out: Path) -> int:
-    """The step of the DeepSpeed state a rerun resumes from (ds_state/latest names it), 0 without one."""
-    try:
-        found = re.fullmatch(r"step_(\d+)", (out / "ds_state" / "latest").read_text().strip())
-    except OSError:
-        return 0
-    return int(found.group(1)) if found else 0
+    """The step of the DeepSpeed state a rerun resumes from, 0 without one: the tag resume will load
+    (checkpoint.state_to_resume, so that an empty or dangling `latest` is read here as it will be there, and a damaged
+    state is refused before any launcher starts)."""
+    tag = state_to_resume(out / "ds_state", warn=False)
+    return int(STEP_FOLDER.match(tag).group(1)) if tag else 0
 
 
 def check_resume(recipe: Recipe) -> int:
