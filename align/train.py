@@ -644,30 +644,31 @@ def main(recipe: Recipe, command: str) -> int:
     meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path, "verifier": recipe.verifier.path,
             "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
             "command": command, **({"mask_token": trainer.mask_token} if trainer.mask_token else {})}
-    bar = tqdm(total=t.max_steps, initial=start, desc="align", unit="step", disable=rank != 0, dynamic_ncols=True)
     status = 0
-    for step in range(start, t.max_steps):
-        record = train_step(trainer, data, recipe, step)
-        if record is None:
-            last = step_folders(out)
+    # A `with`: a failure mid-run (a full disk) closes the bar first, so the one line that says it starts a line.
+    with tqdm(total=t.max_steps, initial=start, desc="align", unit="step", disable=rank != 0,
+              dynamic_ncols=True) as bar:
+        for step in range(start, t.max_steps):
+            record = train_step(trainer, data, recipe, step)
+            if record is None:
+                last = step_folders(out)
+                if rank == 0:
+                    bar.write(f"align train: step {step + 1} gave a non-finite loss or non-finite weights (learning "
+                              f"rate {t.lr:g} too high?); stopping with the last good checkpoint intact: "
+                              f"{last[-1][1] if last else 'none saved'}", file=sys.stderr)
+                status = EXIT_NOT_FINITE
+                break
+            if (step + 1) % t.eval_every == 0 or step + 1 == t.max_steps:
+                trainer.engine.eval()
+                record.update(held_out_streak(trainer, data, recipe))
+                trainer.engine.train()
             if rank == 0:
-                print(f"align train: step {step + 1} gave a non-finite loss or non-finite weights (learning rate "
-                      f"{t.lr:g} too high?); stopping with the last good checkpoint intact: "
-                      f"{last[-1][1] if last else 'none saved'}", file=sys.stderr)
-            status = EXIT_NOT_FINITE
-            break
-        if (step + 1) % t.eval_every == 0 or step + 1 == t.max_steps:
-            trainer.engine.eval()
-            record.update(held_out_streak(trainer, data, recipe))
-            trainer.engine.train()
-        if rank == 0:
-            append_log(out / "metrics.jsonl", record)
-            trackers.log({k: v for k, v in record.items() if k != "step"}, step + 1)
-            bar.update()
-            bar.set_postfix(loss=f"{record['loss']:.4f}")
-        if (step + 1) % t.save_every == 0 or step + 1 == t.max_steps:
-            save_checkpoint(trainer, recipe, out, step + 1, {**meta, "metrics": record})
-    bar.close()
+                append_log(out / "metrics.jsonl", record)
+                trackers.log({k: v for k, v in record.items() if k != "step"}, step + 1)
+                bar.update()
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+            if (step + 1) % t.save_every == 0 or step + 1 == t.max_steps:
+                save_checkpoint(trainer, recipe, out, step + 1, {**meta, "metrics": record})
     # Real τ with the runtime (training accuracy alone misleads), from the final merged checkpoint.
     if rank == 0 and status == 0 and t.final_eval_prompts:
         trackers.log(record_final_tau(recipe, out, data), t.max_steps)
