@@ -132,6 +132,15 @@ def publish_folder(tmp: Path, final: Path, kind: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def discard_folder(folder: Path) -> None:
+    """Delete `folder` so that no reader ever finds it half deleted: one rename takes it out of sight (to a name
+    align's own temporary files have, ALIGN_TEMPORARY), then it is removed."""
+    doomed = folder.with_name(f".{folder.name}.discarded.old")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed)
+
+
 @contextmanager
 def atomic_folder(final: str | os.PathLike, kind: str) -> Iterator[Path]:
     """Yield an empty temporary folder beside `final`; when the block ends without an error it is marked as `kind`'s

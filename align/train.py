@@ -37,7 +37,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import socket
 import statistics
 import sys
@@ -51,8 +50,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from align.checkpoint import (STEP_FOLDER, append_log, commit_state, mark_folder, merged_model, naming_path,
-                              read_log, record_checksums, save_merged, state_to_resume, step_folders,
+from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_folder, mark_folder, merged_model,
+                              naming_path, read_log, record_checksums, save_merged, state_to_resume, step_folders,
                               write_text_atomic)
 from align.config import Recipe, RecipeError, first_line
 from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
@@ -586,10 +585,7 @@ def prune_checkpoints(out: Path, keep_last: int) -> list[Path]:
         for _, path in steps[: max(0, len(steps) - keep_last)]:
             if path.name == latest:
                 continue
-            doomed = path.with_name(f".{path.name}.pruned")
-            shutil.rmtree(doomed, ignore_errors=True)
-            os.replace(path, doomed)
-            shutil.rmtree(doomed)
+            discard_folder(path)
             deleted.append(path)
     return deleted
 

@@ -119,6 +119,7 @@ DEFERRED_CIRCLES = {
     ("align.preflight", "align.methods"),  # check_eval names a DFlash drafter's methods in its refusal
     ("align.preflight", "align.draft_graph"),  # check_eval and check_export read a draft graph
     ("align.data", "align.models"),  # reading a model's own tokenizer for its prompts
+    ("align.preflight", "align.mask_token"),  # check_train chooses a new DFlash drafter's mask token (its tokenizer)
 }
 
 
