@@ -236,7 +236,9 @@ def compared(toy_family, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compared")
     run = tmp / "run"
     run.mkdir()
-    shutil.copytree(root / "ck" / "drafter-base", run / "base")
+    # The base: the toy drafter with its weights scrambled, whose τ stays low even when the toy verifier, trained for a
+    # time budget, comes out degenerate (one token over and over, which any trained drafter predicts).
+    perturbed_copy(root / "ck" / "drafter-base", run / "base", 3.0)
     verifier_as_drafter(root, run / "aligned")
     here = os.getcwd()
     os.chdir(run)
