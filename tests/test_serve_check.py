@@ -78,6 +78,7 @@ def serve_check(prompt_file, drafter, out, *extra):
                   f"decode.gamma={GAMMA}", f"decode.max_new_tokens={MAX_NEW_TOKENS}", *extra])
 
 
+@pytest.mark.slow  # vLLM's start-up: ~2 min on this CPU
 @needs_vllm
 def test_served_drafter_decodes_identically_with_acceptance_within_10_percent(prompt_file, tmp_path):
     checkpoint = dflash_checkpoint(tmp_path / "step_1", TRAIN_STEPS)

@@ -77,6 +77,7 @@ def used_windows(length: int) -> int:
     return min(WINDOWS, length)
 
 
+@pytest.mark.slow  # a 2-rank DeepSpeed run (the fixture)
 def test_the_ranks_rows_ask_for_different_numbers_of_forwards(canvas_run):
     """The premise of the run below: in its steps and in its held-out metric the two ranks' rows need different
     numbers of window forwards (else the run would pass on code that lets them differ)."""
@@ -93,6 +94,7 @@ def test_the_ranks_rows_ask_for_different_numbers_of_forwards(canvas_run):
     assert held[0] != held[1], held
 
 
+@pytest.mark.slow  # two 2-rank ZeRO-3 DeepSpeed runs
 def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_path):
     args, _ = canvas_run
     out = tmp_path / "run"
