@@ -57,7 +57,7 @@ def users_folder(path: Path) -> Path:
 
 def training_run(path: Path) -> Path:
     """A training run's folder, as the issue's export deleted one (unmarked: an older align's)."""
-    (path / "ds_state").mkdir(parents=True)
+    (path / "ds_state" / "step_1").mkdir(parents=True)  # DeepSpeed's tag (from before states carried checksums)
     (path / "ds_state" / "latest").write_text("step_1")
     (path / "step_1").mkdir()
     (path / "step_1" / "meta.json").write_text(json.dumps({"step": 1}))
