@@ -21,10 +21,8 @@ def _none(recipe: Recipe) -> tuple[str, ...]:
 
 
 def _train_checks(recipe: Recipe) -> None:
-    from align.train import check_resume  # the run folder's settings: a changed recipe is refused before launching
-
     check_train(recipe)
-    check_resume(recipe)
+    _stage_check("align.train")(recipe)  # the run folder's settings: a changed recipe is refused before launching
 
 
 def _served_drafter(recipe: Recipe) -> str:

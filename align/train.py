@@ -26,12 +26,12 @@ if __name__ == "__main__":
     # Run as a script, this file's folder comes first on sys.path, where align's own modules (config, data, ...)
     # would shadow top-level packages of the same names.
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-    from align.launch import handle_interrupts
+    import runpy
 
-    handle_interrupts()  # as the `align` command does, before torch is imported
-    from align.cli import main as align_main
-
-    raise SystemExit(align_main(["train", *sys.argv[1:]]))
+    # Run as the `align` command is (its interrupt handling first, before torch is imported): the CLI is the program
+    # here, not a module this stage imports.
+    sys.argv = ["align", "train", *sys.argv[1:]]
+    runpy.run_module("align.cli", run_name="__main__", alter_sys=True)
 
 import functools
 import json
@@ -183,6 +183,11 @@ def resume_step(out: Path) -> int:
     state is refused before any launcher starts)."""
     tag = state_to_resume(out / "ds_state", warn=False)
     return int(STEP_FOLDER.match(tag).group(1)) if tag else 0
+
+
+def check(recipe: Recipe) -> None:
+    """`align train`'s own check before any launcher starts (stages.py calls it): the run folder (check_resume)."""
+    check_resume(recipe)
 
 
 def check_resume(recipe: Recipe) -> int:
