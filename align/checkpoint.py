@@ -405,8 +405,6 @@ def read_checksums(folder: str | os.PathLike) -> Optional[dict[str, str]]:
             return record
     except ValueError:
         pass
-    from align.config import RecipeError
-
     raise RecipeError(f"{path} is not a readable checksum record (corrupted): restore the folder or write it again")
 
 
@@ -422,8 +420,6 @@ def verify_checksums(folder: str | os.PathLike, key: str = "") -> bool:
     stats = tuple((name, *_stat(folder / name)) for name in sorted(record))
     problem = _first_mismatch(folder, json.dumps(record, sort_keys=True), stats)
     if problem:
-        from align.config import RecipeError
-
         raise RecipeError(f"{key + ': ' if key else ''}{problem}: restore the folder or write it again (or, if "
                           f"the file was changed on purpose, delete {CHECKSUMS})")
     return True
@@ -487,8 +483,6 @@ def read_log(path: str | os.PathLike, who: str = "align") -> list[dict[str, Any]
                 print(f"{who}: warning: {path}: line {number} was cut short mid-write (a crash or a full disk); "
                       "dropped it", file=sys.stderr)
                 break
-            from align.config import RecipeError
-
             raise RecipeError(f"{path}: line {number} is not a JSON record (the file is damaged): repair or delete "
                               "that line") from None
         records.append(record)
@@ -630,8 +624,6 @@ def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn
     damaged after it was complete (the disk, a copy): that is refused, naming the file, rather than resumed around.
     A tag from before checksums were recorded is loaded unchecked. `warn`: say the fallback (once per run: the
     preflight asks quietly, the resume says it)."""
-    from align.config import RecipeError
-
     state_dir = Path(state_dir)
     latest = state_dir / "latest"
     tags = sorted((int(m.group(1)), p.name) for p in state_dir.iterdir()
