@@ -31,6 +31,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tests on tiny models: threads cost more than they give there."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def started(monkeypatch) -> list[str]:
     """Stages whose main was called: each stage's main is replaced by a recorder, so a test sees which stages a command

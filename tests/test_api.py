@@ -27,12 +27,7 @@ PROMPTS = ["def add(a, b):", "class Stack:\n    def"]
 NEW_TOKENS = 24
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads cost more than they give
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

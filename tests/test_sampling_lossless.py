@@ -47,7 +47,8 @@ from align.decoding.sd_ar import sd_ar_generate
 from align.methods import METHODS, Setup
 from align.models import DrafterSpec
 
-pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+pytestmark = [pytest.mark.slow,  # the fast tier (-m 'not slow') leaves this file out; CI runs it
+              pytest.mark.usefixtures("one_thread")]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Shared with test_tree.py and test_custom_generate.py: the peaky 8-token Llama models and the joint they are tested by
@@ -310,14 +311,6 @@ def decode_pvalue(setup: Setup, method: str, sampling: Sampling, trials: int,
 
     samples = first_tokens(decode, seed=SEED, trials=trials, new_tokens=setup.decode.max_new_tokens)
     return lossless_pvalue(samples, exact_joint(setup.verifier, TABLE_PROMPT, sampling, setup.decode.max_new_tokens))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads cost more than they give
-    yield
-    torch.set_num_threads(threads)
 
 
 # What our runtime implements; the HF baselines (hf_generate, hf_assisted, prompt_lookup) are HF's own sampling.

@@ -28,12 +28,7 @@ FAMILIES = families(SLIDING_WINDOW)  # a window the tests' sequences go past
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads cost more than they give
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(family, seed, sharpen=4.0, bidirectional=False):
