@@ -20,7 +20,7 @@ from align.checkpoint import file_sha256
 from align.config import Recipe, RecipeError, first_line, get_key
 from align.corpus import ensure_data
 from align.hub import hub_offline, is_hub_id
-from align.preflight import check_context, fits_context, model_context, model_section
+from align.preflight import check_context, check_tiny_default, fits_context, model_context, model_section
 
 if TYPE_CHECKING:
     import torch
@@ -338,6 +338,7 @@ def check_prompts(recipe: Recipe, key: str, model_key: str) -> None:
     prompts, and chat messages only where a template applies."""
     template = recipe_chat_template(recipe, model_key)
     if get_key(recipe, key) is None:
+        check_tiny_default(recipe, key, model_key)
         return  # the tiny prompt sets: plain strings, built on first use by the stage
     prompts = load_prompts(recipe, key)
     if template is None and any(not isinstance(p, str) for p in prompts):

@@ -397,6 +397,8 @@ def check_eval(recipe: Recipe) -> None:
     tokens leave room for a prompt in the models' context."""
     e, c = recipe.eval, recipe.calibrate
     check_new_tokens(recipe, "decode.max_new_tokens", eval_models(recipe))
+    if e.mode == "speculative" and any("cps" in name for name in e.methods):
+        check_tiny_default(recipe, "decode.cps_proxy_corpus", "verifier.path")
     if e.mode == "speculative" and "drafter.path" in eval_models(recipe):
         bad = [m for m in e.methods if m in NOT_DFLASH_METHODS]
         if bad and drafter_kind(recipe) == "dflash":
@@ -425,6 +427,43 @@ def check_new_tokens(recipe: Recipe, new_key: str, model_keys: Iterable[str]) ->
     if not fits_context(1, new_tokens, context):
         raise RecipeError(f"{new_key}: {new_tokens} new tokens leave no room for a prompt in the context of "
                           f"{get_key(recipe, key)} ({context} tokens, {key})")
+
+
+# The keys whose default is the tiny family's own data, and what that default is. A real model prompted with functions
+# of the standard library's source, or drafting against a trigram proxy fitted on them, runs without an error and
+# measures nothing its user wants: such a run is refused instead (check_tiny_default).
+TINY_DEFAULTS: dict[str, str] = {
+    "data.train_prompts": "the tiny train split (functions of the Python standard library's source)",
+    "eval.prompts": "the tiny test split (functions of the Python standard library's source)",
+    "calibrate.prompts": "the tiny train split (functions of the Python standard library's source)",
+    "decode.cps_proxy_corpus": "a trigram proxy fitted on the tiny corpus (the Python standard library's source)",
+}
+
+
+def tiny_family(recipe: Recipe, model_key: str) -> bool:
+    """Whether the model at `model_key` reads the tiny family's vocabulary (bootstrap.out's tokenizer): a model
+    trained by `align bootstrap` or from one, whatever its folder is called. A Hub id or a folder without a
+    tokenizer.json is not."""
+    from tokenizers import Tokenizer  # the tokenizer files are compared by their vocabularies, not their bytes
+
+    tiny = Path(recipe.bootstrap.out) / "tokenizer" / "tokenizer.json"
+    model = Path(model_section(recipe, model_key).path) / "tokenizer.json"
+    if not (tiny.is_file() and model.is_file()):
+        return False
+    try:
+        return Tokenizer.from_file(str(model)).get_vocab() == Tokenizer.from_file(str(tiny)).get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer.json `tokenizers` cannot read is not the tiny one
+        return False
+
+
+def check_tiny_default(recipe: Recipe, key: str, model_key: str) -> None:
+    """Refuse a stage that would fall back to the tiny family's data (TINY_DEFAULTS[key], `key` unset) for a model that
+    is not of the tiny family."""
+    if get_key(recipe, key) is not None or tiny_family(recipe, model_key):
+        return
+    raise RecipeError(f"{key}: not set, so {TINY_DEFAULTS[key]} would be used, but "
+                      f"{model_section(recipe, model_key).path} is not a tiny-family model; set {key} (for "
+                      "training prompts, `align prompts` writes them from the verifier itself)")
 
 
 def check_calibrate(recipe: Recipe) -> None:

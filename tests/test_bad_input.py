@@ -443,6 +443,46 @@ def test_good_prompt_sources_pass_the_checks(capsys, started, chats, tmp_path):
     assert started == ["trajectories", "eval"]
 
 
+@pytest.fixture(scope="module")
+def not_tiny(tmp_path_factory) -> dict[str, Path]:
+    """Copies of the tiny verifier and drafter whose tokenizers are not the tiny family's (two tokens' ids swapped:
+    the vocabulary size, and so every other check, is unchanged)."""
+    import json
+
+    root = tmp_path_factory.mktemp("not_tiny")
+    made = {"verifier": copy_model(VERIFIER, root / "verifier"), "drafter": copy_model(DRAFTER, root / "drafter")}
+    for folder in made.values():
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        first, second = (w for w, _ in zip(sorted(vocab, key=vocab.get)[300:], range(2)))
+        vocab[first], vocab[second] = vocab[second], vocab[first]
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return made
+
+
+TINY_DEFAULT_CASES = [
+    # stage, recipe, overrides, the key named
+    ("trajectories", "align", ["verifier.path={verifier}"], "data.train_prompts"),
+    ("eval", "eval", ["verifier.path={verifier}", "drafter.path={drafter}", "eval.methods=[ar]"], "eval.prompts"),
+    ("eval", "eval", ["verifier.path={verifier}", "drafter.path={drafter}", "eval.prompts={prompts}",
+                      "eval.methods=[ar, specdiff_cps]"], "decode.cps_proxy_corpus"),
+    ("calibrate", "spiffy", ["drafter.path={drafter}"], "calibrate.prompts"),
+]
+
+
+@pytest.mark.parametrize("stage, recipe, overrides, key", TINY_DEFAULT_CASES,
+                         ids=[c[3] for c in TINY_DEFAULT_CASES])
+def test_tiny_defaults_are_refused_for_a_model_of_another_family(capsys, started, not_tiny, chats, tmp_path, stage,
+                                                                  recipe, overrides, key):
+    """issue 26: a real model with a recipe that leaves the prompts (or the CPS proxy's corpus) unset would run on the
+    tiny family's standard-library data; it is refused before the stage starts, naming the key to set."""
+    names = {**{k: str(v) for k, v in not_tiny.items()}, "prompts": str(chats["hub"])}
+    out = {"trajectories": "trajectories.out", "eval": "eval.out", "calibrate": "calibrate.out"}[stage]
+    line = refused(capsys, started, stage, f"recipes/tiny/{recipe}.yaml", *(o.format(**names) for o in overrides),
+                   "eval.prompt_field=prompt", f"{out}={tmp_path / 'out'}")
+    assert f"error: {key}: not set" in line and "is not a tiny-family model" in line, line
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # 9. files other stages wrote, and configs, checked before any work (issue 24: findings 7, 10, 11)
 # --------------------------------------------------------------------------------------------------------------------
