@@ -141,8 +141,8 @@ def test_two_nodes_by_slurm_sbatch_train_as_one_node_does(toy_trajectories, one_
     nodes = [(tmp_path / f"srun.log.node{n}").read_text() for n in (0, 1) if (tmp_path / f"srun.log.node{n}").exists()]
     assert status == 0, log + "".join(n[-3000:] for n in nodes)
     assert (tmp_path / "hostfile").read_text() == "gpu01 slots=1\ngpu02 slots=1\n"
-    assert (tmp_path / "srun.log").read_text() == (
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash launch/slurm.sbatch {' '.join(recipe_args(toy_trajectories, out))}\n")
+    srun = "srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash launch/slurm.sbatch"
+    assert (tmp_path / "srun.log").read_text() == f"{srun} {' '.join(recipe_args(toy_trajectories, out))}\n"
     for rank, node_log in enumerate(nodes):
         assert f"--no_ssh --node_rank {rank}" in node_log and "dist_world_size=2" in node_log, node_log[-3000:]
     assert len(nodes) == 2
