@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -176,20 +177,76 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
                        help="MPI-style hostfile: 'host slots=N' per line")
     group.add_argument("--master_addr", default=None, help="address of rank 0 (multi-node)")
     group.add_argument("--master_port", type=integer_in(1, 65535), default=None, help="port of rank 0")
+    group.add_argument("--node_rank", type=integer_in(0), default=None,
+                       help="this host's line of the hostfile, from 0, when every host starts align itself (no ssh): "
+                            "the same --hostfile and --master_addr on every host")
+
+
+def hostfile_hosts(path: str) -> list[tuple[str, int]]:
+    """(host, slots) of each line of an MPI-style hostfile, in order, as DeepSpeed's runner reads it ('#' lines and
+    blank ones skipped). Raises RecipeError, naming the line, where the runner would raise a ValueError traceback."""
+    from align.config import RecipeError
+
+    hosts: list[tuple[str, int]] = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^(\S+)\s+slots=(\d+)", line)
+        if match is None:
+            raise RecipeError(f"--hostfile: {path} line {number} is {line!r}; each line is 'host slots=N'")
+        if any(host == match.group(1) for host, _ in hosts):
+            raise RecipeError(f"--hostfile: {path} line {number} names {match.group(1)} a second time")
+        hosts.append((match.group(1), int(match.group(2))))
+    if not hosts:
+        raise RecipeError(f"--hostfile: {path} names no host ('host slots=N' per line)")
+    return hosts
+
+
+def check_launch(args: argparse.Namespace) -> None:
+    """The launcher options together, checked before anything starts (RecipeError, one line): what DeepSpeed's runner
+    would otherwise meet with an assertion, a traceback, or an ssh attempt. Fills in --master_addr for --node_rank."""
+    from align.config import RecipeError
+
+    node_rank = getattr(args, "node_rank", None)
+    if args.hostfile is None:
+        if node_rank is not None:
+            raise RecipeError("--node_rank needs --hostfile (every host's line, the same file on every host)")
+        return
+    hosts = hostfile_hosts(args.hostfile)
+    if args.num_nodes is not None and args.num_nodes > len(hosts):
+        raise RecipeError(f"--num_nodes {args.num_nodes}: {args.hostfile} names {len(hosts)} host(s)")
+    nodes = len(hosts) if args.num_nodes is None else args.num_nodes  # the runner uses the first num_nodes hosts
+    if node_rank is not None:
+        if node_rank >= nodes:
+            raise RecipeError(f"--node_rank {node_rank}: the run has {nodes} node(s) ({args.hostfile}), "
+                              f"so it is 0..{nodes - 1}")
+        if args.master_addr is None:
+            # Without it the runner asks the first host for its address over ssh, which --node_rank is there to avoid.
+            args.master_addr = hosts[0][0]
+    elif nodes > 1 and shutil.which("pdsh") is None:
+        raise RecipeError(f"{args.hostfile} names {nodes} hosts and pdsh (which DeepSpeed's runner reaches them with "
+                          "over ssh) is not installed; start align on each host with --node_rank 0.."
+                          f"{nodes - 1} (NODE_RANK for launch/multi_node.sh) and the same --master_addr")
 
 
 def deepspeed_command(recipe: str, overrides: list[str], num_gpus: Optional[int] = None,
                       num_nodes: Optional[int] = None, hostfile: Optional[str] = None,
                       master_addr: Optional[str] = None, master_port: Optional[int] = None,
-                      stage: str = "train") -> list[str]:
+                      stage: str = "train", node_rank: Optional[int] = None) -> list[str]:
     """The deepspeed runner's command line for this stage and recipe; None options are left to the runner's
-    defaults."""
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    defaults. `node_rank`: this host starts its own ranks only (the runner's --no_ssh)."""
+    # This interpreter's own runner first: the one on PATH may belong to another environment (a venv run by its path,
+    # not activated), and the runner starts the ranks with its own Python.
+    beside = Path(sys.executable).parent / "deepspeed"
+    launcher = str(beside) if beside.is_file() else shutil.which("deepspeed") or str(beside)
     cmd = [launcher]
     for flag, value in (("--num_gpus", num_gpus), ("--num_nodes", num_nodes), ("--hostfile", hostfile),
                         ("--master_addr", master_addr), ("--master_port", master_port)):
         if value is not None:
             cmd += [flag, str(value)]
+    if node_rank is not None:
+        cmd += ["--no_ssh", "--node_rank", str(node_rank)]
     program = [str(TRAIN_SCRIPT)] if stage == "train" else ["--module", "align.cli", stage]
     return cmd + program + [recipe, *overrides]
 
@@ -208,13 +265,16 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 
 def single_local_process(args: argparse.Namespace) -> bool:
-    return (args.num_gpus in (None, 1)) and args.num_nodes in (None, 1) and args.hostfile is None
+    return (args.num_gpus in (None, 1) and args.num_nodes in (None, 1) and args.hostfile is None
+            and getattr(args, "node_rank", None) is None)  # --node_rank alone is refused by run (check_launch)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Launch the stage on every rank; returns its exit status."""
+    """Launch the stage on every rank; returns its exit status. Raises RecipeError (before anything starts) for
+    launcher options that do not go together."""
+    check_launch(args)
     cmd = deepspeed_command(args.recipe, args.overrides, args.num_gpus, args.num_nodes, args.hostfile,
-                            args.master_addr, args.master_port, stage=args.stage)
+                            args.master_addr, args.master_port, stage=args.stage, node_rank=args.node_rank)
     print(f"align {args.stage}:", " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores
