@@ -157,3 +157,22 @@ def test_no_full_vocabulary_logits_history_is_kept(tmp_path):
     assert measured["tokens"] == [steps] * rows  # every step ran (no end token)
     # A step's logits and top-k come and go; a history of them would be all of `history` at the last step.
     assert measured["peak_growth"] < history / 4, (measured, history)
+
+
+@pytest.mark.slow
+def test_offline_kd_trains_on_stored_topk(toy_trajectories, tmp_path):
+    """A real training step whose KD losses read the stored float16 top-k (no verifier in the step)."""
+    from conftest import TOY_TRAJECTORIES
+
+    root, traj = toy_trajectories
+    out = tmp_path / "kd"
+    args = [f"drafter.path={root / 'ck' / 'drafter-base'}", f"verifier.path={root / 'ck' / 'verifier'}",
+            f"trajectories.out={traj}", *TOY_TRAJECTORIES, f"train.out={out}", "train.gamma=4",
+            "train.windows_per_sequence=2", "train.max_steps=2", "train.micro_batch_size=2", "train.eval_every=100",
+            "train.final_eval_prompts=0", "train.data_mode=offline", "train.losses={streak_tv: 1.0, fkl: 1.0}"]
+    done = subprocess.run([sys.executable, "align/train.py", "recipes/tiny/align.yaml", *args], cwd=ROOT,
+                          env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 2 and all(np.isfinite(record[n]) and record[n] != 0 for n in ("streak_tv", "fkl")), record
