@@ -348,6 +348,39 @@ def check_prompts(recipe: Recipe, key: str, model_key: str) -> None:
                           f"template ({why})")
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# the end-token rule: one place, for every stage that decodes with a verifier (trajectories, eval, calibrate,
+# serve-check, the Python API). Torch-free, so that checks before any model loads can apply it.
+# --------------------------------------------------------------------------------------------------------------------
+def eos_token_ids(verifier: Any, tokenizer: Any) -> frozenset[int]:
+    """The tokens that end a generation of `verifier`: its generation_config.eos_token_id (an int or a list: instruct
+    models list their end-of-turn token there, which the tokenizer's single eos_token may not be, as Gemma 3-it's
+    <end_of_turn> beside its <eos>) and the tokenizer's eos_token_id, deduplicated. `verifier`: the loaded model, or
+    its GenerationConfig where no HF model is loaded (generation_config_of; trajectories with vLLM), or None."""
+    generation = getattr(verifier, "generation_config", verifier)
+    configured = getattr(generation, "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    own = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return frozenset(int(t) for t in (*configured, *own))
+
+
+def generation_config_of(path: str) -> Any:
+    """The GenerationConfig transformers' from_pretrained gives the model at `path` (a folder or a cached Hub id), read
+    without its weights as from_pretrained reads it: generation_config.json, else one built from config.json."""
+    from transformers import GenerationConfig  # seconds to import, and only stages with models need it
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
+
+
+def verifier_end_tokens(recipe: Recipe, tokenizer: Any) -> list[int]:
+    """eos_token_ids of the recipe's verifier (`tokenizer` is its tokenizer), sorted, read from its files without its
+    weights: where its trajectories stop, as eval's decoding of the loaded verifier stops."""
+    return sorted(eos_token_ids(generation_config_of(recipe.verifier.path), tokenizer))
+
+
 def read_trajectory_manifest(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
@@ -416,6 +449,22 @@ def check_trajectories_match(recipe: Recipe, manifest: dict[str, Any]) -> None:
                           f"{name(made_with)}, the recipe ({recipe.data.chat_template}, {recipe.verifier.path}) gives "
                           f"{name(wanted)} (rerun align trajectories into another trajectories.out, or set "
                           "data.chat_template to match)")
+    # Completions stopped at other end tokens are other texts: stopped short of the verifier's end-of-turn token, they
+    # run on past the turn, and the drafter learns to continue where the verifier stops. Trajectories made before the
+    # end tokens were recorded stopped at the tokenizer's eos alone; they are still read where that is the same rule.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe.verifier.path, trust_remote_code=recipe.verifier.trust_remote_code)
+    wanted_ends = verifier_end_tokens(recipe, tokenizer)
+    made_ends = made.get("end_token_ids")
+    if made_ends is None and wanted_ends != [tokenizer.eos_token_id]:
+        raise RecipeError(f"trajectories.out: the trajectories in {recipe.trajectories.out} stopped at the tokenizer's "
+                          f"eos only (made before align stopped them at the verifier's end tokens {wanted_ends}, as "
+                          "eval does); rerun align trajectories into another trajectories.out")
+    if made_ends is not None and sorted(made_ends) != wanted_ends:
+        raise RecipeError(f"trajectories.out: the trajectories in {recipe.trajectories.out} stopped at the end tokens "
+                          f"{sorted(made_ends)}, the verifier {recipe.verifier.path} ends generations at {wanted_ends} "
+                          "(rerun align trajectories into another trajectories.out)")
 
 
 def load_checked_trajectories(recipe: Recipe) -> Any:

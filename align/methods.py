@@ -20,7 +20,7 @@ import torch
 from align.checkpoint import atomic_folder
 from align.config import DecodeSection, Recipe, RecipeError
 from align.corpus import ensure_data
-from align.data import load_trajectories
+from align.data import eos_token_ids, load_trajectories  # eos_token_ids: the end-token rule, for the callers here
 from align.decoding.adaptive_length import AdaptiveLength
 from align.decoding.ar import ar_generate
 from align.decoding.generation import GenerationStats, Sampling
@@ -141,16 +141,6 @@ def method_fn(method: MethodOptions) -> MethodFn:
 
 # Every method by name (align/decoding/options.py's METHOD_NAMES, which the recipe schema checks names against).
 METHODS: dict[str, MethodFn] = {name: method_fn(parse_method(name)) for name in METHOD_NAMES}
-
-
-def eos_token_ids(verifier: Any, tokenizer: Any) -> frozenset[int]:
-    """The tokens that end a generation: the verifier's generation_config.eos_token_id (an int or a list: instruct
-    models list their end-of-turn token there, which the tokenizer's single eos_token may not be) and the tokenizer's
-    eos_token_id."""
-    configured = getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)
-    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
-    own = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    return frozenset(int(t) for t in (*configured, *own))
 
 
 def prompt_generator(seed: int, index: int, device: torch.device) -> torch.Generator:

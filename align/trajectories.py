@@ -15,13 +15,16 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from align.checkpoint import atomic_folder, file_sha256, mark_folder, write_text_atomic
 from align.config import Recipe, RecipeError, get_key
-from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, load_prompts,
-                        prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path)
+from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, load_prompts, prompt_ids_sha256,
+                        render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
+from align.decoding.generation import truncate
 from align.models import load_tokenizer, load_verifier, resolve_device, resolve_dtype
 from align.preflight import check_context, check_inputs, model_context
 from align.vllm_engine import VllmRunner, vllm_dtype, vllm_python
@@ -43,46 +46,95 @@ PROMPT_KEYS = ("trajectories.num_prompts", "data.train_prompts", "data.train_spl
                "data.chat_template", "data.dir")
 
 
-def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[str]) -> dict[str, Any]:
+def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[str],
+                end_tokens: list[int]) -> dict[str, Any]:
     return {
         **{name: get_key(recipe, key) for key, name in SETTING_KEYS.items()},
         "num_prompts": len(prompt_ids),
         # the token ids the verifier read, and the chat template that rendered them (align train compares it)
         "prompts_sha256": prompt_ids_sha256(prompt_ids), "chat_template_sha256": template_sha256(template),
+        # where each completion stopped (data.eos_token_ids, as eval stops; align train compares it)
+        "end_token_ids": end_tokens,
     }
 
 
+# How top-k is stored: log-probs as float16 (Arrow's halffloat; Arrow has no bfloat16). A top-k log-prob lies in
+# [-65504, 0], where float16's 11-bit significand keeps it to 2^-11 relative (5e-4 at -1, 0.01 at -20), 8 times finer
+# than bfloat16's, whose wider exponent range buys nothing here; ids as int32 (every vocabulary is under 2^31).
+TOPK_LOGPROB_DTYPE, TOPK_ID_DTYPE = "float16", "int32"
+
+
+class StepTopK(LogitsProcessor):
+    """The verifier's own top-k log-probs (temperature 1, before sampling's warpers) at every step of generate(), kept
+    as the loop runs, so that no step's full-vocabulary logits outlive it (output_logits keeps every step's, fp32:
+    steps × batch × vocab × 4 bytes, ~80 GB per chunk of a 152k-vocabulary model).
+
+    A forward hook on the verifier takes the top-k of each forward's last position, the logits generate() samples
+    from; generate() calls the processor once per step, after that step's forward(s), and it copies that step's top-k
+    into buffers made once for all steps. (A processor alone would see the scores after the temperature and top-p
+    warpers: custom processors run last. Small tensors kept step by step would pin the allocator's heap between each
+    step's vocabulary-sized temporaries: +120 MB over 96 steps of a 131k vocabulary on a CPU, measured.)"""
+
+    def __init__(self, verifier: Any, k: int, max_steps: int) -> None:
+        self.k, self.max_steps, self.steps = k, max_steps, 0
+        self.latest: Any = None  # the last forward's top-k: (B, k) values and indices
+        self.logprobs: Optional[torch.Tensor] = None  # (B, max_steps, k) float16, made at the first step
+        self.ids: Optional[torch.Tensor] = None  # (B, max_steps, k) int32
+        self.hook = verifier.register_forward_hook(self._keep_topk)
+
+    def _keep_topk(self, module: Any, args: Any, output: Any) -> None:
+        self.latest = torch.log_softmax(output.logits[:, -1].float(), -1).topk(self.k, dim=-1)  # best first
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        values, indices = self.latest
+        if self.logprobs is None:
+            shape = (values.shape[0], self.max_steps, self.k)
+            self.logprobs = torch.empty(shape, dtype=getattr(torch, TOPK_LOGPROB_DTYPE), device=values.device)
+            self.ids = torch.empty(shape, dtype=getattr(torch, TOPK_ID_DTYPE), device=values.device)
+        self.logprobs[:, self.steps] = values
+        self.ids[:, self.steps] = indices
+        self.steps += 1
+        return scores
+
+    def stacked(self) -> tuple[np.ndarray, np.ndarray]:
+        """(B, steps, k) log-probs (float16) and ids (int32) of every step, on the CPU."""
+        assert self.logprobs is not None and self.ids is not None, "generate() made no step"
+        return self.logprobs[:, : self.steps].cpu().numpy(), self.ids[:, : self.steps].cpu().numpy()
+
+
 @torch.inference_mode()
-def sample_chunk(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], recipe: Recipe,
-                 seed: int) -> list[dict[str, Any]]:
+def sample_chunk(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], recipe: Recipe, seed: int,
+                 end_tokens: frozenset[int]) -> list[dict[str, Any]]:
     """Completions of a batch of rendered prompts (data.render_prompt), `completions_per_prompt` each, by HF
-    generate() (batched, left-padded)."""
+    generate() (batched, left-padded), each stopped at its first end token (`end_tokens`, kept)."""
     t = recipe.trajectories
     tokenizer.padding_side = "left"  # generation appends on the right: padding must not sit between prompt and text
     batch = tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt").to(verifier.device)
     torch.manual_seed(seed)
     sample = dict(do_sample=True, temperature=t.temperature, top_p=t.top_p, top_k=0) if t.temperature > 0 else dict(
         do_sample=False, temperature=None, top_p=None, top_k=None)  # greedy: sampling flags would only draw warnings
-    out = verifier.generate(
-        **batch, **sample,
-        max_new_tokens=t.max_new_tokens, num_return_sequences=t.completions_per_prompt,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        output_logits=t.store_topk > 0, return_dict_in_generate=True,
-    )
+    topk = StepTopK(verifier, t.store_topk, t.max_new_tokens) if t.store_topk else None
+    try:
+        sequences = verifier.generate(
+            **batch, **sample,
+            max_new_tokens=t.max_new_tokens, num_return_sequences=t.completions_per_prompt,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(end_tokens) or None,
+            logits_processor=LogitsProcessorList([topk] if topk else []),
+        )
+    finally:
+        if topk is not None:
+            topk.hook.remove()
     width = batch.input_ids.shape[1]
+    if topk is not None:
+        logprobs, ids = topk.stacked()  # (B·n, steps, k)
     rows = []
-    for r, sequence in enumerate(out.sequences):
+    for r, sequence in enumerate(sequences):
         prompt_row = r // t.completions_per_prompt
         prompt_ids = batch.input_ids[prompt_row][batch.attention_mask[prompt_row].bool()].tolist()
-        completion = sequence[width:].tolist()
-        if tokenizer.eos_token_id in completion:  # everything after the first EOS is padding
-            completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
+        completion = truncate(sequence[width:].tolist(), t.max_new_tokens, end_tokens)  # then padding
         row: dict[str, Any] = {"prompt_ids": prompt_ids, "completion_ids": completion}
-        if t.store_topk:
-            # The verifier's own distribution (temperature 1, before sampling's warpers), for KD losses.
-            logits = torch.stack([step[r] for step in out.logits[: len(completion)]]).float()
-            top = torch.log_softmax(logits, -1).topk(t.store_topk, dim=-1)
-            row["topk_ids"], row["topk_logprobs"] = top.indices.tolist(), top.values.tolist()
+        if topk is not None:
+            row["topk_ids"], row["topk_logprobs"] = ids[r, : len(completion)], logprobs[r, : len(completion)]
         rows.append(row)
     return rows
 
@@ -96,21 +148,33 @@ def start_vllm(recipe: Recipe) -> VllmRunner:
 
 
 def sample_chunk_vllm(runner: VllmRunner, tokenizer: Any, prompt_ids: list[list[int]], recipe: Recipe,
-                      seed: int) -> list[dict[str, Any]]:
+                      seed: int, end_tokens: frozenset[int]) -> list[dict[str, Any]]:
     """The rows `sample_chunk` makes, from vLLM: it reads the same rendered token ids (it never sees a tokenizer),
-    each completion ends at its first EOS (kept), the top-k log-probs are the verifier's own, as HF's."""
+    each completion ends at its first end token (kept), the top-k log-probs are the verifier's own, as HF's."""
     t = recipe.trajectories
     out = runner.generate(prompt_ids, max_new_tokens=t.max_new_tokens, temperature=t.temperature,
                           top_p=t.top_p if t.temperature > 0 else 1.0, n=t.completions_per_prompt, seed=seed,
-                          logprobs=t.store_topk, stop_token_ids=[tokenizer.eos_token_id])
+                          logprobs=t.store_topk, stop_token_ids=sorted(end_tokens))
     rows = []
     for ids, samples in zip(prompt_ids, out.completions):  # prompt-major, as generate()'s num_return_sequences
         for sample in samples:
-            row: dict[str, Any] = {"prompt_ids": list(ids), "completion_ids": sample.token_ids}
+            completion = truncate(sample.token_ids, t.max_new_tokens, end_tokens)
+            row: dict[str, Any] = {"prompt_ids": list(ids), "completion_ids": completion}
             if t.store_topk:
-                row["topk_ids"], row["topk_logprobs"] = sample.topk_ids, sample.topk_logprobs
+                row["topk_ids"] = np.asarray(sample.topk_ids[: len(completion)], dtype=TOPK_ID_DTYPE)
+                row["topk_logprobs"] = np.asarray(sample.topk_logprobs[: len(completion)], dtype=TOPK_LOGPROB_DTYPE)
             rows.append(row)
     return rows
+
+
+def chunk_features(rows: list[dict[str, Any]]) -> Any:
+    """The Arrow types of a chunk's columns: top-k as (completion, k) lists of int32 ids and float16 log-probs."""
+    from datasets import Features, List, Value
+
+    types = {"prompt_ids": List(Value("int64")), "completion_ids": List(Value("int64")),
+             "topk_ids": List(List(Value(TOPK_ID_DTYPE))), "topk_logprobs": List(List(Value(TOPK_LOGPROB_DTYPE))),
+             "prompt_index": Value("int64")}
+    return Features({name: types[name] for name in rows[0]})
 
 
 def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) -> None:
@@ -118,7 +182,7 @@ def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) ->
     from datasets import Dataset
 
     with atomic_folder(folder, "trajectories") as tmp:
-        Dataset.from_list(rows).save_to_disk(str(tmp))
+        Dataset.from_list(rows, features=chunk_features(rows)).save_to_disk(str(tmp))
         checksums = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.arrow"))}
         tokens = sum(len(r["completion_ids"]) for r in rows)
         (tmp / "chunk.json").write_text(json.dumps({"settings": settings_hash, "rows": len(rows), "tokens": tokens,
@@ -147,7 +211,8 @@ def main(recipe: Recipe, command: str) -> None:
     for i, ids in enumerate(prompts):
         check_context(f"data.train_prompts: prompt {i}", len(ids), "trajectories.max_new_tokens", t.max_new_tokens,
                       context, "the verifier's")
-    settings = settings_of(recipe, prompts, template)
+    end_tokens = verifier_end_tokens(recipe, tokenizer)  # from its files: vLLM loads no HF model
+    settings = settings_of(recipe, prompts, template, end_tokens)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(t.out)
     old = out / TRAJECTORY_MANIFEST
@@ -165,7 +230,8 @@ def main(recipe: Recipe, command: str) -> None:
     for c in tqdm(todo, desc=f"trajectories (rank {rank})", unit="chunk", disable=rank != 0, dynamic_ncols=True,
                   initial=len(mine) - len(todo), total=len(mine)):
         chunk_prompts = prompts[starts[c] : starts[c] + t.batch_size]
-        rows = produce(verifier, tokenizer, chunk_prompts, recipe, seed=recipe.train.seed * 1_000_003 + c)
+        rows = produce(verifier, tokenizer, chunk_prompts, recipe, seed=recipe.train.seed * 1_000_003 + c,
+                       end_tokens=frozenset(end_tokens))
         for k, row in enumerate(rows):
             row["prompt_index"] = starts[c] + k // t.completions_per_prompt
         write_chunk(rows, out / "chunks" / f"chunk-{c:05d}", settings_hash)
@@ -182,7 +248,8 @@ def main(recipe: Recipe, command: str) -> None:
                   for c in range(len(starts))}
         manifest = {"settings_hash": settings_hash, "settings": settings, "prompts": source, "command": command,
                     "prompt_split": recipe.data.train_split, "prompt_column": recipe.data.prompt_column,
-                    "chat_template": recipe.data.chat_template,
+                    "chat_template": recipe.data.chat_template, "end_token_ids": end_tokens,
+                    "topk_dtypes": {"ids": TOPK_ID_DTYPE, "logprobs": TOPK_LOGPROB_DTYPE} if t.store_topk else None,
                     "rows": sum(c["rows"] for c in chunks.values()),
                     "completion_tokens": sum(c["tokens"] for c in chunks.values()),
                     "chunks": {name: c["sha256"] for name, c in chunks.items()},

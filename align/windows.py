@@ -262,17 +262,26 @@ def verifier_window_logits(verifier: Any, batch: WindowBatch) -> torch.Tensor:
 def topk_window_logits(rows: list[dict[str, Any]], batch: WindowBatch, vocab: int) -> torch.Tensor:
     """(B, W, γ, V) verifier logits rebuilt from stored top-k log-probs (−inf elsewhere): the top-k renormalised
     distribution, an approximation of the verifier's that KD losses use offline. `rows` are the rows the batch was
-    built from (a bidirectional batch has a row per window, each pointing at its trajectory)."""
+    built from (a bidirectional batch has a row per window, each pointing at its trajectory); their top-k (completion,
+    k) may be lists or arrays of any numeric type (float16 as align trajectories stores them, float64 in older folders).
+    One scatter of every window position's k log-probs, on the batch's device."""
+    device = batch.targets.device
     B, W, gamma = batch.targets.shape
-    out = torch.full((B, W, gamma, vocab), float("-inf"), device=batch.targets.device)
-    for b in range(B):
-        row = rows[int(batch.source_rows[b])]
-        p = len(row["prompt_ids"])
-        for w in range(W):
-            for i in range(gamma):
-                if batch.target_mask[b, w, i]:
-                    k = int(batch.starts[b, w]) + i - p  # completion position
-                    out[b, w, i, row["topk_ids"][k]] = torch.tensor(row["topk_logprobs"][k], device=out.device)
+    # Every row's top-k as one table (Σ completion lengths, k), and where each row's first position sits in it.
+    k = max(np.shape(row["topk_ids"])[-1] if len(row["topk_ids"]) else 0 for row in rows)
+    ids = [np.asarray(row["topk_ids"], dtype=np.int64).reshape(-1, k) for row in rows]
+    logprobs = [np.asarray(row["topk_logprobs"], dtype=np.float32).reshape(-1, k) for row in rows]
+    table_ids = torch.as_tensor(np.concatenate(ids), device=device)
+    table_logprobs = torch.as_tensor(np.concatenate(logprobs), device=device)
+    first = torch.as_tensor(np.cumsum([0] + [len(i) for i in ids[:-1]]), device=device)
+    prompt_len = torch.as_tensor([len(row["prompt_ids"]) for row in rows], device=device)
+    b, w, i = batch.target_mask.nonzero(as_tuple=True)  # the positions a window labels
+    source = batch.source_rows.to(device)[b]
+    position = batch.starts[b, w] + i - prompt_len[source]  # completion position of each
+    at = first[source] + position
+    out = torch.full((B * W * gamma, vocab), float("-inf"), device=device)
+    out[((b * W + w) * gamma + i)[:, None], table_ids[at]] = table_logprobs[at]
+    out = out.view(B, W, gamma, vocab)
     out[~batch.target_mask] = 0.0  # padding: any finite row (masked out of every loss)
     return out
 

@@ -42,6 +42,11 @@ def test_rows_and_manifest(made):
     assert 1 <= len(row["completion_ids"]) <= 8 and len(row["topk_ids"]) == len(row["completion_ids"])
     assert all(len(k) == 3 for k in row["topk_ids"])
     assert manifest["completion_tokens"] == sum(len(c) for c in data["completion_ids"])
+    # Top-k as float16 log-probs and int32 ids (Arrow types), and where every completion could stop.
+    assert str(data.features["topk_logprobs"]) == "List(List(Value('float16')))"
+    assert str(data.features["topk_ids"]) == "List(List(Value('int32')))"
+    assert manifest["topk_dtypes"] == {"ids": "int32", "logprobs": "float16"}
+    assert manifest["end_token_ids"] == manifest["settings"]["end_token_ids"] == [0]  # the toy tokenizer's eos only
 
 
 def test_resume_redoes_only_missing_chunks(made):

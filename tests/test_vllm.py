@@ -85,7 +85,7 @@ def test_topk_logprobs_agree(both_backends):
             assert lp == sorted(lp, reverse=True)  # best first, as HF's topk
             # The same tokens (two within float noise of each other may swap places) with the same log-probs.
             assert sorted(hf_ids) == sorted(ids) or hf_ids[0] == ids[0]
-            assert lp == pytest.approx(hf_lp, abs=2e-3)
+            assert lp == pytest.approx(hf_lp, abs=2e-3, rel=2.0 ** -10)  # both stored as float16
 
 
 @needs_vllm
@@ -149,3 +149,40 @@ def test_vllm_backend_without_its_environment_is_refused(prompt_file, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "trajectories.backend" in err and "setup_vllm.sh" in err
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@needs_vllm
+def test_vllm_trajectories_stop_where_eval_greedy_stops(prompt_file, tmp_path):
+    """A verifier whose generation_config ends generations at a token other than the tokenizer's eos (an instruct
+    model's end-of-turn token): vLLM's completions stop there, token for token where eval's AR greedy stops."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from align.config import load_recipe
+    from align.data import eos_token_ids
+    from align.decoding.ar import ar_generate
+    from align.decoding.generation import Sampling
+    from align.models import load_verifier
+
+    tokenizer = AutoTokenizer.from_pretrained(VERIFIER)
+    prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    folder = tmp_path / "verifier"
+    shutil.copytree(VERIFIER, folder)
+    verifier = load_verifier(load_recipe(None, [f"verifier.path={folder}", "verifier.dtype=float32"]).verifier)
+    first = ar_generate(verifier, torch.tensor([prompt_ids[0]]), MAX_NEW_TOKENS, Sampling(),
+                        frozenset({tokenizer.eos_token_id}))[0]
+    stop_at = next(i for i in range(1, MAX_NEW_TOKENS - 1) if first[i] not in first[:i] + [tokenizer.eos_token_id])
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [first[stop_at]]}))
+    verifier.generation_config.eos_token_id = [first[stop_at]]  # as from_pretrained would now read it
+    assert trajectories(prompt_file, tmp_path / "out", f"verifier.path={folder}", "trajectories.backend=vllm",
+                        "trajectories.store_topk=0") == 0
+    rows = load_trajectories(tmp_path / "out")
+    eval_ids = eos_token_ids(verifier, tokenizer)
+    assert rows["completion_ids"] == [ar_generate(verifier, torch.tensor([ids]), MAX_NEW_TOKENS, Sampling(),
+                                                  eval_ids)[0] for ids in prompt_ids]
+    assert rows["completion_ids"][0] == first[: stop_at + 1]  # stopped at the end-of-turn token, which is kept
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["end_token_ids"] == sorted(eval_ids) == sorted({tokenizer.eos_token_id, first[stop_at]})
