@@ -210,6 +210,7 @@ def _loss_peak(name, lm_head, windows):
     return peak, draft.grad.numel() * draft.grad.element_size()
 
 
+@pytest.mark.slow  # dequantising the real LM head takes ~30 s
 @pytest.mark.parametrize("name", ["streak", "fkl", "jsd"])
 def test_real_vocabulary_loss_memory_is_bounded_beyond_the_logits_gradient(name, gemma_lm_head):
     assert gemma_lm_head.shape[0] == 262_144
@@ -224,6 +225,7 @@ def test_real_vocabulary_loss_memory_is_bounded_beyond_the_logits_gradient(name,
     assert large - large_grad <= 12 * CHUNK_BYTES, report
 
 
+@pytest.mark.slow
 def test_real_vocabulary_chunked_equals_whole(gemma_lm_head):
     draft, verifier = _real_logits(gemma_lm_head, 2, seed=0)
     mask = torch.ones(2, GAMMA, dtype=torch.bool)
