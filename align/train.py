@@ -513,7 +513,9 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
     totals: dict[str, float] = {}
     for rows, batch in zip(micro_rows, batches):
-        parts = compute_losses(trainer, batch, rows, recipe, int(counts[0]), int(counts[1]))
+        # max(1, ·): a step may draw no window at all (train.max_sequence_length filled by its prompts); its losses
+        # are then 0 rather than 0 / 0
+        parts = compute_losses(trainer, batch, rows, recipe, max(1, int(counts[0])), max(1, int(counts[1])))
         loss = sum(parts.values())
         if not all_ranks(bool(torch.isfinite(loss)), world, trainer.device):
             return None
