@@ -256,6 +256,14 @@ class TrainSection(Section):
     warmup_steps: int = Field(default=10, ge=0)
     #: sequences per rank per micro-step
     micro_batch_size: int = Field(default=4, ge=1)
+    #: windows are drawn only from the first N tokens of each trajectory's prompt + completion (their labels too), so
+    #: a forward reads at most N tokens plus the drafted blocks; a trajectory whose prompt fills the N tokens gives no
+    #: window. None: the whole trajectory
+    max_sequence_length: Optional[int] = Field(default=None, ge=2)
+    #: recompute each drafter layer's activations in the backward instead of keeping them (transformers'
+    #: gradient_checkpointing_enable): less memory per token for about a third more compute; refused for a drafter
+    #: whose class does not support it
+    activation_checkpointing: bool = False
     gradient_accumulation_steps: int = Field(default=1, ge=1)
     #: gradient-norm clip; 0: off
     grad_clip: float = Field(default=1.0, ge=0.0)
@@ -693,6 +701,17 @@ class BootstrapSection(Section):
 # --------------------------------------------------------------------------------------------------------------------
 # the recipe
 # --------------------------------------------------------------------------------------------------------------------
+class MemorySection(Section):
+    """`align memory`: one drafter layer measured at the recipe's width, extrapolated to its peak per GPU."""
+    #: ranks the run is launched on (DeepSpeed's world size: what ZeRO shards over)
+    world_size: int = Field(default=8, ge=1)
+    #: prompt tokens a trajectory is taken to have (with trajectories.max_new_tokens and train.max_sequence_length:
+    #: the sequence length measured)
+    prompt_tokens: int = Field(default=512, ge=1)
+    #: write the measured figures as JSON here; None: print the table only
+    out: Optional[str] = Field(default=None, min_length=1)
+
+
 class Recipe(Section):
     #: free text shown in manifests and model cards
     name: str = "recipe"
@@ -713,6 +732,7 @@ class Recipe(Section):
     convert: ConvertSection = ConvertSection()
     prompts: PromptsSection = PromptsSection()
     bootstrap: BootstrapSection = BootstrapSection()
+    memory: MemorySection = MemorySection()
 
     def to_dict(self) -> dict[str, Any]:
         """The fully resolved recipe (defaults filled in), JSON-serialisable, for manifests."""

@@ -2,15 +2,108 @@
 
 Every loss takes an explicit token count to divide by, so that gradient accumulation over micro-batches of different
 sizes gives exactly the gradient of the whole batch.
+
+The window losses reduce every position's (V,) logits to a few numbers (log q(x), a KL, an α) before anything
+else, so they are computed in chunks of positions (`rowwise`): over a 150k–262k vocabulary, an fp32 copy of
+[windows × γ × V] logits (and log_softmax's saved output, the KL terms, ...) would otherwise be the largest tensors of
+the step. Only one chunk's fp32 intermediates are live at a time, in the forward and in the backward (which
+recomputes the chunk instead of keeping its softmax): the loss adds the logits' own gradient and a bounded amount.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
+
+# --------------------------------------------------------------------------------------------------------------------
+# chunked per-position reductions over the vocabulary
+# --------------------------------------------------------------------------------------------------------------------
+#: the most logits (positions × vocabulary) one chunk works on: each fp32 intermediate of a chunk is at most 16 MiB,
+#: whatever the number of windows. An implementation bound, not a recipe setting: results do not depend on it.
+LOSS_CHUNK_ELEMENTS = 2**22
+
+
+class _RowwiseChunked(torch.autograd.Function):
+    """fn applied to chunks of rows; the backward recomputes each chunk's forward and back-propagates it alone, so
+    that no chunk's intermediates are kept between forward and backward (autograd over a chunked forward would keep
+    every chunk's softmax until the backward: as much memory as no chunking)."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., torch.Tensor], rows_per_chunk: int, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.rows_per_chunk = fn, rows_per_chunk
+        ctx.save_for_backward(*inputs)  # references, not copies: the logits are live anyway
+        n = inputs[0].shape[0]
+        return torch.cat([fn(*(x[i : i + rows_per_chunk] for x in inputs)) for i in range(0, n, rows_per_chunk)])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        inputs, r = ctx.saved_tensors, ctx.rows_per_chunk
+        wanted = [k for k, x in enumerate(inputs) if ctx.needs_input_grad[2 + k]]
+        grads: list[Optional[torch.Tensor]] = [None] * len(inputs)
+        for k in wanted:  # in the inputs' own dtype: what autograd would hand the logits without chunking
+            grads[k] = torch.empty_like(inputs[k])
+        for i in range(0, inputs[0].shape[0], r):
+            chunk = [x[i : i + r].detach().requires_grad_(k in wanted) for k, x in enumerate(inputs)]
+            with torch.enable_grad():
+                out = ctx.fn(*chunk)
+            chunk_grads = torch.autograd.grad(out, [chunk[k] for k in wanted], grad_out[i : i + r])
+            for k, g in zip(wanted, chunk_grads):
+                grads[k][i : i + r] = g
+        return (None, None, *grads)
+
+
+def rowwise(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    """fn over (..., V) logits (and same-shaped (...) or (..., V) companions) -> (...) values, computed chunk by chunk.
+
+    inputs: tensors sharing their leading dimensions (...); the first holds (..., V) logits. fn maps (n, ...) row
+    tensors to (n,) values, row by row (a row's value must not depend on another row), and is differentiable.
+    """
+    lead = inputs[0].shape[:-1]
+    vocab = inputs[0].shape[-1]
+    flat = [x.reshape(-1, *x.shape[len(lead):]) for x in inputs]
+    rows_per_chunk = max(1, LOSS_CHUNK_ELEMENTS // max(1, vocab))
+    return _RowwiseChunked.apply(fn, rows_per_chunk, *flat).view(lead)
+
+
+def _row_target_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(n, V) logits, (n,) token ids -> (n,) log q(target) in fp32."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _row_alpha(draft_logits: torch.Tensor, verifier_logits: torch.Tensor) -> torch.Tensor:
+    """(n, V) x2 -> (n,) α = Σ_v min(p(v), q(v)), the chance a sampled draft token is accepted."""
+    q = torch.softmax(draft_logits.float(), dim=-1)
+    p = torch.softmax(verifier_logits.float(), dim=-1)
+    return torch.minimum(p, q).sum(-1)
+
+
+def _row_fkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor) -> torch.Tensor:
+    return _kl(torch.log_softmax(verifier_logits.float(), -1), torch.log_softmax(draft_logits.float(), -1))
+
+
+def _row_rkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor) -> torch.Tensor:
+    log_p = torch.log_softmax(verifier_logits.float(), -1)
+    log_q = torch.log_softmax(draft_logits.float().masked_fill(log_p == float("-inf"), float("-inf")), -1)
+    return _kl(log_q, log_p)
+
+
+def _row_tvd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor) -> torch.Tensor:
+    q = torch.softmax(draft_logits.float(), -1)
+    p = torch.softmax(verifier_logits.float(), -1)
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def _row_jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    log_q = torch.log_softmax(draft_logits.float(), -1)
+    log_p = torch.log_softmax(verifier_logits.float(), -1)
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
+    return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
 
 def mdlm(
     draft_logits: torch.Tensor,
@@ -27,13 +120,13 @@ def mdlm(
     The 1/t weight makes this an upper bound on the data's negative log-likelihood (nats/token), so the drafter's
     loss can be compared across masking levels.
     """
-    ce = F.cross_entropy(draft_logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    ce = -rowwise(_row_target_log_prob, draft_logits, targets)
     return (ce * masked / mask_ratio).sum() / num_tokens
 
 
 def next_token(logits: torch.Tensor, targets: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
     """Autoregressive cross-entropy: logits (B, L, V) at position t predict targets (B, L) at t (already shifted)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / num_tokens
+    return -rowwise(_row_target_log_prob, logits, targets).sum() / num_tokens
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -45,8 +138,7 @@ def next_token(logits: torch.Tensor, targets: torch.Tensor, *, num_tokens: int) 
 # --------------------------------------------------------------------------------------------------------------------
 def _target_log_probs(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, γ) log q(x_i), with -inf at padding so that no streak runs through it."""
-    log_q = torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return log_q.masked_fill(~mask, float("-inf"))
+    return rowwise(_row_target_log_prob, draft_logits, targets).masked_fill(~mask, float("-inf"))
 
 
 def streak(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, num_windows: int) -> torch.Tensor:
@@ -76,9 +168,7 @@ def streak_tv(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: t
     α_i = 1 − TV(p_i, q_i) is the probability that position i is accepted; p_i is the verifier's distribution at
     window position i given the true prefix.
     """
-    q = torch.softmax(draft_logits.float(), dim=-1)
-    p = torch.softmax(verifier_logits.float(), dim=-1)
-    alpha = torch.minimum(p, q).sum(-1).clamp_min(1e-30)  # (B, γ)
+    alpha = rowwise(_row_alpha, draft_logits, verifier_logits).clamp_min(1e-30)  # (B, γ)
     prefix = torch.cumsum(torch.log(alpha).masked_fill(~mask, float("-inf")), dim=-1)
     return -torch.exp(prefix).sum() / num_windows
 
@@ -171,9 +261,7 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
 
 def fkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
     """Forward KL(p ‖ q): mass-covering distillation. Tokens with p = 0 (outside a stored top-k) contribute 0."""
-    log_q = torch.log_softmax(draft_logits.float(), -1)
-    log_p = torch.log_softmax(verifier_logits.float(), -1)
-    return _per_position(_kl(log_p, log_q), mask, num_tokens)
+    return _per_position(rowwise(_row_fkl, draft_logits, verifier_logits), mask, num_tokens)
 
 
 def rkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
@@ -182,16 +270,12 @@ def rkl(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.T
     KL(q ‖ p) is infinite as soon as p has zeros (a stored top-k) and q does not; restricted to p's support it is
     finite and is the plain reverse KL whenever p has full support.
     """
-    log_p = torch.log_softmax(verifier_logits.float(), -1)
-    log_q = torch.log_softmax(draft_logits.float().masked_fill(log_p == float("-inf"), float("-inf")), -1)
-    return _per_position(_kl(log_q, log_p), mask, num_tokens)
+    return _per_position(rowwise(_row_rkl, draft_logits, verifier_logits), mask, num_tokens)
 
 
 def tvd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
     """Total variation ½Σ|p − q| = 1 − α: DistillSpec's direct proxy for the rejection probability."""
-    q = torch.softmax(draft_logits.float(), -1)
-    p = torch.softmax(verifier_logits.float(), -1)
-    return _per_position(0.5 * (p - q).abs().sum(-1), mask, num_tokens)
+    return _per_position(rowwise(_row_tvd, draft_logits, verifier_logits), mask, num_tokens)
 
 
 def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *, num_tokens: int,
@@ -199,10 +283,8 @@ def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.T
     """Generalised Jensen-Shannon (GKD): β·KL(p ‖ m) + (1−β)·KL(q ‖ m), m = β·p + (1−β)·q, 0 < β < 1."""
     if not 0 < beta < 1:
         raise ValueError(f"jsd needs 0 < beta < 1, got {beta}")
-    log_q = torch.log_softmax(draft_logits.float(), -1)
-    log_p = torch.log_softmax(verifier_logits.float(), -1)
-    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
-    return _per_position(beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m), mask, num_tokens)
+    row_jsd = functools.partial(_row_jsd, beta=beta)
+    return _per_position(rowwise(row_jsd, draft_logits, verifier_logits), mask, num_tokens)
 
 
 # name -> (loss, what it is computed against): "targets" (the verifier's tokens) or "verifier_logits" (its

@@ -138,6 +138,12 @@ STAGES: dict[str, Stage] = {
         "align.prompts", ("verifier", "prompts"), models=lambda r: ("verifier.path",), outputs=("prompts.out",),
         check=_stage_check("align.prompts"),
     ),
+    "memory": Stage(
+        "measure one drafter layer at the recipe's width with its LM head and losses on the CPU, and extrapolate the "
+        "training peak per GPU under its ZeRO stage (memory.world_size ranks); prints a table, writes memory.out "
+        "only when set", "align.memory", ("drafter", "train", "trajectories", "memory"),
+        check=_stage_check("align.memory"),
+    ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
         None, tuple(name for name in Recipe.model_fields if name != "name"),

