@@ -84,8 +84,10 @@ def mdlm_step(model: torch.nn.Module, window: torch.Tensor, gen: torch.Generator
         scored = torch.where(first, clean_hidden.roll(1, dims=1), noised_hidden.roll(1, dims=1))
     else:
         scored = noised_hidden
-    logits = model.get_output_embeddings()(scored)  # only the noised copy's predictions are scored
-    return mdlm(logits, clean, masked, ratio, num_tokens=clean.numel())
+    # Only masked positions count in the loss, so the LM head (most of a small model's cost at a large vocabulary)
+    # runs on them alone: (1, M, V) for the M masked positions of the batch.
+    logits = model.get_output_embeddings()(scored[masked])[None]
+    return mdlm(logits, clean[masked][None], masked[masked][None], ratio[masked][None], num_tokens=clean.numel())
 
 
 @dataclass(frozen=True)
