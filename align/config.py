@@ -622,10 +622,10 @@ class DeriveSection(Section):
     out: str = "checkpoints/smollm2/diffusion/base"
     #: the verifier's layers kept, in order (0 is the first); None: derive.num_layers of them
     layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
-    # The layers below build the token representations that the kept ones read, and the last layer's output is what
-    # the final norm and LM head were trained on, so the first num_layers - 1 and the last are kept (LayerSkip's early
-    # exit reads the first layers the same way).
-    #: with derive.layers unset: keep the verifier's first num_layers - 1 layers and its last
+    # Spread over the depth, first and last included (the last layer's output is what the final norm and LM head were
+    # trained on). Measured on SmolLM2 (recipes/smollm2/derive.yaml): held-out MDLM loss before / after the recipe's
+    # adaptation 12.2 / 5.2 nats/token for [0, 10, 19, 29], 20.9 / 5.6 for the first three and the last.
+    #: with derive.layers unset: keep this many of the verifier's layers, evenly spread from its first to its last
     num_layers: int = Field(default=4, ge=1)
     # Block-causal: the context is causal (its KV cache is exact, as the verifier's) and a draft block sees the context
     # and itself, so a draft costs O(γ) and every block of a sequence trains in one pass. A bidirectional drafter

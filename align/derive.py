@@ -55,7 +55,8 @@ class Plan:
 
 
 def kept_layers(d: DeriveSection, num_layers: int) -> list[int]:
-    """The verifier layers the drafter keeps: derive.layers, else the first derive.num_layers - 1 and the last."""
+    """The verifier layers the drafter keeps: derive.layers, else derive.num_layers of them evenly spread from the
+    first to the last (30 layers, 4 kept: [0, 10, 19, 29]; one kept: the last)."""
     if d.layers is not None:
         outside = [i for i in d.layers if i >= num_layers]
         if outside:
@@ -65,7 +66,9 @@ def kept_layers(d: DeriveSection, num_layers: int) -> list[int]:
     if d.num_layers >= num_layers:
         raise RecipeError(f"derive.num_layers: {d.num_layers} keeps every one of the verifier's {num_layers} layers; a "
                           "drafter is cheaper than its verifier, so keep fewer")
-    return [*range(d.num_layers - 1), num_layers - 1]
+    if d.num_layers == 1:
+        return [num_layers - 1]
+    return [round(i * (num_layers - 1) / (d.num_layers - 1)) for i in range(d.num_layers)]
 
 
 def _read_manifest(out: Path) -> Optional[dict[str, Any]]:

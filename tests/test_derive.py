@@ -94,7 +94,7 @@ def test_the_drafter_keeps_the_verifiers_chosen_layers_and_weights(family):
         # each attention layer caches at its own new index
         assert [layer.self_attn.layer_idx for layer in drafter.model.layers] == list(range(len(layers)))
     d = load_recipe(None, ["derive.num_layers=3"]).derive
-    assert kept_layers(d, 30) == [0, 1, 29] and kept_layers(d.model_copy(update={"layers": [4, 2]}), 30) == [4, 2]
+    assert kept_layers(d, 30) == [0, 14, 29] and kept_layers(d.model_copy(update={"num_layers": 4}), 30) == [0, 10, 19, 29] and kept_layers(d.model_copy(update={"layers": [4, 2]}), 30) == [4, 2]
 
 
 def test_the_derived_folder_is_a_drafter_align_loads_unchanged(family, derived):
@@ -103,7 +103,7 @@ def test_the_derived_folder_is_a_drafter_align_loads_unchanged(family, derived):
     spec = DrafterSpec(tokenizer.mask_token_id, 1, "block_causal")  # the tiny tokenizer has its own mask token
     assert config["num_hidden_layers"] == 3 and DrafterSpec(**config["drafter_spec"]) == spec
     manifest = json.loads((derived / "manifest.json").read_text())
-    assert manifest["stage"] == "derive" and manifest["layers_kept"] == [0, 1, 5]
+    assert manifest["stage"] == "derive" and manifest["layers_kept"] == [0, 2, 5]
     assert manifest["mask_token"]["id"] == tokenizer.mask_token_id and "mask token" in manifest["mask_token"]["chosen"]
     assert manifest["steps"] == 8 and manifest["text"]["held_out_rows"] == 2  # prompts 0 and 20, as align train's
     # Frozen by default (derive.train_embeddings): the embeddings, which are also the LM head, stay the verifier's.
