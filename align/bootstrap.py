@@ -9,14 +9,13 @@ matches the recipe (so a re-run resumes at the first missing part):
   ar-drafter    causal LM of the drafter's size, the baseline drafter
 
 Pretraining runs against a wall-clock budget and saves a resumable state every few minutes, so a killed run loses
-at most that much work.
+at most that much work (align/pretraining.py's loop and MDLM step, which `align derive` shares).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import platform
 import shutil
 import time
@@ -25,19 +24,18 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from align import __version__
-from align.checkpoint import atomic_file, atomic_folder, mark_folder, save_merged
+from align.checkpoint import atomic_folder, mark_folder, save_merged
 from align.config import PretrainSection, Recipe, RecipeError
 from align.corpus import SPLITS, build_data, prompt_sets, read_corpus, read_manifest
-from align.losses import mdlm, next_token
-from align.models import DrafterSpec, additive_mask, block_diffusion_allowed
+from align.losses import next_token
+from align.models import DrafterSpec
+from align.pretraining import (Schedule, leading_windows, mdlm_step, mean_loss, random_windows, train_loop,
+                               use_bf16)
 
 EOT, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
 PARTS: tuple[str, ...] = ("tokenizer", "verifier", "drafter-base", "ar-drafter")
-# The small epsilon keeps 1/t finite; MDLM samples t in [eps, 1].
-MIN_MASK_RATIO = 1e-3
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -45,18 +43,6 @@ MIN_MASK_RATIO = 1e-3
 # --------------------------------------------------------------------------------------------------------------------
 def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def use_bf16(precision: str) -> bool:
-    """Whether pretraining autocasts to bf16. Bootstrap trains on the CPU, also where there is a GPU, so "auto" asks
-    whether this CPU has native bf16 (emulated bf16 is many times slower), not whether a GPU does."""
-    if precision != "auto":
-        return precision == "bf16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -117,11 +103,6 @@ def build_model(cfg: PretrainSection, tokenizer: Any, drafter_spec: DrafterSpec 
     return AutoModelForCausalLM.from_config(config)
 
 
-def _batch(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator) -> torch.Tensor:
-    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
-    return torch.from_numpy(np.stack([stream[s : s + seq_len + 1] for s in starts]).astype(np.int64))
-
-
 def ar_step(model: torch.nn.Module, window: torch.Tensor, cfg: PretrainSection, gen: torch.Generator,
             step: int = 0) -> torch.Tensor:
     """Next-token loss on a (B, L+1) window."""
@@ -130,107 +111,32 @@ def ar_step(model: torch.nn.Module, window: torch.Tensor, cfg: PretrainSection, 
     return next_token(logits, targets, num_tokens=targets.numel())
 
 
-def mdlm_step(
-    model: torch.nn.Module, window: torch.Tensor, cfg: PretrainSection, gen: torch.Generator, mask_id: int,
-    block_size: int,
-) -> torch.Tensor:
-    """MDLM loss of a block-causal drafter: every block of the sequence is noised and denoised in one pass."""
-    clean = window[:, :-1]
-    batch, seq_len = clean.shape
-    ratio = torch.rand(batch, seq_len // block_size, generator=gen) * (1 - MIN_MASK_RATIO) + MIN_MASK_RATIO
-    ratio = ratio.repeat_interleave(block_size, dim=1)  # (B, L): one masking level per block
-    masked = torch.rand(batch, seq_len, generator=gen) < ratio
-    noised = torch.where(masked, torch.full_like(clean, mask_id), clean)
-    ids = torch.cat([clean, noised], dim=1)
-    positions = torch.arange(seq_len).repeat(2).unsqueeze(0)  # the noised copy sits at its clean positions
-    mask = additive_mask(block_diffusion_allowed(seq_len, block_size), torch.float32).unsqueeze(0)
-    hidden = model.model(input_ids=ids, position_ids=positions, attention_mask=mask).last_hidden_state
-    logits = model.lm_head(hidden[:, seq_len:])  # only the noised copy is scored
-    return mdlm(logits, clean, masked, ratio, num_tokens=clean.numel())
+def schedule_of(cfg: PretrainSection) -> Schedule:
+    """A part's pretraining schedule: against its wall-clock budget."""
+    return Schedule(cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.save_every_minutes,
+                    budget_minutes=cfg.budget_minutes)
 
 
-def lr_at(cfg: PretrainSection, step: int, progress: float) -> float:
-    """Linear warm-up by steps, then cosine decay by the fraction of the wall-clock budget spent."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-@torch.no_grad()
 def validation_loss(model: torch.nn.Module, step_fn: Callable, stream: np.ndarray, cfg: PretrainSection,
                     bf16: bool) -> float:
     """Mean loss (nats/token) over the first `eval_tokens` tokens of the validation stream, fixed masking seed."""
-    model.eval()
-    gen = torch.Generator().manual_seed(1234)
-    n_windows = max(1, min(cfg.eval_tokens, len(stream) - 1) // cfg.seq_len)
-    losses = []
-    for start in range(0, n_windows, cfg.batch_size):
-        rows = [stream[i * cfg.seq_len : i * cfg.seq_len + cfg.seq_len + 1] for i in range(start, min(n_windows, start + cfg.batch_size))]
-        window = torch.from_numpy(np.stack(rows).astype(np.int64))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            losses.append(step_fn(model, window, cfg, gen, len(losses)).item() * len(rows))
-    model.train()
-    return sum(losses) / n_windows
+    windows = leading_windows(stream, cfg.seq_len, cfg.eval_tokens, cfg.batch_size)
+    return mean_loss(model, lambda m, w, g, step: step_fn(m, w, cfg, g, step), windows, bf16)
 
 
 def pretrain(
     part: str, cfg: PretrainSection, model: torch.nn.Module, streams: dict[str, np.ndarray], step_fn: Callable,
     work: Path, config_hash: str, seed: int, bf16: bool,
 ) -> dict[str, Any]:
-    """Train `model` until the wall-clock budget is spent, resuming from `work/state.pt` if a killed run left one."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
-    step, elapsed, tokens_seen, last_loss = 0, 0.0, 0, float("nan")
-    state_path = work / "state.pt"
-    if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
-        if state["config_hash"] == config_hash:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            step, elapsed, tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
-            print(f"[{part}] resuming at step {step} ({elapsed / 60:.1f} of {cfg.budget_minutes} min spent)")
-    budget = cfg.budget_minutes * 60
-    model.train()
-    bar = tqdm(total=round(budget), initial=round(elapsed), unit="s", desc=part, dynamic_ncols=True)
-    last_save = elapsed
-    while elapsed < budget:
-        t0 = time.perf_counter()
-        # Batches and masks depend only on (seed, step): a resumed run sees the data it would have seen.
-        rng = np.random.default_rng([seed, step])
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        window = _batch(streams["train"], cfg.batch_size, cfg.seq_len, rng)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step, elapsed / budget)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = step_fn(model, window, cfg, gen, step)
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"[{part}] loss is {loss.item()} at step {step}; the last saved state is in {work}")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, tokens_seen, last_loss = step + 1, tokens_seen + window[:, :-1].numel(), loss.item()
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        bar.update(min(round(elapsed) - bar.n, round(budget) - bar.n))
-        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{window[:, :-1].numel() / dt:.0f}", step=step)
-        # The last step is always saved: a run that is re-entered after its budget is spent resumes as finished.
-        if elapsed - last_save >= cfg.save_every_minutes * 60 or elapsed >= budget:
-            work.mkdir(parents=True, exist_ok=True)
-            with atomic_file(state_path) as tmp:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                            "elapsed": elapsed, "tokens_seen": tokens_seen, "config_hash": config_hash}, tmp)
-            last_save = elapsed
-    bar.close()
+    """Train `model` until the wall-clock budget is spent, resuming from `work/state.pt` if a killed run left one
+    (align/pretraining.py's loop, which align derive shares)."""
+    stats = train_loop(part, model, lambda m, w, g, step: step_fn(m, w, cfg, g, step),
+                       lambda rng: random_windows(streams["train"], cfg.batch_size, cfg.seq_len, rng),
+                       schedule_of(cfg), work, config_hash, seed, bf16)
     val = validation_loss(model, step_fn, streams["validation"], cfg, bf16)
-    print(f"[{part}] {step} steps, {tokens_seen:,} tokens, train loss {last_loss:.3f}, validation {val:.3f} nats/token")
-    return {"steps": step, "tokens_seen": tokens_seen, "train_loss": last_loss, "validation_loss": val,
-            "wall_time_s": round(elapsed, 1)}
+    print(f"[{part}] {stats['steps']} steps, {stats['tokens_seen']:,} tokens, train loss {stats['train_loss']:.3f}, "
+          f"validation {val:.3f} nats/token")
+    return {**stats, "validation_loss": val}
 
 
 @torch.no_grad()
@@ -313,7 +219,7 @@ def main(recipe: Recipe, command: str) -> None:
         if pcfg.objective == "mdlm":
             mask_id = tokenizer.mask_token_id
             sizes = pcfg.block_sizes
-            step_fn = lambda m, w, c, g, step: mdlm_step(m, w, c, g, mask_id, sizes[step % len(sizes)])  # noqa: E731
+            step_fn = lambda m, w, c, g, step: mdlm_step(m, w, g, mask_id, sizes[step % len(sizes)])  # noqa: E731
         else:
             step_fn = ar_step
         n_params = sum(p.numel() for p in model.parameters())

@@ -144,6 +144,12 @@ STAGES: dict[str, Stage] = {
         "only when set", "align.memory", ("drafter", "train", "trajectories", "memory"),
         check=_stage_check("align.memory"),
     ),
+    "derive": Stage(
+        "a standalone block-diffusion drafter cut from the verifier's own weights (a few of its layers, a mask token "
+        "chosen for its tokenizer), MDLM-adapted on its trajectories; resumable. align train aligns it after",
+        "align.derive", ("verifier", "derive", "trajectories", "data"), models=lambda r: ("verifier.path",),
+        outputs=("derive.out",), replaces=("derive.out",), check=_stage_check("align.derive"),
+    ),
     "validate": Stage(
         "check a recipe and its overrides, and print it with every default filled in",
         None, tuple(name for name in Recipe.model_fields if name != "name"),
