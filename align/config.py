@@ -551,6 +551,9 @@ class ServeCheckSection(Section):
     #: memory vLLM reserves for its KV cache on a CPU, in GiB (on a GPU it sizes the cache itself); unset: the same as
     #: trajectories.vllm_cpu_kv_cache_gib
     vllm_cpu_kv_cache_gib: Optional[float] = Field(default=None, gt=0.0)
+    #: requests in flight at a time, each level measured in vLLM without and with the drafter (speculative decoding's
+    #: gain shrinks as requests share a batch); the output and acceptance check runs at 1, which is always measured
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1], min_length=1)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -54,12 +54,18 @@ def report(result: dict[str, Any]) -> str:
         f"{s['tokens_per_second']:.1f} |",
     ]
     m = result["meta"]
+    levels = ["| requests in flight | vLLM tokens/s | vLLM + drafter tokens/s | speedup | mean acceptance length | "
+              "outputs identical (without / with) |", "|---|---|---|---|---|---|"]
+    levels += [f"| {r['concurrency']} | {r['plain_tokens_per_second']:.1f} | {r['drafter_tokens_per_second']:.1f} | "
+               f"{r['speedup']:.2f}× | {r['mean_acceptance_length']:.2f} | {r['plain_identical']} / "
+               f"{r['drafter_identical']} |" for r in result.get("concurrency", [])]
     lines = [f"# Serving check: {m['drafter']}", "",
              f"{m['num_prompts']} prompts, greedy, {m['max_new_tokens']} new tokens, γ={m['gamma']}, batch 1, "
              f"{m['dtype']}, {m['machine']}, {m['date']}.", "", *rows, "",
              f"vLLM mean acceptance length / align τ = {c['acceptance_ratio']:.3f} (allowed gap "
              f"{c['max_acceptance_gap']:.0%}); vLLM speedup from the drafter {c['vllm_speedup']:.2f}×.", "",
-             f"**{'PASS' if c['passed'] else 'FAIL'}**" + ("" if c["passed"] else f": {c['reason']}"), ""]
+             f"**{'PASS' if c['passed'] else 'FAIL'}**" + ("" if c["passed"] else f": {c['reason']}"), "",
+             "By concurrency (the prompts in groups sent together, vLLM batching them):", "", *levels, ""]
     return "\n".join(lines)
 
 
@@ -76,6 +82,17 @@ def served(result: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
             "seconds": result.seconds, "mean_acceptance_length": result.mean_acceptance_length,
             "num_drafts": result.num_drafts, "num_draft_tokens": result.num_draft_tokens,
             "num_accepted_tokens": result.num_accepted_tokens, "accepted_per_position": result.accepted_per_position}
+
+
+def by_concurrency(plain: ServeResult, drafted: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
+    """vLLM without and with the drafter at one concurrency. Outputs at concurrency > 1 are recorded, not required
+    identical: vLLM's batched kernels need not give a batch-1 run's floats (its batch invariance is opt-in)."""
+    return {"concurrency": plain.concurrency, "plain_tokens_per_second": plain.tokens_per_second,
+            "drafter_tokens_per_second": drafted.tokens_per_second,
+            "speedup": drafted.tokens_per_second / plain.tokens_per_second,
+            "mean_acceptance_length": drafted.mean_acceptance_length,
+            "accepted_per_position": drafted.accepted_per_position,
+            "plain_identical": plain.outputs == reference, "drafter_identical": drafted.outputs == reference}
 
 
 def main(recipe: Recipe, command: str) -> Optional[int]:
@@ -126,12 +143,13 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
         prompt_ids = [ids[0].tolist() for ids in prompts]
         kv_cache_gib = s.vllm_cpu_kv_cache_gib or recipe.trajectories.vllm_cpu_kv_cache_gib
         common = dict(max_new_tokens=d.max_new_tokens, dtype=vllm_dtype(verifier.dtype), kv_cache_gib=kv_cache_gib,
-                      stop_token_ids=sorted(eos_ids), key="serve_check")
-        plain = serve(recipe.verifier.path, prompt_ids, **common)
+                      stop_token_ids=sorted(eos_ids), concurrency=sorted({1, *s.concurrency}), key="serve_check")
+        plain_levels = serve(recipe.verifier.path, prompt_ids, **common)
         # "method" said outright: without it vLLM 0.32 guesses the method from the folder's path and serves any
         # folder not named *dflash* as a standalone draft model (lossless still, but it accepts far less).
-        drafted = serve(recipe.verifier.path, prompt_ids, speculative_config={
+        drafted_levels = serve(recipe.verifier.path, prompt_ids, speculative_config={
             "method": "dflash", "model": str(folder.resolve()), "num_speculative_tokens": d.gamma}, **common)
+        plain, drafted = plain_levels[0], drafted_levels[0]  # concurrency 1: the check
 
     align_result = {"tau": tau, "specdiff_identical": spec_outputs == reference,
                     "ar_tokens_per_second": num_tokens / ar_seconds,
@@ -149,6 +167,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                         f"(allowed {s.max_acceptance_gap:.0%})")
     result = {
         "align": align_result, "vllm_plain": plain_result, "vllm_drafter": drafted_result,
+        "concurrency": [by_concurrency(p, q, reference) for p, q in zip(plain_levels, drafted_levels)],
         "check": {"passed": not problems, "reason": "; ".join(problems), "acceptance_ratio": ratio,
                   "max_acceptance_gap": s.max_acceptance_gap,
                   "vllm_speedup": drafted.tokens_per_second / plain.tokens_per_second},

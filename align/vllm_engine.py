@@ -12,6 +12,7 @@ serving check (`serve`: the same prompts greedily at batch 1, with or without a 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -204,8 +205,10 @@ def last_error(log: IO[str]) -> str:
 
 @dataclass
 class ServeResult:
-    """vLLM decoding prompts greedily at batch 1, as a server answering one request at a time would."""
+    """vLLM decoding prompts greedily with `concurrency` requests in flight, as a server answering that many users."""
 
+    #: requests sent together: the prompts go in groups of this many (the last may be smaller); 1: one at a time
+    concurrency: int
     outputs: list[list[int]]  # (prompts, generated tokens)
     seconds: float
     tokens_per_second: float
@@ -220,25 +223,36 @@ class ServeResult:
 
 
 def serve(model: str, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, dtype: str,
-          kv_cache_gib: float, stop_token_ids: Sequence[int] = (),
-          speculative_config: Optional[dict[str, Any]] = None, key: str = "serve") -> ServeResult:
-    """Decode `prompt_ids` greedily with vLLM, one prompt at a time, with a drafter when `speculative_config` is
-    given ({"model": drafter_dir, "num_speculative_tokens": k}); one warm-up prompt first, outside the timing."""
+          kv_cache_gib: float, stop_token_ids: Sequence[int] = (), concurrency: Sequence[int] = (1,),
+          speculative_config: Optional[dict[str, Any]] = None, key: str = "serve") -> list[ServeResult]:
+    """Decode `prompt_ids` greedily with one vLLM engine, with a drafter when `speculative_config` is given
+    ({"model": drafter_dir, "num_speculative_tokens": k}), once at each of `concurrency`: c requests in flight at a
+    time (groups of c prompts sent together, which vLLM batches as it would c users' requests). A warm-up group at
+    each concurrency first, outside the timing (vLLM's CPU kernels are prepared per batch shape)."""
     with VllmRunner(model, dtype=dtype, kv_cache_gib=kv_cache_gib, speculative_config=speculative_config,
                     key=key) as runner:
-        runner.generate(prompt_ids[:1], max_new_tokens=min(max_new_tokens, 8), stop_token_ids=stop_token_ids)
-        run = runner.generate(prompt_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                              one_at_a_time=True)
-    counters = run.spec_decode
-    drafts = counters["num_drafts"]
+        results = []
+        for c in concurrency:
+            runner.generate(prompt_ids[:c], max_new_tokens=min(max_new_tokens, 8), stop_token_ids=stop_token_ids)
+            runs = [runner.generate(prompt_ids[i:i + c], max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                                    one_at_a_time=c == 1) for i in range(0, len(prompt_ids), c)]
+            results.append(served_result(c, runs, runner.version))
+    return results
+
+
+def served_result(concurrency: int, runs: Sequence[Generation], version: str) -> ServeResult:
+    """One ServeResult from the generate calls that served the prompts at `concurrency` (counters summed)."""
+    seconds = sum(run.seconds for run in runs)
+    counters = [run.spec_decode for run in runs]
+    drafts, accepted = sum(c["num_drafts"] for c in counters), sum(c["num_accepted_tokens"] for c in counters)
+    per_position = [sum(values) for values in itertools.zip_longest(
+        *(c["num_accepted_tokens_per_pos"] for c in counters), fillvalue=0)]
     return ServeResult(
-        outputs=[row[0].token_ids for row in run.completions], seconds=run.seconds,
-        tokens_per_second=run.num_tokens / run.seconds if run.seconds > 0 else 0.0,
-        num_drafts=drafts, num_draft_tokens=counters["num_draft_tokens"],
-        num_accepted_tokens=counters["num_accepted_tokens"],
-        accepted_per_position=counters["num_accepted_tokens_per_pos"],
-        mean_acceptance_length=1.0 + counters["num_accepted_tokens"] / drafts if drafts else 1.0,
-        vllm_version=runner.version)
+        concurrency=concurrency, outputs=[row[0].token_ids for run in runs for row in run.completions],
+        seconds=seconds, tokens_per_second=sum(run.num_tokens for run in runs) / seconds if seconds > 0 else 0.0,
+        num_drafts=drafts, num_draft_tokens=sum(c["num_draft_tokens"] for c in counters),
+        num_accepted_tokens=accepted, accepted_per_position=per_position,
+        mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0, vllm_version=version)
 
 
 def drafter_kind(folder: Path) -> str:
@@ -277,4 +291,8 @@ def served_drafter_kind(recipe: Any) -> str:
     if recipe.decode.gamma > block_size - 1:
         raise RecipeError(f"decode.gamma: {recipe.decode.gamma} draft tokens, but the drafter's blocks hold "
                           f"{block_size - 1} (block_size {block_size}); set decode.gamma={block_size - 1} or less")
+    most, prompts = max(recipe.serve_check.concurrency), recipe.eval.num_prompts
+    if prompts is not None and most > prompts:
+        raise RecipeError(f"serve_check.concurrency: {most} requests in flight need at least {most} prompts, and "
+                          f"eval.num_prompts is {prompts}")
     return kind

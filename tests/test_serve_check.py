@@ -86,8 +86,13 @@ def test_served_drafter_decodes_identically_with_acceptance_within_10_percent(pr
     assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={VERIFIER}", "verifier.dtype=float32",
                   f"drafter.path={checkpoint}", "export.format=speculators",
                   f"export.out={export}"]) in (0, None)
-    assert serve_check(prompt_file, export, tmp_path / "check") in (0, None)
+    assert serve_check(prompt_file, export, tmp_path / "check", "serve_check.concurrency=[1, 2]") in (0, None)
     result = json.loads((tmp_path / "check" / "serve_check.json").read_text())
+    # One engine per drafter setting, measured at each concurrency: 1 (the check below) and 2 requests in flight.
+    levels = result["concurrency"]
+    assert [r["concurrency"] for r in levels] == [1, 2] and all(r["plain_tokens_per_second"] > 0 for r in levels)
+    assert levels[0]["mean_acceptance_length"] == result["vllm_drafter"]["mean_acceptance_length"]
+    assert levels[1]["mean_acceptance_length"] > 1.0 and "| 2 |" in (tmp_path / "check" / "report.md").read_text()
     assert result["check"]["passed"], result["check"]["reason"]
     assert result["align"]["specdiff_identical"]
     assert result["vllm_plain"]["identical"] and result["vllm_drafter"]["identical"]
@@ -117,6 +122,7 @@ def test_refusals_are_one_line_before_any_work(prompt_file, tmp_path, capsys, mo
         (ROOT / "checkpoints" / "tiny" / "drafter-base", [], "standalone diffusion drafter, which vLLM cannot serve"),
         (tmp_path / "missing", [], "is not a drafter folder"),
         (checkpoint, [f"decode.gamma={GAMMA + 1}"], "decode.gamma"),
+        (checkpoint, ["serve_check.concurrency=[1, 4]", "eval.num_prompts=2"], "serve_check.concurrency: 4"),
     ]
     for drafter, extra, said in cases:
         assert serve_check(prompt_file, drafter, tmp_path / "out", *extra) == 2

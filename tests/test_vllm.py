@@ -117,8 +117,11 @@ def test_serve_without_a_drafter_decodes_as_hf(both_backends):
     # The tiny verifier rarely ends a completion within a few dozen tokens, so a token from the middle of the first
     # greedy completion stands in for EOS: decoding must stop at it, keeping it, as generate() does.
     stop = hf["completion_ids"][0][MAX_NEW_TOKENS // 3]
-    result = serve(str(VERIFIER), prompt_ids, max_new_tokens=MAX_NEW_TOKENS, dtype="float32", kv_cache_gib=0.25,
-                   stop_token_ids=[stop])
+    result, batched = serve(str(VERIFIER), prompt_ids, max_new_tokens=MAX_NEW_TOKENS, dtype="float32",
+                            kv_cache_gib=0.25, stop_token_ids=[stop], concurrency=(1, 4))
+    # 4 requests in flight: the same prompts in one batch, measured on the same engine.
+    assert (result.concurrency, batched.concurrency) == (1, 4) and len(batched.outputs) == len(prompt_ids)
+    assert batched.num_drafts == 0 and batched.tokens_per_second > 0
     verifier = AutoModelForCausalLM.from_pretrained(VERIFIER, dtype=torch.float32).eval()
     for ids, served in zip(prompt_ids, result.outputs):
         with torch.inference_mode():  # batch 1, no padding: HF's plainest greedy decoding
