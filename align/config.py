@@ -634,8 +634,8 @@ class DeriveSection(Section):
     #: the verifier's layers kept, in order (0 is the first); None: derive.num_layers of them
     layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
     # Spread over the depth, first and last included (the last layer's output is what the final norm and LM head were
-    # trained on). Measured on SmolLM2 (recipes/smollm2/derive.yaml): held-out MDLM loss before / after the recipe's
-    # adaptation 12.2 / 5.2 nats/token for [0, 10, 19, 29], 20.9 / 5.6 for the first three and the last.
+    # trained on): on SmolLM2 this adapted to a lower loss than the first layers and the last
+    # (docs/results/2026-12-01-derive-smollm2.md).
     #: with derive.layers unset: keep this many of the verifier's layers, evenly spread from its first to its last
     num_layers: int = Field(default=4, ge=1)
     # Block-causal: the context is causal (its KV cache is exact, as the verifier's) and a draft block sees the context

@@ -26,7 +26,7 @@ from align.methods import METHODS, Setup, eos_token_ids
 from align.models import load_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "smollm2" / "derive.yaml"
+RECIPE = ROOT / "recipes" / "smollm2" / "diffusion.yaml"
 TOKENIZER = ROOT / "checkpoints" / "tiny" / "verifier"  # the shipped tiny family's tokenizer (it has a mask token)
 NEW_TOKENS = 12
 
@@ -263,11 +263,11 @@ def test_a_two_layer_drafter_from_the_real_smollm2(smollm2, tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"messages": p}) + "\n" for p in PROMPTS))
     assert main(["trajectories", str(RECIPE), f"verifier.path={smollm2}", f"data.train_prompts={prompts}",
                  "data.prompt_column=messages", f"trajectories.out={tmp_path / 'traj'}", "trajectories.num_prompts=2",
-                 "trajectories.max_new_tokens=16", "trajectories.batch_size=2"]) == 0
+                 "trajectories.max_new_tokens=16", "trajectories.batch_size=2", "trajectories.backend=hf"]) == 0
     out = tmp_path / "drafter"
     capsys.readouterr()
     assert main(["derive", str(RECIPE), f"verifier.path={smollm2}", f"trajectories.out={tmp_path / 'traj'}",
-                 "trajectories.max_new_tokens=16", f"derive.out={out}", "derive.num_layers=2", "derive.seq_len=32",
+                 "trajectories.max_new_tokens=16", "trajectories.batch_size=2", "trajectories.backend=hf", f"derive.out={out}", "derive.num_layers=2", "derive.seq_len=32",
                  "derive.block_sizes=[4, 8]", "derive.batch_size=1", "derive.max_steps=2", "derive.eval_tokens=32"]) == 0
     said = capsys.readouterr().out
     assert "'<empty_output>' (id 16)" in said  # the mask token chosen for a tokenizer without one, said

