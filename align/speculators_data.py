@@ -98,6 +98,7 @@ def convert(trajectories_dir: str | Path, verifier_path: str | Path, layer_ids: 
     dataset.save_to_disk(str(out))
     summary = {"trajectories": str(trajectories_dir), "verifier": str(verifier_path), "layer_ids": list(layer_ids),
                "rows": len(rows), "tokens": sum(r["seq_len"] for r in rows),
+               "max_seq_len": max(r["seq_len"] for r in rows),
                "completion_tokens": sum(sum(r["loss_mask"]) for r in rows)}
     (out / "align_conversion.json").write_text(json.dumps(summary, indent=2))
     return summary
