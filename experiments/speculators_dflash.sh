@@ -19,7 +19,7 @@
 # path needs an accelerator: speculators/train/distributed.py:151), through experiments/speculators_cpu_train.py.
 #
 # Environment: ALIGN (align's CLI, default .venv/bin/align), ALIGN_VLLM_PYTHON (vLLM's python, default
-# .venv-vllm/bin/python), WORK (default work/speculators-dflash/<recipe name>), SKIP_ALIGN_TRAIN=1 to reuse align's
+# .venv-vllm/bin/python), WORK (default checkpoints/speculators-dflash/<recipe name>, ignored by git), SKIP_ALIGN_TRAIN=1 to reuse align's
 # latest checkpoint in train.out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,7 @@ key=decode.gamma; gamma=$(get "$@")
 key=dflash.num_layers; num_layers=$(get "$@")
 key=dflash.aux_layer_ids; layer_ids=$(get "$@" | tr -d '[] ')
 ranks=2  # align train --num_gpus 2, as launch/ and experiments/ run it
-work=${WORK:-work/speculators-dflash/$name}
+work=${WORK:-checkpoints/speculators-dflash/$name}
 mkdir -p "$work"
 [ -f "$trajectories/manifest.json" ] || { echo "speculators_dflash: $trajectories has no manifest.json (run: $ALIGN trajectories $recipe)" >&2; exit 2; }
 
