@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from align.checkpoint import file_sha256
-from align.speculators_data import convert, speculators_rows
+from align.speculators_data import convert, main, speculators_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 VERIFIER = ROOT / "checkpoints" / "tiny" / "verifier"
@@ -71,12 +71,20 @@ def test_convert_writes_the_dataset_and_hidden_states_speculators_reads(tmp_path
     assert not torch.allclose(saved["hidden_states"][:, -1], out.hidden_states[-1][0])  # not the normed one
 
 
-def test_bad_layer_ids_are_refused_in_one_line_before_any_work(tmp_path):
+def test_bad_layer_ids_are_refused_in_one_line_before_any_work(tmp_path, capsys):
     write_trajectories(tmp_path / "traj", ROWS)
-    for layer_ids in ("1,x", "1,7"):
-        run = subprocess.run([sys.executable, "-m", "align.speculators_data", "--trajectories", str(tmp_path / "traj"),
-                              "--verifier", str(VERIFIER), "--layer-ids", layer_ids, "--out", str(tmp_path / "spec")],
-                             capture_output=True, text=True, cwd=ROOT)
-        assert run.returncode == 2, run.stderr
-        assert run.stderr.count("\n") == 1 and "--layer-ids" in run.stderr
+    capsys.readouterr()  # datasets' progress bar
+    for layer_ids in ("1,x", "1,7"):  # not integers; layer 7 of a 7-layer verifier does not exist
+        code = main(["--trajectories", str(tmp_path / "traj"), "--verifier", str(VERIFIER), "--layer-ids", layer_ids,
+                     "--out", str(tmp_path / "spec")])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.count("\n") == 1 and "--layer-ids" in err
     assert not (tmp_path / "spec").exists()
+
+
+def test_the_module_exits_2_on_bad_input(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "align.speculators_data", "--trajectories", str(tmp_path / "none"),
+                          "--verifier", str(VERIFIER), "--layer-ids", "1", "--out", str(tmp_path / "spec")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and "manifest.json" in run.stderr and run.stderr.count("\n") == 1
