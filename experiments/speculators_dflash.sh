@@ -56,22 +56,43 @@ if [ ! -f "$work/data/align_conversion.json" ]; then
 fi
 max_len=$("$ALIGN_PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['max_seq_len'])" "$work/data/align_conversion.json")
 
-# 2. speculators' trainer, the same budget.
+# 2. speculators' trainer, the same budget. Its --max-steps ends an epoch but not the run (speculators 0.9.0,
+# train/trainer.py:601-605 break the step loop, run_training at :734-739 starts the next epoch, which takes one more
+# step and breaks again, forever; past max_steps the linear schedule's lr is 0, so the weights no longer change), so
+# the script stops it once an epoch checkpoint records global_step >= max_steps, and serves that checkpoint.
+step_folder() {  # the first epoch folder whose training_state.json has global_step >= $max_steps
+  "$ALIGN_PY" - "$work/train" "$max_steps" <<'PY'
+import json, sys
+from pathlib import Path
+done = [(json.loads(p.read_text())["global_step"], int(p.parent.name)) for p in Path(sys.argv[1]).glob("*/training_state.json")
+        if p.parent.name.isdigit()]
+reached = sorted(epoch for step, epoch in done if step >= int(sys.argv[2]))
+print(Path(sys.argv[1]) / str(reached[0]) if reached else "")
+PY
+}
 if [ ! -f "$work/train/done" ]; then
   rm -rf "$work/train"
+  mkdir -p "$work/train"
   "$VLLM_PY" experiments/speculators_cpu_train.py --speculator-type dflash --verifier-name-or-path "$verifier" \
     --data-path "$work/data" --save-path "$work/train" --log-dir "$work/logs" \
     --num-layers "$num_layers" --target-layer-ids ${layer_ids//,/ } --block-size $((gamma + 1)) \
     --max-anchors $((ranks * micro_batch * windows)) --total-seq-len $((ranks * micro_batch * max_len)) \
     --max-steps "$max_steps" --epochs 100000 --optimizer adamw --lr "$lr" --scheduler-warmup-steps "$warmup" \
     --num-workers 0 --hidden-states-dtype float32 --loss-implementation eager --draft-attn-impl sdpa \
-    --train-data-ratio 0.95 2>&1 | tee "$work/train.log" | grep -E "global_step|Saving|ERROR|Error" || true
-  [ "${PIPESTATUS[0]}" = 0 ] || { echo "speculators_dflash: speculators train failed (see $work/train.log)" >&2; exit 1; }
+    --train-data-ratio 0.95 > "$work/train.log" 2>&1 &
+  trainer=$!
+  while kill -0 $trainer 2>/dev/null && [ -z "$(step_folder)" ]; do sleep 10; done
+  if [ -n "$(step_folder)" ]; then
+    sleep 5; kill $trainer 2>/dev/null || true  # its checkpoint at max_steps is written; stop the extra epochs
+    wait $trainer 2>/dev/null || true
+  else
+    wait $trainer || true
+    echo "speculators_dflash: speculators train stopped before $max_steps steps (see $work/train.log)" >&2; exit 1
+  fi
   touch "$work/train/done"
 fi
-# The last epoch folder holds the weights at max_steps (speculators saves at every epoch's end and at the stop).
-spec_drafter="$work/train/$(ls "$work/train" | grep -E '^[0-9]+$' | sort -n | tail -1)"
-echo "speculators drafter: $spec_drafter"
+spec_drafter=$(step_folder)
+echo "speculators drafter: $spec_drafter ($(cat "$spec_drafter/training_state.json"))"
 
 # 3. align's own DFlash drafter on the same trajectories, the same budget.
 if [ "${SKIP_ALIGN_TRAIN:-0}" != 1 ]; then
