@@ -33,6 +33,7 @@ from align.data import chat_template as template_for, conversation, render_promp
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.options import method_name
 from align.decoding.path_search import TrigramModel
+from align.drafters import drafter_for
 from align.methods import (DFLASH_METHODS, METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
                            trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
@@ -122,8 +123,7 @@ class Pair:
             what, argument = ROLES[missing]
             raise RecipeError(f"method {method!r} needs {what}: pass align.load(..., {argument}=<folder or Hub id>) "
                               f"(methods the loaded models run: {', '.join(self.methods)})")
-        if self.spec is not None and self.spec.kind == "dflash" and method.startswith("specdiff") \
-                and method not in DFLASH_METHODS:
+        if self.spec is not None and method in drafter_for(self.drafter, self.spec).refused_methods:
             raise RecipeError(f"method {method!r} does not run a DFlash drafter ({self.recipe.drafter.path}); its "
                               f"methods are {', '.join(DFLASH_METHODS)}")
         decode = _validate({"decode": {**self.recipe.decode.model_dump(), **_settings(settings, DECODE_SETTINGS)}}

@@ -54,9 +54,17 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # METHODS has exactly these keys). A name or a spelling (specdiff+cps+tree) is checked when the recipe loads, before
 # torch is imported, and kept as its name.
 MethodName = Annotated[str, AfterValidator(method_name)]
-# align/losses.py's WINDOW_LOSSES keys, likewise.
-LOSS_NAMES: tuple[str, ...] = ("streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal",
-                              "chain", "streak_tv", "fkl", "rkl", "tvd", "jsd")
+# The window losses, each declared here once with what it is computed against: "targets" (the verifier's tokens) or
+# "verifier_logits" (its distributions, online or from stored top-k). Torch-free, so that a recipe's losses are checked
+# before torch is imported; align/losses.py pairs each name with its function of the same name (WINDOW_LOSSES) and
+# refuses to load when one is missing.
+LOSS_READS: dict[str, Literal["targets", "verifier_logits"]] = {
+    "streak": "targets", "ce_streak": "targets", "position_decay_ce": "targets", "dpace": "targets",
+    "positional_ce": "targets", "first_error_focal": "targets", "chain": "targets",
+    "streak_tv": "verifier_logits", "fkl": "verifier_logits", "rkl": "verifier_logits", "tvd": "verifier_logits",
+    "jsd": "verifier_logits",
+}
+LOSS_NAMES: tuple[str, ...] = tuple(LOSS_READS)
 LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -311,11 +319,9 @@ class TrainSection(Section):
 
     def labels_online(self) -> bool:
         """Whether the verifier runs inside the training step: on-policy, or online with a loss that reads its
-        distributions (align/losses.py's table says which do)."""
-        from align.losses import needs_verifier_distributions
-
+        distributions (LOSS_READS says which do)."""
         return self.data_mode == "on_policy" or (
-            self.data_mode == "online" and any(needs_verifier_distributions(name) for name in self.losses))
+            self.data_mode == "online" and any(LOSS_READS[name] == "verifier_logits" for name in self.losses))
 
 
 class GkdSection(Section):

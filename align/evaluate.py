@@ -25,6 +25,7 @@ from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_
                         template_sha256)
 from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
 from align.decoding.timers import verifier_latency
+from align.drafters import drafter_for
 from align.machine import machine, versions
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
@@ -354,13 +355,14 @@ def main(recipe: Recipe, command: str) -> None:
     if any(base_method(n).endswith("_cost") for n in names):  # one cost curve for every drafter compared
         setup.measured_costs(prompts[len(prompts) // 2])
     setups = {name: setup for name in names}
-    if spec is not None and spec.kind == "dflash" and "specdiff2_select" in names:
-        raise RecipeError("eval.methods: specdiff2_select does not run a DFlash drafter (drafter.path); "
+    refused = [name for name in names if spec is not None and name in drafter_for(drafter, spec).refused_methods]
+    if refused:
+        raise RecipeError(f"eval.methods: {refused[0]} does not run a DFlash drafter (drafter.path); "
                           f"its methods are {', '.join(DFLASH_METHODS)}")
     for label, section in compared.items():
         other, other_spec = load_drafter(section, tokenizer)
         for name in names:
-            if name.startswith("specdiff") and (other_spec.kind != "dflash" or name in DFLASH_METHODS):
+            if name.startswith("specdiff") and name not in drafter_for(other, other_spec).refused_methods:
                 setups[f"{name}@{label}"] = replace(setup, drafter=other, spec=other_spec)
     names = list(setups)
     out = mark_folder(e.out, "eval")

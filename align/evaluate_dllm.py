@@ -21,6 +21,7 @@ from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import DraftGraph
+from align.drafters import BATCHED_ROWS_MATCH
 from align.machine import machine, versions
 from align.methods import eos_token_ids
 from align.models import load_drafter, load_tokenizer
@@ -58,11 +59,7 @@ def outputs_claim(attention: str, tokens: dict[str, list[list[int]]], references
     method each one must reproduce, as measured, and why equality is expected but not bitwise by construction."""
     runs = [(t, r) for name, ref in references.items() if name != ref for t, r in zip(tokens[name], tokens[ref])]
     matched = sum(t == r for t, r in runs)
-    why = ("the model is block-causal, so each draft state sees exactly the context the real state sees; the rows of "
-           "the batched forward can still differ from a single forward in the last float bits"
-           if attention == "block_causal" else
-           "bidirectional model: drafts are batched rows of the same computation; float differences between batched "
-           "and single forwards could flip a near-tie")
+    why = BATCHED_ROWS_MATCH[attention]
     return (f"identical outputs measured: {matched}/{len(runs)} runs of Spiffy equal to the vanilla decoding they accelerate, token for "
             f"token (the exact_match column); expected but not bitwise by construction: {why}")
 

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from align.config import LOSS_READS
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # chunked per-position reductions over the vocabulary
@@ -287,23 +289,17 @@ def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.T
     return _per_position(rowwise(row_jsd, draft_logits, verifier_logits), mask, num_tokens)
 
 
-# name -> (loss, what it is computed against): "targets" (the verifier's tokens) or "verifier_logits" (its
-# distributions, online or from stored top-k). The one place that says which loss needs what: read it through
-# LOSS_NAMES and needs_verifier_distributions.
-WINDOW_LOSSES: dict[str, tuple] = {
-    "streak": (streak, "targets"),
-    "ce_streak": (ce_streak, "targets"),
-    "position_decay_ce": (position_decay_ce, "targets"),
-    "dpace": (dpace, "targets"),
-    "positional_ce": (positional_ce, "targets"),
-    "first_error_focal": (first_error_focal, "targets"),
-    "chain": (chain, "targets"),
-    "streak_tv": (streak_tv, "verifier_logits"),
-    "fkl": (fkl, "verifier_logits"),
-    "rkl": (rkl, "verifier_logits"),
-    "tvd": (tvd, "verifier_logits"),
-    "jsd": (jsd, "verifier_logits"),
-}
+def _loss_function(name: str) -> Callable[..., torch.Tensor]:
+    """The function of the loss `name` that config.LOSS_READS declares: this module's function of that name."""
+    function = globals().get(name)
+    if not callable(function):
+        raise ImportError(f"config.LOSS_READS declares the loss {name!r}; align/losses.py has no function of that name")
+    return function
+
+
+# name -> (loss, what it is computed against), from the one declaration of each loss and what it reads
+# (config.LOSS_READS): read it through LOSS_NAMES and needs_verifier_distributions.
+WINDOW_LOSSES: dict[str, tuple] = {name: (_loss_function(name), reads) for name, reads in LOSS_READS.items()}
 
 LOSS_NAMES: tuple[str, ...] = tuple(WINDOW_LOSSES)
 

@@ -1,9 +1,10 @@
-"""The model layer: load verifier, diffusion drafter, AR drafter and tokenizer; the DrafterSpec; draft logits.
+"""The model layer: load verifier, diffusion drafter, AR drafter and tokenizer; the DrafterSpec; attention masks
+and noise. Reading a drafter (its draft logits, its training windows) is align/drafters/'s.
 
 A diffusion drafter is a masked discrete-diffusion LM: given `context ⊕ [MASK]×γ` it returns a distribution for every
 masked position in one forward pass. Three facts describe how to read it, and getting any of them wrong silently
-destroys acceptance, so they live in one place (`DrafterSpec`) and one function reads logits for all of them
-(`block_logits`):
+destroys acceptance, so they live in one place (`DrafterSpec`) and one package reads logits for all of them
+(align/drafters, `drafter_for`):
 
 - `mask_token_id`: the token that marks a masked position (from the tokenizer, never a literal);
 - `logits_shift`: 0 when the prediction for position t is at logits[t] (LLaDA); 1 when it is at logits[t-1] (Dream,
@@ -17,16 +18,14 @@ destroys acceptance, so they live in one place (`DrafterSpec`) and one function 
 
 DiffusionGemma (`DiffusionGemmaForBlockDiffusion`) is block-causal in two modules that share their weights: a causal
 encoder writes the context KV cache and a bidirectional decoder denoises a canvas reading that cache without writing
-it. `block_logits`, `encode_context` and `shared_context_block_logits` take that route for it (`is_canvas_decoder`).
+it (the CANVAS_DECODER_FAMILIES; align/drafters/canvas.py reads it).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import os
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -164,7 +163,7 @@ def load_drafter(
         config, tokenizer, section.mask_token_id, section.logits_shift, section.attention
     )
     # A bidirectional drafter must never get transformers' default causal mask; a block-causal one keeps the causal
-    # default for its context and receives an explicit block mask in `block_logits`. The flag is set on the config
+    # default for its context and receives an explicit block mask where it is read (align/drafters/masked.py). The flag is set on the config
     # object rather than passed as a `from_pretrained` kwarg: configs without an `is_causal` attribute (Llama, Qwen2)
     # would hand the kwarg to the model's __init__, which rejects it.
     overrides = {}
@@ -174,9 +173,11 @@ def load_drafter(
     model = _load(section, **overrides)
     if spec.mask_token_id >= vocab_size(model):
         raise RecipeError(f"drafter.mask_token_id: {spec.mask_token_id} is outside the vocabulary ({vocab_size(model)})")
-    if spec.attention == "block_causal" and not is_canvas_decoder(model) and not is_dflash(model):
+    # A canvas decoder and a DFlash drafter build their own masks; every other drafter reads the masks align builds.
+    reads_align_masks = not is_canvas_decoder(model) and not is_dflash(model)
+    if spec.attention == "block_causal" and reads_align_masks:
         check_mask_layer_types(model, "drafter")  # its block mask is align's: refused now, not at the first draft
-    if section.trust_remote_code and not is_canvas_decoder(model) and not is_dflash(model):
+    if section.trust_remote_code and reads_align_masks:
         _check_masks_are_read(model, spec)
     return model, spec
 
@@ -385,7 +386,7 @@ def model_input(model: PreTrainedModel, spec: DrafterSpec, block_ids: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# reading a diffusion drafter
+# a model's family and caches
 # --------------------------------------------------------------------------------------------------------------------
 def is_canvas_decoder(model: PreTrainedModel) -> bool:
     """DiffusionGemma-style (config.CANVAS_DECODER_FAMILIES): a causal encoder writes the context cache
@@ -401,218 +402,3 @@ def rollback_cache(model: PreTrainedModel) -> DynamicCache:
         cache = DynamicCache(config=model.config)
     cache.activate_past_recording()
     return cache
-
-
-@dataclass
-class DrafterContext:
-    """Encoded context of a block-causal drafter: its exact KV cache and the logits of its last position."""
-
-    cache: DynamicCache
-    length: int
-    last_logits: Optional[torch.Tensor]  # (B, V): what a shifted drafter predicts for the first block position
-
-    @classmethod
-    def empty(cls, model: PreTrainedModel) -> "DrafterContext":
-        if is_canvas_decoder(model):
-            # A plain cache, as DiffusionGemma's own generate() uses: its decoder concatenates a sliding layer's
-            # cached keys with the canvas and must find exactly the last window−1 tokens its mask describes (past
-            # recording keeps more). Drafts never enter this cache, so it is never cropped back past the window.
-            with torch.device(model.device):  # sliding layers make a tensor of their window size at construction
-                return cls(DynamicCache(config=model.config.get_text_config(decoder=True)), 0, None)
-        return cls(rollback_cache(model), 0, None)
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
-
-
-def keep_logits(model: PreTrainedModel, count: int) -> dict[str, int]:
-    """`logits_to_keep=count` for a forward whose caller reads only its last `count` positions, where the model takes
-    it (transformers' own models do; some remote code does not). The LM head then runs on those positions alone, not
-    on every new context token: for a 150k-token vocabulary, a large part of a long context's forward."""
-    return {"logits_to_keep": count} if _takes_logits_to_keep(type(model)) else {}
-
-
-def encode_context(
-    model: PreTrainedModel, context_ids: torch.Tensor, state: Optional[DrafterContext] = None
-) -> DrafterContext:
-    """Extend a block-causal drafter's context cache to cover `context_ids` (B, n) — only the new tokens are run.
-
-    The context part of a block-causal drafter is an ordinary causal LM, so its KV cache is exact and can grow
-    token by token as the verifier accepts them.
-    """
-    if state is None:
-        state = DrafterContext.empty(model)
-    n = context_ids.shape[1]
-    if state.length > n:
-        raise ValueError(f"context shrank from {state.length} to {n} tokens; crop the DrafterContext first")
-    if state.length < n:
-        new = context_ids[:, state.length:]
-        positions = torch.arange(state.length, n, device=context_ids.device).unsqueeze(0)
-        if is_canvas_decoder(model):
-            # The encoder has no LM head: last_logits stays None, which an unshifted drafter never reads.
-            model.get_encoder()(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True)
-            state.length = n
-            return state
-        out = model(input_ids=new, position_ids=positions, cache=state.cache, use_cache=True, **keep_logits(model, 1))
-        state.length, state.last_logits = n, out.logits[:, -1]
-    return state
-
-
-def crop_context(state: DrafterContext, length: int) -> None:
-    """Drop cached context beyond `length` tokens (after the verifier rejected part of a draft). Where a sliding-window
-    layer no longer holds the keys that would leave it (`_crop_keeps_the_window`), the cache is emptied instead
-    (state.length 0): the next forward re-encodes the whole context, which gives the same keys."""
-    if length < state.length:
-        if _crop_keeps_the_window(state.cache, state.length - length):
-            state.cache.crop(length - state.length)
-            state.length = length
-        else:
-            state.cache.reset()
-            state.length = 0
-        state.last_logits = None  # re-encoding the last token restores it
-
-
-def _crop_keeps_the_window(cache: DynamicCache, tokens: int) -> bool:
-    """Whether dropping the last `tokens` leaves every sliding-window layer the keys its next forward reads (the last
-    window−1 of what remains). transformers cuts a sliding layer back to its last window−1 keys at every crop, past
-    recording or not: the blocks' crop in `_cached_blocks_forward` does, so a later crop reaching further back would
-    leave the layer short of keys its mask still counts."""
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) and getattr(layer, "is_initialized", False):
-            remaining = layer.get_seq_length() - tokens
-            if layer.keys.shape[-2] - tokens < min(remaining, layer.get_max_length() - 1):
-                return False
-    return True
-
-
-def block_logits(
-    model: PreTrainedModel,
-    spec: DrafterSpec,
-    context_ids: torch.Tensor,
-    block_ids: torch.Tensor,
-    state: Optional[DrafterContext] = None,
-) -> torch.Tensor:
-    """Logits predicting every position of a block that follows the context, whatever the drafter's spec.
-
-    context_ids: (B, n) clean tokens. block_ids: (B, γ) the block, with `spec.mask_token_id` at masked positions.
-    state: for a block-causal drafter, its context cache (extended here as needed); None re-encodes the context.
-    Returns (B, γ, V): row i is the drafter's distribution (logits) for block position i.
-    """
-    n, block_len = context_ids.shape[1], block_ids.shape[1]
-    if spec.logits_shift and n == 0:
-        raise ValueError("a shifted drafter needs at least one context token to predict the first block position")
-    if is_canvas_decoder(model):
-        return canvas_logits(model, spec, context_ids, block_ids, state)
-    block_ids = model_input(model, spec, block_ids)
-    if spec.attention == "block_causal" and state is not None:
-        return _cached_blocks_forward(model, spec, context_ids, block_ids.unsqueeze(1), state)[:, 0]
-    ids = torch.cat([context_ids, block_ids], dim=1)
-    mask = None
-    if spec.attention == "block_causal":
-        positions = torch.arange(n + block_len, device=ids.device)
-        mask = attention_masks(model, block_causal_allowed(n, block_len, ids.device), positions)
-    kept = block_len + spec.logits_shift  # positions n - shift .. n + γ - 1: the block's predictions and one more
-    logits = model(input_ids=ids, attention_mask=mask, **keep_logits(model, kept)).logits[:, -kept:]
-    return logits[:, :block_len]
-
-
-def _cached_blocks_forward(
-    model: PreTrainedModel, spec: DrafterSpec, context_ids: torch.Tensor, blocks: torch.Tensor,
-    state: DrafterContext,
-) -> torch.Tensor:
-    """One forward for the context tokens not yet cached and K candidate blocks after them: (B, n) context,
-    (B, K, b) model-input blocks -> (B, K, b, V). The new context tokens are causal and stay cached; each block sees
-    the whole context and itself only, at the same positions, and never stays in the cache. Folding the context's
-    extension into the blocks' forward makes a draft, or a dLLM block's first step, one model call instead of two."""
-    if spec.logits_shift and state.last_logits is None and state.length == context_ids.shape[1]:
-        crop_context(state, state.length - 1)  # the last logits were dropped by a crop: re-encode one token
-    if state.length > context_ids.shape[1]:
-        raise ValueError(f"context shrank from {state.length} to {context_ids.shape[1]} tokens; crop first")
-    cached, n = state.length, context_ids.shape[1]
-    batch, num_blocks, block_len = blocks.shape
-    new, device = n - cached, context_ids.device
-    ids = torch.cat([context_ids[:, cached:], blocks.reshape(batch, -1)], dim=1)
-    positions = torch.cat([torch.arange(cached, n, device=device),
-                           torch.arange(n, n + block_len, device=device).repeat(num_blocks)]).unsqueeze(0)
-    # Rows and columns: new context, then the blocks side by side. A new context token sees the new ones up to itself
-    # (the blocks come after it); a block token all the new context and its own block. Every row also sees the cached
-    # context, through a sliding layer's window where the model has them (`attention_masks`).
-    rows = ids.shape[1]
-    block_of = torch.arange(num_blocks, device=device).repeat_interleave(block_len)
-    allowed = torch.ones(rows, rows, dtype=torch.bool, device=device)
-    allowed[:new] = allowed[:new].tril()
-    allowed[new:, new:] = block_of[:, None] == block_of[None, :]
-    mask = attention_masks(model, allowed, positions[0], state.cache)
-    kept = num_blocks * block_len + (new > 0)  # the blocks' logits, and the last new context token's
-    out = model(input_ids=ids, position_ids=positions.expand(batch, -1), attention_mask=mask, cache=state.cache,
-                use_cache=True, **keep_logits(model, kept))
-    state.cache.crop(-num_blocks * block_len)  # the blocks are guesses: they never stay in the context cache
-    if new:
-        state.length, state.last_logits = n, out.logits[:, -kept]
-    logits = out.logits[:, -num_blocks * block_len:].view(batch, num_blocks, block_len, -1)
-    if not spec.logits_shift:
-        return logits
-    # Shifted: block position 0 is predicted by the last context position, position i by block position i-1.
-    first = state.last_logits[:, None, None].expand(-1, num_blocks, -1, -1)
-    return torch.cat([first, logits[:, :, :-1]], dim=2)
-
-
-def shared_context_block_logits(
-    model: PreTrainedModel,
-    spec: DrafterSpec,
-    context_ids: torch.Tensor,
-    blocks: torch.Tensor,
-    state: Optional[DrafterContext] = None,
-) -> torch.Tensor:
-    """Logits for K candidate blocks that follow the same context, in one forward. (1, n), (K, b) -> (K, b, V).
-
-    For a cached block-causal drafter the K blocks are laid side by side in a single row after the context (and
-    after any context tokens not cached yet, which this forward caches): each sees the context and itself only, at
-    the same positions, so every row of the result is exactly what `block_logits` gives for that block alone (Spiffy
-    evaluates the real state and all its draft states this way). Other drafters batch the K blocks, each with its
-    own copy of the context.
-    """
-    num_blocks = blocks.shape[0]
-    if is_canvas_decoder(model):
-        return canvas_logits(model, spec, context_ids, blocks, state)  # one decoder forward, batch K
-    if spec.attention != "block_causal" or state is None:
-        return block_logits(model, spec, context_ids.expand(num_blocks, -1), blocks)
-    return _cached_blocks_forward(model, spec, context_ids, model_input(model, spec, blocks)[None], state)[0]
-
-
-def canvas_logits(
-    model: PreTrainedModel,
-    spec: DrafterSpec,
-    context_ids: torch.Tensor,
-    canvas_ids: torch.Tensor,
-    state: Optional[DrafterContext] = None,
-) -> torch.Tensor:
-    """DiffusionGemma: the encoder brings the context cache up to `context_ids`, then the decoder denoises the canvas
-    reading that cache (read-only). (B, n) or (1, n), (K, γ) -> (K, γ, V); with a (1, n) context the K canvases
-    share its cache. Canvas position i predicts token n + i (no shift).
-
-    One denoising step, as a draft needs: no self-conditioning logits, which is what DiffusionGemma's own generate()
-    passes at the first step of every canvas. `state` None re-encodes the context in a fresh cache.
-    """
-    if state is None:
-        state = DrafterContext.empty(model)
-    encode_context(model, context_ids, state)
-    n, (num_canvases, canvas_len) = state.length, canvas_ids.shape
-    canvas = model_input(model, spec, canvas_ids)
-    positions = torch.arange(n, n + canvas_len, device=canvas.device).unsqueeze(0).expand(num_canvases, -1)
-    cache = state.cache if context_ids.shape[0] == num_canvases else _shared_cache(state.cache, num_canvases)
-    return model(decoder_input_ids=canvas, cache=cache, decoder_position_ids=positions).logits  # (K, γ, V)
-
-
-def _shared_cache(cache: DynamicCache, batch: int) -> DynamicCache:
-    """A view of a batch-1 cache as a batch of `batch` rows, for a decoder that only reads it (no copy is made here;
-    the decoder concatenates the canvas keys onto new tensors). The layers' bookkeeping (lengths, windows) is kept."""
-    view = copy.copy(cache)
-    view.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in view.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys.expand(batch, -1, -1, -1)
-            layer.values = layer.values.expand(batch, -1, -1, -1)
-    return view

@@ -27,6 +27,7 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.dflash import load_speculators_dflash, write_speculators_folder
+from align.drafters import ConditionedDrafter, drafter_for
 from align.families import drafter_spec_from_config
 from align.machine import cpu_model
 from align.methods import eos_token_ids
@@ -108,7 +109,8 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
     with tempfile.TemporaryDirectory(prefix="align-serve-check-") as tmp:
         if kind == "align":
             drafter, spec = load_drafter(recipe.drafter.model_copy(update={"path": s.drafter}), tokenizer)
-            if spec.kind != "dflash":  # drafter_kind read model_type; the spec is what the runtime goes by
+            # drafter_kind read model_type; the spec is what the runtime goes by (`drafter_for` reads it)
+            if not isinstance(drafter_for(drafter, spec), ConditionedDrafter):
                 raise RecipeError(f"serve_check.drafter: {s.drafter} is not a DFlash drafter ({spec.kind})")
             folder = Path(tmp)
             write_speculators_folder(drafter, verifier, recipe.verifier.path, tokenizer, folder)

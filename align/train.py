@@ -56,7 +56,7 @@ from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_fol
 from align.config import Recipe, RecipeError, first_line
 from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
-from align.dflash import dflash_window_logits
+from align.drafters import drafter_for
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions
 from align.mask_token import dflash_mask_token
 from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)
@@ -343,7 +343,8 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=deepspeed_config(recipe))
     # A DFlash drafter reads the verifier's hidden states in every step.
-    verifier = load_verifier(recipe.verifier) if data.online or spec.kind == "dflash" else None
+    reads_verifier = drafter_for(model, spec).verifier_states is not None
+    verifier = load_verifier(recipe.verifier) if data.online or reads_verifier else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
                    engine.device, mask_token)
@@ -439,17 +440,12 @@ def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recip
                    num_tokens: int) -> dict[str, torch.Tensor]:
     """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
     targets, mask = batch.targets.flatten(0, 1), batch.target_mask.flatten(0, 1)
-    verifier_logits = None
-    if trainer.spec.kind == "dflash":
-        # One verifier forward over the windows' rows gives the drafter its hidden states and KD losses their
-        # distributions (exact, not the stored top-k).
-        draft_logits, verifier_logits = dflash_window_logits(trainer.engine.module, trainer.verifier, batch.clean_ids,
-                                                             batch.starts, recipe.train.gamma)
-        draft_logits, verifier_logits = draft_logits.float().flatten(0, 1), verifier_logits.float().flatten(0, 1)
-    else:
-        draft_logits = window_logits(trainer.engine.module, trainer.spec, batch,
-                                     forwards=agreed_forwards(trainer, batch, recipe))
-        draft_logits = draft_logits.float().flatten(0, 1)  # (B·W, γ, V)
+    # A DFlash drafter's verifier forward also gives KD losses their distributions (exact, not the stored top-k).
+    draft_logits, verifier_logits = drafter_for(trainer.engine.module, trainer.spec).window_logits(
+        batch, trainer.verifier, forwards=agreed_forwards(trainer, batch, recipe))
+    draft_logits = draft_logits.float().flatten(0, 1)  # (B·W, γ, V)
+    if verifier_logits is not None:
+        verifier_logits = verifier_logits.float().flatten(0, 1)
     if recipe.train.data_mode == "on_policy":
         # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
         # tokens there (what greedy verification would accept), distributions its distributions there.

@@ -5,7 +5,7 @@ A window at offset s of `prompt ⊕ completion` is the input `prompt ⊕ complet
 (causal, as the cached context is at draft time) followed by W masked blocks, each attending to the clean tokens
 before its start and to itself, at the positions it replaces. A bidirectional drafter takes one window per row.
 DiffusionGemma (an encoder writes the context cache, a decoder reads the canvas) takes the block-causal windows and
-reads them as it drafts: see `canvas_window_logits`.
+reads them as it drafts. How each drafter reads its windows is align/drafters/'s (`Drafter.window_logits`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from align.dflash import dflash_window_logits
-from align.models import (DrafterContext, DrafterSpec, additive_mask, attention_masks, canvas_logits,
-                          config_vocab_size, forward_parameters, full_mask_kwargs, is_canvas_decoder)
-from align.remote_code import masks_ignored
+from align.drafters import drafter_for
+from align.models import DrafterSpec, additive_mask
 
 
 @dataclass
@@ -146,109 +144,16 @@ def window_forwards(model: Any, spec: DrafterSpec, batch: WindowBatch) -> int:
     """How many forwards `window_logits` makes of `model` for `batch`: one, but a canvas decoder's one per used window
     (each an encoder and a decoder forward). Under ZeRO-3 each is a collective, so ranks agree on the most of them
     (`forwards` of window_logits) before any runs."""
-    return batch.num_windows if spec.kind != "dflash" and is_canvas_decoder(model) else 1
+    return drafter_for(model, spec).window_forwards(batch)
 
 
 def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: Any = None,
                   forwards: int = 0) -> torch.Tensor:
-    """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec.
-    verifier: a DFlash drafter's (it reads the verifier's hidden states; `dflash_window_logits` also returns the
-    verifier's logits from that same forward). forwards: make at least this many forwards of `model` (see
+    """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec
+    (`Drafter.window_logits`, which a DFlash drafter's verifier logits come from too). verifier: a DFlash drafter's
+    (it reads the verifier's hidden states). forwards: make at least this many forwards of `model` (see
     `window_forwards`; only a canvas decoder's count depends on the batch, the other layouts always make one)."""
-    if spec.kind == "dflash":
-        return dflash_window_logits(model, verifier, batch.clean_ids, batch.starts, batch.targets.shape[-1])[0]
-    if is_canvas_decoder(model):
-        return canvas_window_logits(model, spec, batch, forwards)
-    if spec.noise != "mask":
-        raise ValueError(f"windows fill noised positions with the mask token; noise {spec.noise!r} is read only by "
-                         "the canvas-decoder families (DiffusionGemma)")
-    mask = batch.attention_mask.to(model.dtype) if model.dtype != torch.float32 else batch.attention_mask
-    decoder = model.get_decoder()
-    if "position_ids" not in forward_parameters(decoder):
-        return _whole_model_window_logits(model, spec, batch, mask)
-    # Per layer type: a sliding layer's window applies in training as it does when drafting (a 4-D mask is used as
-    # given, so the window must be in it).
-    masks = attention_masks(model, batch.attention_mask[:, 0] == 0, batch.position_ids)
-    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=masks).last_hidden_state
-    B, W, gamma = batch.targets.shape
-    width = hidden.shape[-1]
-    index = (batch.block_index[..., None] + torch.arange(gamma, device=hidden.device)).view(B, -1)  # (B, W·γ)
-    window_hidden = hidden.gather(1, index[..., None].expand(-1, -1, width)).view(B, W, gamma, width)
-    if spec.logits_shift:
-        # Position start+i is predicted at start+i-1: the clean token before the window, then the window's own.
-        before = hidden.gather(1, (batch.starts - 1).clamp_min(0)[..., None].expand(-1, -1, width))
-        window_hidden = torch.cat([before.unsqueeze(2), window_hidden[:, :, :-1]], dim=2)
-    return model.get_output_embeddings()(window_hidden)
-
-
-def canvas_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, forwards: int = 0) -> torch.Tensor:
-    """(B, W, γ, V) for DiffusionGemma, with gradients, exactly as it drafts: per row, the encoder's context cache
-    grows from one window start to the next (each context token is encoded once) and the decoder denoises each
-    window's canvas (noised positions filled by `noise_fill`, no self-conditioning) reading that cache.
-
-    A window costs a decoder forward of γ tokens; the block-causal builder's one-forward layout does not apply, since
-    the encoder and the decoder are two passes. Unused window slots (padding) get zero logits, masked out of every
-    loss.
-
-    forwards: make at least this many window forwards (encoder and decoder each), the ones beyond the batch's used
-    windows on a one-token context, their logits added to the result times zero. Under ZeRO-3 every forward of a
-    module, and its backward, gathers the module's parameters from every rank: ranks whose rows have fewer windows
-    must still make as many forwards, and the padding ones stay in the graph so that their backwards run too.
-    """
-    B, W, gamma = batch.targets.shape
-    canvas = torch.full((1, gamma), spec.mask_token_id, dtype=torch.long, device=batch.clean_ids.device)
-    rows = []
-    for b in range(B):
-        used = [w for w in range(W) if batch.target_mask[b, w, 0]]
-        state = DrafterContext.empty(model)
-        logits: dict[int, torch.Tensor] = {}
-        for w in sorted(used, key=lambda w: int(batch.starts[b, w])):
-            context = batch.clean_ids[b : b + 1, : int(batch.starts[b, w])]
-            logits[w] = canvas_logits(model, spec, context, canvas, state)[0]  # (γ, V)
-        zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
-        rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
-    out = torch.stack(rows)
-    for _ in range(forwards - batch.num_windows):
-        padding = canvas_logits(model, spec, batch.clean_ids[:1, :1], canvas)  # a fresh one-token context
-        out = out + 0.0 * padding.sum().to(out.dtype)
-    return out
-
-
-def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, mask: torch.Tensor) -> torch.Tensor:
-    """(B, W, γ, V) through the whole model, for drafters whose decoder takes no position ids and returns logits
-    (LLaDA: RoPE positions are always 0..T-1, which is what a bidirectional window uses)."""
-    B, W, gamma = batch.targets.shape
-    offsets = torch.arange(gamma, device=batch.input_ids.device)
-    if not torch.equal(batch.position_ids, torch.arange(batch.input_ids.shape[1], device=offsets.device).expand(
-            batch.input_ids.shape[0], -1)):
-        raise ValueError(f"{type(model).__name__} takes no position ids; only windows at positions 0..T-1 "
-                         "(bidirectional windows) can be read from it")
-    if masks_ignored(model):
-        logits = _unpadded_rows_logits(model, batch.input_ids, mask)
-    else:
-        logits = model(input_ids=batch.input_ids, **full_mask_kwargs(model, mask)).logits  # (B, T, V)
-    # Position start+i is read at start+i-shift; a shifted window's first position at the clean token before it.
-    index = batch.block_index[..., None] + offsets - spec.logits_shift  # (B, W, γ)
-    if spec.logits_shift:
-        index[..., 0] = (batch.starts - 1).clamp_min(0)
-    return logits.gather(1, index.view(B, -1, 1).expand(-1, -1, logits.shape[-1])).view(B, W, gamma, -1)
-
-
-def _unpadded_rows_logits(model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits of right-padded rows for a model that drops attention masks (LLaDA): each row alone, cut to
-    its real tokens, needs no mask; the padding positions get zero logits (no window reads them).
-
-    input_ids: (B, T); mask: (B, 1, T, T) additive, which must hide exactly each row's right padding from its tokens.
-    """
-    B, T = input_ids.shape
-    lengths = (mask[:, 0, 0] == 0).sum(-1)  # the keys a row's first token attends to: its real tokens
-    for b, n in enumerate(lengths.tolist()):
-        real = torch.arange(T, device=mask.device) < n
-        if not torch.equal(mask[b, 0, :n] == 0, real.expand(n, -1)):  # what the real tokens see, and only that
-            raise ValueError(f"{type(model).__name__} ignores attention masks, and this batch's mask is more than "
-                             "right padding")
-    rows = [model(input_ids=input_ids[b : b + 1, : int(n)]).logits[0] for b, n in enumerate(lengths)]
-    return torch.stack([torch.nn.functional.pad(row, (0, 0, 0, T - row.shape[0])) for row in rows])
+    return drafter_for(model, spec).window_logits(batch, verifier, forwards)[0]
 
 
 def verifier_window_logits(verifier: Any, batch: WindowBatch) -> torch.Tensor:

@@ -214,8 +214,8 @@ def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, tempe
     """Every draft the runtime makes must equal a draft made from scratch: the verifier's states of all tokens before
     the anchor (recomputed in one forward over the final sequence) and the anchor at that position. Catches a context
     that lags or runs ahead of the verifier, which stays lossless but silently costs acceptance."""
-    from align.decoding import specdiff
     from align.dflash import DFlashContext, aux_hidden, dflash_block_logits
+    from align.drafters import conditioned
 
     verifier = tiny_verifier()
     drafter = tiny_dflash(verifier)
@@ -227,7 +227,7 @@ def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, tempe
         calls.append((context.length, int(anchor_ids[0, 0]), logits))
         return logits
 
-    monkeypatch.setattr(specdiff, "dflash_block_logits", recorded)
+    monkeypatch.setattr(conditioned, "dflash_block_logits", recorded)
     prompt = torch.randint(0, MASK, (1, 6), generator=torch.Generator().manual_seed(3))
     tokens, _ = specdiff_generate(verifier, drafter, spec, prompt, 3, 20, Sampling(temperature),
                                   generator=torch.Generator().manual_seed(0))

@@ -3,7 +3,7 @@ verifier sharing its vocabulary: tiny random models of the real architectures, b
 tokenizer's vocabulary.
 
 DiffusionGemma's causal encoder writes the context KV cache and its bidirectional decoder denoises a canvas reading
-it; its noise is uniform random tokens, not a mask token. align reads it through `block_logits` (encoder cache, one
+it; its noise is uniform random tokens, not a mask token. align reads it through `canvas_logits` (encoder cache, one
 decoder step, no self-conditioning), fills noised positions with one fixed uniform draw (`noise_fill`), trains it on
 windows read the same way, exports it, decodes it as a dLLM with Spiffy, and evaluates it with `align eval`.
 """
@@ -36,8 +36,8 @@ from align.draft_graph import calibrate
 from align.families import drafter_spec_from_config
 from align.losses import streak
 from align.methods import METHODS, Setup
-from align.models import (DrafterContext, DrafterSpec, block_logits, load_drafter, load_tokenizer,
-                          noise_fill, shared_context_block_logits)
+from align.drafters.canvas import canvas_context, canvas_logits
+from align.models import DrafterSpec, load_drafter, load_tokenizer, noise_fill
 from align.windows import WINDOW_BUILDERS, window_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_canvas_position_i_is_the_models_own_prediction_for_token_n_plus_i(draft
     block = torch.full((1, 5), spec.mask_token_id)
     with torch.no_grad():
         own = drafter(input_ids=context, decoder_input_ids=noise_fill(spec, VOCAB, block)).logits
-        ours = block_logits(drafter, spec, context, block)
+        ours = canvas_logits(drafter, spec, context, block)
     torch.testing.assert_close(ours, own, rtol=0, atol=0)
 
 
@@ -133,18 +133,18 @@ def test_the_context_cache_grows_exactly_past_the_sliding_window(drafter, spec):
     K candidate blocks after one context (Spiffy) equal each block drafted alone."""
     tokens = torch.randint(3, VOCAB, (1, 3 * SLIDING_WINDOW), generator=torch.Generator().manual_seed(2))
     block = torch.full((1, 4), spec.mask_token_id)
-    state = DrafterContext.empty(drafter)
+    state = canvas_context(drafter)
     with torch.no_grad():
         for n in (3, 4, 9, 10, 17, 3 * SLIDING_WINDOW):
-            cached = block_logits(drafter, spec, tokens[:, :n], block, state)
+            cached = canvas_logits(drafter, spec, tokens[:, :n], block, state)
             assert state.length == n
-            torch.testing.assert_close(cached, block_logits(drafter, spec, tokens[:, :n], block), rtol=1e-5,
+            torch.testing.assert_close(cached, canvas_logits(drafter, spec, tokens[:, :n], block), rtol=1e-5,
                                        atol=1e-5)
         blocks = torch.stack([block[0], torch.tensor([7, spec.mask_token_id, 9, spec.mask_token_id]),
                               torch.tensor([11, 12, 13, 14])])
-        shared = shared_context_block_logits(drafter, spec, tokens, blocks, state)
+        shared = canvas_logits(drafter, spec, tokens, blocks, state)
         for k in range(len(blocks)):
-            torch.testing.assert_close(shared[k], block_logits(drafter, spec, tokens, blocks[k : k + 1])[0],
+            torch.testing.assert_close(shared[k], canvas_logits(drafter, spec, tokens, blocks[k : k + 1])[0],
                                        rtol=1e-5, atol=1e-5)
 
 
@@ -177,7 +177,7 @@ def test_one_training_step_on_windows_reads_windows_as_drafts_and_learns(spec):
     with torch.no_grad():
         logits = window_logits(model, spec, batch)
         start = int(batch.starts[0, 0])
-        draft = block_logits(model, spec, batch.clean_ids[:1, :start], torch.full((1, 4), spec.mask_token_id))
+        draft = canvas_logits(model, spec, batch.clean_ids[:1, :start], torch.full((1, 4), spec.mask_token_id))
     torch.testing.assert_close(logits[0, 0], draft[0], rtol=1e-5, atol=1e-5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -209,8 +209,8 @@ def test_export_round_trip_keeps_logits_and_dtype(spec, tokenizer, tmp_path):
     assert reloaded_spec == spec
     context, block = torch.tensor([[5, 6, 7, 8]]), torch.full((1, 4), spec.mask_token_id)
     with torch.no_grad():
-        torch.testing.assert_close(block_logits(reloaded, spec, context, block),
-                                   block_logits(model, spec, context, block), rtol=0, atol=0)
+        torch.testing.assert_close(canvas_logits(reloaded, spec, context, block),
+                                   canvas_logits(model, spec, context, block), rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -191,3 +191,34 @@ def test_only_the_vllm_worker_imports_vllm():
     offenders = [name for name, path in modules().items()
                  if name != "align.vllm_worker" and any(m.split(".")[0] == "vllm" for m in imports(path))]
     assert not offenders, offenders
+
+
+# Reads of the drafter's kind (issue 23): its spec's kind or attention, the canvas-decoder test, the DFlash tap. They
+# belong in align/drafters/, whose `drafter_for` picks an implementation once; convert.py and weights.py read a GGUF
+# tensor's `source.kind`, no drafter's. What is left outside: models.py's loading (a bidirectional drafter's config,
+# the masks a drafter reads, checked at load) and serve_check's refusal message.
+KIND_READS = re.compile(r"spec\.kind|\.kind ==|\.kind in|attention ==|is_canvas_decoder|dflash_tap|\.tap\b")
+MOST_KIND_READS_OUTSIDE_DRAFTERS = 6
+
+
+def kind_reads(path: Path) -> list[int]:
+    return [number for number, line in enumerate(path.read_text().splitlines(), 1) if KIND_READS.search(line)]
+
+
+def test_the_drafter_kind_is_read_in_align_drafters():
+    outside = {name: lines for name, path in modules().items()
+               if not name.startswith("align.drafters") and name not in ("align.convert", "align.weights")
+               and (lines := kind_reads(path))}
+    count = sum(len(lines) for lines in outside.values())
+    assert count <= MOST_KIND_READS_OUTSIDE_DRAFTERS, \
+        f"{count} reads of the drafter kind outside align/drafters/ ({outside}): ask the Drafter (drafter_for) instead"
+    assert kind_reads(PACKAGE / "drafters" / "__init__.py")  # the scan does see the factory's
+
+
+def test_a_window_loss_without_a_function_is_refused():
+    # config.LOSS_READS declares each loss once with what it reads; losses.py finds its function by that name.
+    from align import losses
+
+    assert {name: reads for name, (_, reads) in losses.WINDOW_LOSSES.items()} == losses.LOSS_READS
+    with pytest.raises(ImportError, match="no function of that name"):
+        losses._loss_function("a_loss_declared_without_a_function")

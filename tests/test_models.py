@@ -29,15 +29,12 @@ from align.models import (
     attention_masks,
     block_causal_allowed,
     block_diffusion_allowed,
-    block_logits,
     check_vocab_compatible,
-    crop_context,
     drafter_spec_from_config,
-    encode_context,
     load_drafter,
     load_verifier,
-    shared_context_block_logits,
 )
+from align.drafters.masked import block_logits, crop_context, encode_context, shared_context_block_logits
 
 VOCAB = 40
 MASK = VOCAB - 1  # the mask token: the last id of the vocabulary

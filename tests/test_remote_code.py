@@ -18,7 +18,8 @@ import torch
 
 import align.remote_code as remote_code
 from align.config import DrafterSection, RecipeError
-from align.models import block_logits, full_mask_kwargs, load_drafter, load_tokenizer
+from align.drafters.masked import block_logits
+from align.models import full_mask_kwargs, load_drafter, load_tokenizer
 from align.remote_code import masks_ignored, shims_applied
 from align.windows import bidirectional_windows, window_logits
 from conftest import checkout_env

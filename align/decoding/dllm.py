@@ -11,8 +11,8 @@ import torch
 from transformers import PreTrainedModel
 
 from align.decoding.generation import truncate
-from align.models import (DrafterContext, DrafterSpec, encode_context, is_canvas_decoder,
-                          shared_context_block_logits)
+from align.drafters import Drafter, drafter_for
+from align.models import DrafterSpec
 
 
 @dataclass
@@ -76,24 +76,23 @@ def unmask(block: torch.Tensor, probs: torch.Tensor, mask_id: int, tokens_per_st
     return new
 
 
-def block_probs(model: PreTrainedModel, spec: DrafterSpec, context: torch.Tensor, blocks: torch.Tensor,
-                state: Optional[DrafterContext]) -> torch.Tensor:
-    """(K, b) blocks after one context -> (K, b, V) float32 distributions, one forward.
+def block_probs(drafter: Drafter, context: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """(K, b) blocks after one context (1, n) -> (K, b, V) float32 distributions, one forward.
 
     The mask token gets probability 0: unmasking a position to it would make no progress (an undertrained model can
     rank it first, and the decoding loop then never ends), and a dLLM's output never contains it.
     """
-    logits = shared_context_block_logits(model, spec, context, blocks, state).float()
-    return torch.softmax(logits.index_fill(-1, torch.tensor([spec.mask_token_id], device=logits.device),
+    logits = drafter.block_logits(context, blocks).float()
+    return torch.softmax(logits.index_fill(-1, torch.tensor([drafter.spec.mask_token_id], device=logits.device),
                                            float("-inf")), dim=-1)
 
 
 def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.Tensor, max_new_tokens: int,
                   block_length: int, eos_ids: frozenset[int],
-                  decode_block: Callable[[torch.Tensor, torch.Tensor, Optional[DrafterContext], DllmStats], torch.Tensor],
+                  decode_block: Callable[[torch.Tensor, torch.Tensor, Drafter, DllmStats], torch.Tensor],
                   ) -> tuple[list[int], DllmStats]:
     """The semi-autoregressive outer loop every dLLM decoder shares: blocks of masks, each turned into tokens by
-    `decode_block(block, context, state, stats)` and appended to the context, until max_new_tokens or an EOS.
+    `decode_block(block, context, drafter, stats)` and appended to the context, until max_new_tokens or an EOS.
 
     A block-causal model keeps an exact context cache; a bidirectional one re-reads context ⊕ block each step
     (blocks after the current one are not shown to it, as in block-diffusion decoding). A block-causal LM brings that
@@ -104,16 +103,14 @@ def decode_blocks(model: PreTrainedModel, spec: DrafterSpec, prompt_ids: torch.T
     stats = DllmStats()
     t0 = time.perf_counter()
     context = prompt_ids
-    state = DrafterContext.empty(model) if spec.attention == "block_causal" else None
+    drafter = drafter_for(model, spec)
+    drafter.begin()
     tokens: list[int] = []
     while len(tokens) < max_new_tokens and eos_ids.isdisjoint(tokens):
-        if state is not None and is_canvas_decoder(model):
-            encoded = state.length
-            encode_context(model, context, state)
-            extended = int(state.length > encoded)  # the forward that brought the cache up to date
-            stats.nfe += extended
-            stats.context_forwards += extended
-        block = decode_block(prompt_ids.new_full((block_length,), spec.mask_token_id), context, state, stats)
+        extended = drafter.encode(context)  # an encoder's forward that brought the cache up to date, if any
+        stats.nfe += extended
+        stats.context_forwards += extended
+        block = decode_block(prompt_ids.new_full((block_length,), spec.mask_token_id), context, drafter, stats)
         tokens += block.tolist()
         context = torch.cat([context, block[None]], dim=1)
     tokens = truncate(tokens, max_new_tokens, eos_ids)
@@ -138,11 +135,10 @@ def dllm_generate(
     """Decode block after block, one forward per transition. prompt_ids: (1, n). Greedy tokens. With `trace`, each
     block's states and step ranks (the `trace_token_rank` most likely tokens per position) are appended to it."""
 
-    def vanilla_block(block: torch.Tensor, context: torch.Tensor, state: Optional[DrafterContext],
-                      stats: DllmStats) -> torch.Tensor:
+    def vanilla_block(block: torch.Tensor, context: torch.Tensor, drafter: Drafter, stats: DllmStats) -> torch.Tensor:
         record = BlockTrace() if trace is not None else None
         while bool((block == spec.mask_token_id).any()):
-            probs = block_probs(model, spec, context, block[None], state)[0]
+            probs = block_probs(drafter, context, block[None])[0]
             stats.nfe += 1
             if record is not None:
                 record.states.append(block)

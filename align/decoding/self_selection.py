@@ -10,8 +10,8 @@ from transformers import DynamicCache, PreTrainedModel
 from align.config import RecipeError
 from align.decoding.acceptance import accept_multi_candidate
 from align.decoding.generation import GenerationStats, Sampling
-from align.decoding.specdiff import DraftPass
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
+from align.drafters import drafter_for
 from align.models import DrafterSpec
 
 
@@ -26,15 +26,19 @@ class SelectionStep(Step):
 
     def __init__(self, verifier: PreTrainedModel, drafter: PreTrainedModel, spec: DrafterSpec, decoding: Decoding,
                  num_candidates: int, draft_temperature: float, generator: Optional[torch.Generator] = None) -> None:
-        drafting = DraftPass(drafter, spec)
-        if drafting.tap is not None:  # the candidates' hidden states would need the block batched over the context
+        drafting = drafter_for(drafter, spec)
+        # A DFlash drafter's refusal: the candidates' hidden states would need the block batched over the context.
+        if "specdiff2_select" in drafting.refused_methods:
             raise RecipeError("specdiff2_select does not run a DFlash drafter")
-        self.verifier, self.drafting, self.decoding, self.generator = verifier, drafting, decoding, generator
+        self.verifier, self.drafter, self.decoding, self.generator = verifier, drafting, decoding, generator
         self.num_candidates, self.draft_sampling = num_candidates, Sampling(temperature=draft_temperature)
+
+    def begin(self, cache: DynamicCache) -> None:
+        self.drafter.begin()
 
     def propose(self, context: torch.Tensor, room: int) -> Draft:
         draft_len = min(self.decoding.gamma, room)
-        draft_logits = self.drafting.block_logits(self.verifier, context, draft_len)  # (γ, V)
+        draft_logits = self.drafter.propose(self.verifier, context, draft_len)  # (γ, V)
         draft_probs = self.draft_sampling.probs(draft_logits)
         candidates = torch.multinomial(draft_probs, self.num_candidates, replacement=True,
                                        generator=self.generator).T  # (K, γ)

@@ -13,40 +13,8 @@ from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.path_search import PathSearch, TrigramModel, causal_path_search
 from align.decoding.sizing import CostAwareSize
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate, verify_path
-from align.dflash import DFlashContext, HiddenTap, dflash_block_logits
-from align.models import DrafterContext, DrafterSpec, block_logits
-
-
-class DraftPass:
-    """A diffusion drafter across one generation, whatever its kind: the one pass that drafts a block, and what it
-    keeps between passes. A block-causal drafter keeps an exact context cache that only ever grows (drafts never enter
-    it); a DFlash drafter reads the verifier's hidden states, which every verifier forward hands over through `tap`,
-    and its context is those states for the tokens the verifier has seen (all but the newest)."""
-
-    def __init__(self, drafter: PreTrainedModel, spec: DrafterSpec) -> None:
-        self.drafter, self.spec = drafter, spec
-        self.tap = HiddenTap(drafter.config.aux_hidden_state_layer_ids) if spec.kind == "dflash" else None
-        self.state: Optional[DrafterContext] = (DrafterContext.empty(drafter)
-                                                if spec.attention == "block_causal" and self.tap is None else None)
-        self.conditioned = DFlashContext()
-
-    def prefilled(self) -> None:
-        """After the verifier's prefill (which filled `tap`): the prompt's states are a DFlash drafter's context."""
-        if self.tap is not None:
-            self.conditioned.extend(self.drafter, self.tap.last)
-
-    def block_logits(self, verifier: PreTrainedModel, context: torch.Tensor, length: int) -> torch.Tensor:
-        """The drafter's logits for the `length` tokens after context (1, n): (length, V)."""
-        if self.tap is not None:
-            return dflash_block_logits(self.drafter, verifier, context[:, -1:], length, self.conditioned)[0]
-        block = context.new_full((1, length), self.spec.mask_token_id)
-        return block_logits(self.drafter, self.spec, context, block, self.state)[0]
-
-    def verified(self, rows: Union[slice, torch.Tensor]) -> None:
-        """After a verifier forward: its input rows `rows` (the newest token and the accepted drafts) are verified
-        now, and their states join a DFlash drafter's context."""
-        if self.tap is not None:
-            self.conditioned.extend(self.drafter, self.tap.last[:, rows])
+from align.drafters import drafter_for
+from align.models import DrafterSpec
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -121,15 +89,15 @@ class PathStep(Step):
     def __init__(self, verifier: PreTrainedModel, drafter: PreTrainedModel, spec: DrafterSpec, decoding: Decoding,
                  choose: DraftChoice, generator: Optional[torch.Generator] = None,
                  adaptive: Optional[AdaptiveLength] = None, sizing: Optional[CostAwareSize] = None) -> None:
-        drafting = DraftPass(drafter, spec)
-        self.verifier, self.drafting, self.decoding, self.choose = verifier, drafting, decoding, choose
-        self.generator, self.adaptive, self.sizing, self.tap = generator, adaptive, sizing, drafting.tap
+        self.verifier, self.drafter, self.decoding, self.choose = verifier, drafter_for(drafter, spec), decoding, choose
+        self.generator, self.adaptive, self.sizing = generator, adaptive, sizing
+        self.verifier_states = self.drafter.verifier_states
         # CPS searches and the cost-aware size scores by the drafter's log-probabilities: computed once for both.
         self.needs_log_probs = choose.needs_log_probs or sizing is not None
         self.raw_draft, self.scores = None, []
 
     def begin(self, cache: DynamicCache) -> None:
-        self.drafting.prefilled()
+        self.drafter.begin()
 
     def propose(self, context: torch.Tensor, room: int) -> Draft:
         started, adaptive = time.perf_counter(), self.adaptive
@@ -137,7 +105,7 @@ class PathStep(Step):
         # ADL reads the drafter's length off a proposal at its maximum length (see AdaptiveLength); the first
         # draft_len positions of that same pass are the draft.
         proposal_len = min(adaptive.max_len, room) if adaptive else draft_len
-        proposal_logits = self.drafting.block_logits(self.verifier, context, proposal_len)  # (proposal_len, V)
+        proposal_logits = self.drafter.propose(self.verifier, context, proposal_len)  # (proposal_len, V)
         self.raw_draft = raw_draft = proposal_logits.argmax(-1)
         draft_logits = proposal_logits[:draft_len]  # (γ, V)
         draft_log_probs = torch.log_softmax(draft_logits.float(), -1) if self.needs_log_probs else None
@@ -161,8 +129,8 @@ class PathStep(Step):
 
     def verify(self, draft: Draft, context: torch.Tensor, cache: DynamicCache) -> tuple[list[int], int]:
         num_accepted, next_token = verify_path(self.verifier, context, draft.tokens, draft.probs, cache,
-                                               self.decoding.sampling, self.generator, self.tap)
-        self.drafting.verified(slice(0, num_accepted + 1))  # the newest token and the accepted drafts
+                                               self.decoding.sampling, self.generator, self.verifier_states)
+        self.drafter.verified(slice(0, num_accepted + 1))  # the newest token and the accepted drafts
         return draft.tokens[:num_accepted].tolist(), next_token
 
     def update(self, num_accepted: int) -> None:

@@ -49,11 +49,11 @@ class Step:
     """A method's propose and verify. A step lives for one generation: it may keep state between iterations (a
     drafter's cache or context, an adaptive length, a cost-aware size)."""
 
-    #: a DFlash drafter's request for the verifier's hidden states, which every verifier forward fills
-    tap: Optional[HiddenTap] = None
+    #: what the step's drafter reads of every verifier forward (`Drafter.verifier_states`), which each one fills
+    verifier_states: Optional[HiddenTap] = None
 
     def begin(self, cache: DynamicCache) -> None:
-        """After the prefill, which covered the prompt (and filled `tap`)."""
+        """After the prefill, which covered the prompt (and filled `verifier_states`)."""
 
     def propose(self, context: torch.Tensor, room: int) -> Draft:
         """A draft after context (1, n) of at most `room` tokens per path (more would be thrown away)."""
@@ -76,7 +76,7 @@ def speculative_generate(
     """Speculative decoding with `step` proposing and verifying. prompt_ids: (1, n). Lossless whatever the step, as
     long as its acceptance rule matches how it drafts: greedy outputs equal AR greedy's token for token."""
     # Invariant: the verifier's cache covers every token but the newest one.
-    stats, cache, tokens = start(verifier, prompt_ids, decoding.sampling, generator, step.tap)
+    stats, cache, tokens = start(verifier, prompt_ids, decoding.sampling, generator, step.verifier_states)
     step.begin(cache)
     while not finished(tokens, decoding.max_new_tokens, decoding.eos_ids):
         context = torch.cat([prompt_ids, prompt_ids.new_tensor([tokens])], dim=1)

@@ -15,7 +15,8 @@ from transformers import PreTrainedModel
 
 from align.decoding.dllm import DllmStats, StepRanks, block_probs, decode_blocks, unmask
 from align.draft_graph import DraftGraph, apply_formula, prune, ranked_positions
-from align.models import DrafterContext, DrafterSpec
+from align.drafters import Drafter
+from align.models import DrafterSpec
 
 
 def draft_states(block: torch.Tensor, previous: torch.Tensor, prev_probs: torch.Tensor, graph: DraftGraph,
@@ -46,8 +47,7 @@ def spiffy_generate(
     draft rows per forward, which is what costs on a CPU)."""
     mask_id = spec.mask_token_id
 
-    def spiffy_block(block: torch.Tensor, context: torch.Tensor, state: Optional[DrafterContext],
-                     stats: DllmStats) -> torch.Tensor:
+    def spiffy_block(block: torch.Tensor, context: torch.Tensor, drafter: Drafter, stats: DllmStats) -> torch.Tensor:
         previous: Optional[torch.Tensor] = None  # the state before `block`
         prev_probs: Optional[torch.Tensor] = None  # the distribution (at `previous`) that produced `block`
         probs: Optional[torch.Tensor] = None  # `block`'s own distribution, when a matched draft gave it for free
@@ -56,7 +56,7 @@ def spiffy_generate(
                 # The first state of a block has no previous distribution to rank from: a plain forward.
                 drafts = [] if prev_probs is None else draft_states(block, previous, prev_probs, graph, mask_id,
                                                                     active)
-                all_probs = block_probs(model, spec, context, torch.stack([block, *drafts]), state)
+                all_probs = block_probs(drafter, context, torch.stack([block, *drafts]))
                 stats.nfe += 1
                 probs = all_probs[0]
             else:

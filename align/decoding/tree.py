@@ -26,9 +26,9 @@ from align.decoding.acceptance import accept_tree
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sizing import CostAwareSize
-from align.decoding.specdiff import DraftPass
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
 from align.dflash import HiddenTap, aux_hidden
+from align.drafters import drafter_for
 from align.models import DrafterSpec, attention_masks, check_mask_layer_types
 
 
@@ -222,19 +222,19 @@ class TreeStep(Step):
         check_tree_verifier(verifier)
         # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and
         # the accepted path's join its context (they equal a plain forward's over that path, as the logits do).
-        drafting = DraftPass(drafter, spec)
-        self.verifier, self.drafting, self.decoding, self.num_nodes = verifier, drafting, decoding, num_nodes
-        self.generator, self.sizing, self.path_search, self.tap = generator, sizing, path_search, drafting.tap
+        self.verifier, self.drafter, self.decoding = verifier, drafter_for(drafter, spec), decoding
+        self.num_nodes, self.generator, self.sizing, self.path_search = num_nodes, generator, sizing, path_search
+        self.verifier_states = self.drafter.verifier_states
         self.tree = DraftTree([], [], [], [])
 
     def begin(self, cache: DynamicCache) -> None:
         check_tree_cache(cache)
-        self.drafting.prefilled()
+        self.drafter.begin()
 
     def propose(self, context: torch.Tensor, room: int) -> Draft:
         started = time.perf_counter()
         depth_limit = min(self.decoding.gamma, room)
-        draft_logits = self.drafting.block_logits(self.verifier, context, depth_limit)  # (γ, V)
+        draft_logits = self.drafter.propose(self.verifier, context, depth_limit)  # (γ, V)
         draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
         eos_ids = self.decoding.eos_ids
         if self.path_search is None:
@@ -249,12 +249,11 @@ class TreeStep(Step):
 
     def verify(self, draft: Draft, context: torch.Tensor, cache: DynamicCache) -> tuple[list[int], int]:
         tree = draft.tokens
-        verify_logits = tree_forward(self.verifier, context[:, -1:], tree, cache, self.tap)  # (N + 1, V)
+        verify_logits = tree_forward(self.verifier, context[:, -1:], tree, cache, self.verifier_states)  # (N + 1, V)
         path, next_token = accept_tree(tree.tokens, tree.children(), verify_logits, self.decoding.sampling,
                                        self.generator)
         keep_path(cache, tree, path)
-        if self.tap is not None:  # the root and the accepted path are verified now
-            self.drafting.verified(torch.tensor([0, *[node + 1 for node in path]], device=self.tap.last.device))
+        self.drafter.verified([0, *[node + 1 for node in path]])  # the root and the accepted path
         return [tree.tokens[node] for node in path], next_token
 
     def update(self, num_accepted: int) -> None:

@@ -1,0 +1,152 @@
+"""The canvas decoder (DiffusionGemma, `DiffusionGemmaForBlockDiffusion`): block-causal in two modules that share their
+weights. A causal encoder writes the context KV cache (`model.get_encoder()`); a bidirectional decoder denoises a
+canvas reading that cache without writing it (`model(decoder_input_ids=..., cache=...)`). Canvas position i predicts
+token n + i (no shift); noised positions read the family's uniform fill (`models.noise_fill`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from align.dflash import HiddenTap
+from align.drafters.base import VerifiedRows, Windows
+from align.drafters.masked import DrafterContext
+from align.families import DrafterSpec
+from align.models import config_vocab_size, model_input
+
+
+def canvas_context(model: PreTrainedModel) -> DrafterContext:
+    """An empty context: a plain cache, as DiffusionGemma's own generate() uses. Its decoder concatenates a sliding
+    layer's cached keys with the canvas and must find exactly the last window−1 tokens its mask describes (past
+    recording keeps more). Drafts never enter this cache, so it is never cropped back past the window."""
+    with torch.device(model.device):  # sliding layers make a tensor of their window size at construction
+        return DrafterContext(DynamicCache(config=model.config.get_text_config(decoder=True)), 0, None)
+
+
+def encode_canvas_context(model: PreTrainedModel, context_ids: torch.Tensor, state: DrafterContext) -> DrafterContext:
+    """The encoder brings the context cache up to `context_ids` (B, n), running only the new tokens. The encoder has
+    no LM head: last_logits stays None, which an unshifted drafter never reads."""
+    n = context_ids.shape[1]
+    if state.length > n:
+        raise ValueError(f"context shrank from {state.length} to {n} tokens; crop the DrafterContext first")
+    if state.length < n:
+        positions = torch.arange(state.length, n, device=context_ids.device).unsqueeze(0)
+        model.get_encoder()(input_ids=context_ids[:, state.length:], position_ids=positions, cache=state.cache,
+                            use_cache=True)
+        state.length = n
+    return state
+
+
+def canvas_logits(
+    model: PreTrainedModel,
+    spec: DrafterSpec,
+    context_ids: torch.Tensor,
+    canvas_ids: torch.Tensor,
+    state: Optional[DrafterContext] = None,
+) -> torch.Tensor:
+    """The encoder brings the context cache up to `context_ids`, then the decoder denoises the canvas reading that
+    cache (read-only). (B, n) or (1, n), (K, γ) -> (K, γ, V); with a (1, n) context the K canvases share its cache.
+    Canvas position i predicts token n + i (no shift).
+
+    One denoising step, as a draft needs: no self-conditioning logits, which is what DiffusionGemma's own generate()
+    passes at the first step of every canvas. `state` None re-encodes the context in a fresh cache.
+    """
+    if spec.logits_shift and context_ids.shape[1] == 0:
+        raise ValueError("a shifted drafter needs at least one context token to predict the first block position")
+    if state is None:
+        state = canvas_context(model)
+    encode_canvas_context(model, context_ids, state)
+    n, (num_canvases, canvas_len) = state.length, canvas_ids.shape
+    canvas = model_input(model, spec, canvas_ids)
+    positions = torch.arange(n, n + canvas_len, device=canvas.device).unsqueeze(0).expand(num_canvases, -1)
+    cache = state.cache if context_ids.shape[0] == num_canvases else _shared_cache(state.cache, num_canvases)
+    return model(decoder_input_ids=canvas, cache=cache, decoder_position_ids=positions).logits  # (K, γ, V)
+
+
+def _shared_cache(cache: DynamicCache, batch: int) -> DynamicCache:
+    """A view of a batch-1 cache as a batch of `batch` rows, for a decoder that only reads it (no copy is made here;
+    the decoder concatenates the canvas keys onto new tensors). The layers' bookkeeping (lengths, windows) is kept."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in view.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.expand(batch, -1, -1, -1)
+            layer.values = layer.values.expand(batch, -1, -1, -1)
+    return view
+
+
+def canvas_window_logits(model: Any, spec: DrafterSpec, batch: Windows, forwards: int = 0) -> torch.Tensor:
+    """(B, W, γ, V), with gradients, exactly as it drafts: per row, the encoder's context cache grows from one window
+    start to the next (each context token is encoded once) and the decoder denoises each window's canvas (noised
+    positions filled by `noise_fill`, no self-conditioning) reading that cache.
+
+    A window costs a decoder forward of γ tokens; the block-causal builder's one-forward layout does not apply, since
+    the encoder and the decoder are two passes. Unused window slots (padding) get zero logits, masked out of every
+    loss.
+
+    forwards: make at least this many window forwards (encoder and decoder each), the ones beyond the batch's used
+    windows on a one-token context, their logits added to the result times zero. Under ZeRO-3 every forward of a
+    module, and its backward, gathers the module's parameters from every rank: ranks whose rows have fewer windows
+    must still make as many forwards, and the padding ones stay in the graph so that their backwards run too.
+    """
+    B, W, gamma = batch.targets.shape
+    canvas = torch.full((1, gamma), spec.mask_token_id, dtype=torch.long, device=batch.clean_ids.device)
+    rows = []
+    for b in range(B):
+        used = [w for w in range(W) if batch.target_mask[b, w, 0]]
+        state = canvas_context(model)
+        logits: dict[int, torch.Tensor] = {}
+        for w in sorted(used, key=lambda w: int(batch.starts[b, w])):
+            context = batch.clean_ids[b : b + 1, : int(batch.starts[b, w])]
+            logits[w] = canvas_logits(model, spec, context, canvas, state)[0]  # (γ, V)
+        zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
+        rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
+    out = torch.stack(rows)
+    for _ in range(forwards - batch.num_windows):
+        padding = canvas_logits(model, spec, batch.clean_ids[:1, :1], canvas)  # a fresh one-token context
+        out = out + 0.0 * padding.sum().to(out.dtype)
+    return out
+
+
+class CanvasDecoder:
+    """DiffusionGemma as a drafter (the `Drafter` interface): its encoder's context cache grows across a generation
+    (drafts never enter it), and each draft is one decoder forward over a canvas."""
+
+    verifier_states: Optional[HiddenTap] = None
+    refused_methods: tuple[str, ...] = ()
+
+    def __init__(self, model: PreTrainedModel, spec: DrafterSpec) -> None:
+        self.model, self.spec = model, spec
+        self.state: Optional[DrafterContext] = None
+
+    def begin(self) -> None:
+        self.state = canvas_context(self.model) if self.spec.attention == "block_causal" else None
+
+    def propose(self, verifier: PreTrainedModel, context_ids: torch.Tensor, length: int) -> torch.Tensor:
+        block = context_ids.new_full((1, length), self.spec.mask_token_id)
+        return canvas_logits(self.model, self.spec, context_ids, block, self.state)[0]
+
+    def verified(self, rows: VerifiedRows) -> None:
+        """Nothing to keep: the encoder's cache grows by the accepted tokens at the next draft."""
+
+    def encode(self, context_ids: torch.Tensor) -> int:
+        """The encoder's forward over the new context tokens, one of its own (0 when nothing is new)."""
+        if self.state is None:
+            return 0
+        encoded = self.state.length
+        encode_canvas_context(self.model, context_ids, self.state)
+        return int(self.state.length > encoded)
+
+    def block_logits(self, context_ids: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        return canvas_logits(self.model, self.spec, context_ids, blocks, self.state)  # one decoder forward, batch K
+
+    def window_forwards(self, batch: Windows) -> int:
+        return batch.num_windows  # one per used window, each an encoder and a decoder forward
+
+    def window_logits(self, batch: Windows, verifier: Any = None,
+                      forwards: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return canvas_window_logits(self.model, self.spec, batch, forwards), None
