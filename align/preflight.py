@@ -440,18 +440,33 @@ TINY_DEFAULTS: dict[str, str] = {
 }
 
 
+def _bootstrap_made(folder: Path) -> bool:
+    """Whether `align bootstrap` wrote the model folder (its part manifest names the corpus it was trained on)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "part" in manifest and "corpus_hash" in manifest
+
+
 def tiny_family(recipe: Recipe, model_key: str) -> bool:
-    """Whether the model at `model_key` reads the tiny family's vocabulary (bootstrap.out's tokenizer): a model
-    trained by `align bootstrap` or from one, whatever its folder is called. A Hub id or a folder without a
-    tokenizer.json is not."""
+    """Whether the model at `model_key` is of a tiny family: written by `align bootstrap`, or reading the vocabulary
+    of bootstrap.out's tokenizer or of a bootstrap-made verifier (a drafter trained from one, whatever its folder is
+    called). A Hub id or a folder without a tokenizer.json is not."""
     from tokenizers import Tokenizer  # the tokenizer files are compared by their vocabularies, not their bytes
 
-    tiny = Path(recipe.bootstrap.out) / "tokenizer" / "tokenizer.json"
-    model = Path(model_section(recipe, model_key).path) / "tokenizer.json"
-    if not (tiny.is_file() and model.is_file()):
+    model = Path(model_section(recipe, model_key).path)
+    if _bootstrap_made(model):
+        return True
+    references = [Path(recipe.bootstrap.out) / "tokenizer"]
+    if _bootstrap_made(Path(recipe.verifier.path)):
+        references.append(Path(recipe.verifier.path))
+    references = [r / "tokenizer.json" for r in references if (r / "tokenizer.json").is_file()]
+    if not (model / "tokenizer.json").is_file() or not references:
         return False
     try:
-        return Tokenizer.from_file(str(model)).get_vocab() == Tokenizer.from_file(str(tiny)).get_vocab()
+        vocab = Tokenizer.from_file(str(model / "tokenizer.json")).get_vocab()
+        return any(vocab == Tokenizer.from_file(str(r)).get_vocab() for r in references)
     except Exception:  # noqa: BLE001 - a tokenizer.json `tokenizers` cannot read is not the tiny one
         return False
 

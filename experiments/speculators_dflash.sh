@@ -43,7 +43,7 @@ key=train.warmup_steps; warmup=$(get "$@")
 key=decode.gamma; gamma=$(get "$@")
 key=dflash.num_layers; num_layers=$(get "$@")
 key=dflash.aux_layer_ids; layer_ids=$(get "$@" | tr -d '[] ')
-ranks=2  # align train --num_gpus 2, as launch/ and experiments/ run it
+ranks=2  # two ranks, as launch/ and experiments/ run align's training
 work=${WORK:-checkpoints/speculators-dflash/$name}
 mkdir -p "$work"
 [ -f "$trajectories/manifest.json" ] || { echo "speculators_dflash: $trajectories has no manifest.json (run: $ALIGN trajectories $recipe)" >&2; exit 2; }

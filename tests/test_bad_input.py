@@ -445,13 +445,14 @@ def test_good_prompt_sources_pass_the_checks(capsys, started, chats, tmp_path):
 
 @pytest.fixture(scope="module")
 def not_tiny(tmp_path_factory) -> dict[str, Path]:
-    """Copies of the tiny verifier and drafter whose tokenizers are not the tiny family's (two tokens' ids swapped:
-    the vocabulary size, and so every other check, is unchanged)."""
+    """Copies of the tiny verifier and drafter that are not of the tiny family: without bootstrap's manifest, and
+    with two tokens' ids swapped (the vocabulary size, and so every other check, is unchanged)."""
     import json
 
     root = tmp_path_factory.mktemp("not_tiny")
     made = {"verifier": copy_model(VERIFIER, root / "verifier"), "drafter": copy_model(DRAFTER, root / "drafter")}
     for folder in made.values():
+        (folder / "manifest.json").unlink(missing_ok=True)
         tokenizer = json.loads((folder / "tokenizer.json").read_text())
         vocab = tokenizer["model"]["vocab"]
         first, second = (w for w, _ in zip(sorted(vocab, key=vocab.get)[300:], range(2)))

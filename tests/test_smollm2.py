@@ -263,6 +263,47 @@ def test_a_dflash_drafter_on_the_real_verifier_is_greedy_identical_to_ar(verifie
         assert specdiff_generate(verifier, drafter, spec, ids, 4, NEW_TOKENS, eos_ids=eos)[0] == expected
 
 
+def test_a_dflash_drafter_trains_two_steps_on_two_ranks_against_the_real_verifier(smollm2, verifier, tokenizer,
+                                                                                    tmp_path):
+    """recipes/smollm2/dflash.yaml as `align train --num_gpus 2` runs it (DeepSpeed, 2 CPU ranks), on trajectories of
+    the real verifier: the mask token chosen for its tokenizer is kept, the checkpoint loads as a DFlash drafter, and
+    it decodes identically to AR greedy."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import checkout_env
+
+    from align.decoding.specdiff import specdiff_generate
+    from align.models import load_drafter
+    from align.config import DrafterSection
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": p}) + "\n" for p in PROMPTS * 2))
+    recipe = str(ROOT / "recipes" / "smollm2" / "dflash.yaml")
+    common = [f"verifier.path={smollm2}", f"data.train_prompts={prompts}", f"trajectories.out={tmp_path / 'traj'}",
+              "trajectories.backend=hf", "trajectories.max_new_tokens=16", "trajectories.batch_size=4"]
+    assert main(["trajectories", recipe, *common]) == 0
+    out = tmp_path / "train"
+    done = subprocess.run(
+        [sys.executable, "-m", "align.cli", "train", recipe, *common, f"train.out={out}", "train.max_steps=2",
+         "train.save_every=2", "train.micro_batch_size=1", "train.windows_per_sequence=2", "train.eval_every=100",
+         "train.report_to=none", "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000)],
+        cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+        timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert "'<empty_output>' (id 16)" in json.loads((out / "step_2" / "meta.json").read_text())["mask_token"]
+    drafter, spec = load_drafter(DrafterSection(path=str(out / "step_2")), tokenizer)
+    assert spec.kind == "dflash" and spec.mask_token_id == 16
+    eos = eos_token_ids(verifier, tokenizer)
+    for ids in rendered(tokenizer):
+        expected = ar_generate(verifier, ids, NEW_TOKENS, eos_ids=eos)[0]
+        assert specdiff_generate(verifier, drafter, spec, ids, 4, NEW_TOKENS, eos_ids=eos)[0] == expected
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # one rendering: trajectories, training windows and eval read the same chat-templated token ids
 # --------------------------------------------------------------------------------------------------------------------
