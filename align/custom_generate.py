@@ -14,7 +14,7 @@ after its own prefix: greedy output is `generate()`'s greedy output token for to
 accepted by speculative sampling against those processed distributions, so the output is distributed exactly as
 `generate(do_sample=True)`'s. What it cannot reproduce (beams, stop strings, guidance, ...) it refuses by name. It is
 align's runtime (align/decoding/specdiff.py,
-acceptance.py, models.py `block_logits`) restated in one file that imports torch and transformers only, because
+acceptance.py, align/drafters `block_logits`) restated in one file that imports torch and transformers only, because
 transformers copies this file alone into its module cache: it must not import align (which may not be installed).
 
 The drafter's `config.drafter_spec` says how to read it: `mask_token_id`, `logits_shift` (0: position t's prediction
