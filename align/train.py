@@ -54,7 +54,7 @@ from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_fol
                               naming_path, read_log, record_checksums, save_merged, state_to_resume, step_folders,
                               write_text_atomic)
 from align.config import Recipe, RecipeError, first_line
-from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
+from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
 from align.drafters import drafter_for
 from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise
@@ -75,8 +75,6 @@ MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_ev
                                   "train.keep_last", "train.held_out_max_rows", "train.activation_checkpointing",
                                   "drafter.device", "verifier.device"})
 RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
-# One prompt in HELD_OUT_EVERY is kept out of training, for the simulated accepted length and the final real τ.
-HELD_OUT_EVERY = 20
 
 
 @dataclass
