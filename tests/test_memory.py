@@ -167,3 +167,72 @@ def test_activation_checkpointing_trains_the_same_steps_and_the_cap_draws_fewer_
     assert all(c["windows"] <= p["windows"] for c, p in zip(capped, plain))
     assert sum(c["windows"] for c in capped) < sum(p["windows"] for p in plain)
     assert all(math.isfinite(c["loss"]) for c in capped)
+
+
+# ---- `align train` warns before starting when the measured peak exceeds its GPU ----------------------------------
+def _small_drafter(tmp_path):
+    """A folder holding only a config.json at a small width: all align memory reads of a drafter."""
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}))
+    return folder
+
+
+class _FakeGpu:
+    name = "Fake GPU"
+    total_memory = 1_000_000  # 1 MB: less than any measured peak
+
+
+def _fake_cuda(monkeypatch, probes):
+    """CUDA available with a 1 MB device; `probes` collects every call of the measurement."""
+    import align.memory
+    from align.preflight import MEMORY_CHECKED
+
+    monkeypatch.delenv(MEMORY_CHECKED, raising=False)  # restored (unset) after the test
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _FakeGpu())
+    real = align.memory.peak_per_gpu
+    monkeypatch.setattr(align.memory, "peak_per_gpu", lambda *a: probes.append(a) or real(*a))
+
+
+def test_train_warns_once_when_the_measured_peak_exceeds_the_gpu_and_still_starts(tmp_path, monkeypatch, capsys):
+    from align.preflight import warn_train_memory
+
+    probes = []
+    _fake_cuda(monkeypatch, probes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    r = recipe(f"drafter.path={_small_drafter(tmp_path)}", "train.micro_batch_size=2", "memory.prompt_tokens=16",
+               "trajectories.max_new_tokens=16")
+    assert warn_train_memory(r) is None  # a warning, not a refusal
+    warn_train_memory(r)  # the ranks a launch starts run the checks again: they inherit that it was done
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("align train: warning: ")]
+    assert len(warnings) == 1 and len(probes) == 1, err
+    need = per_gpu(r, drafter_width(r), measure(r, drafter_width(r), micro_batch_shape(r, drafter_width(r)))).total
+    assert f"{need / 1e9:.1f} GB per GPU (ZeRO-0 over 8 ranks)" in warnings[0]
+    assert "cuda:0 (Fake GPU) has 0.0 GB" in warnings[0]
+    for change in ("train.zero_stage=1", "train.activation_checkpointing=true", "train.micro_batch_size",
+                   "train.max_sequence_length"):
+        assert change in warnings[0]
+
+
+def test_train_without_cuda_runs_no_probe(tmp_path, monkeypatch, capsys):
+    from align.preflight import warn_train_memory
+
+    probes = []
+    _fake_cuda(monkeypatch, probes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    warn_train_memory(recipe(f"drafter.path={_small_drafter(tmp_path)}"))
+    assert probes == [] and "warning" not in capsys.readouterr().err
+
+
+def test_the_train_stage_runs_the_memory_warning_after_its_refusals():
+    import inspect
+
+    from align import stages
+
+    source = inspect.getsource(stages._train_checks).strip().splitlines()
+    assert "warn_train_memory(recipe)" in source[-1]
