@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from align.config import (METHOD_MODELS, NOT_DFLASH_METHODS, ModelSection, Recipe, RecipeError, first_line,
                           get_key)
@@ -254,11 +254,13 @@ def check_train(recipe: Recipe) -> None:
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
 
 
-def warn_train_memory(recipe: Recipe) -> None:
+def warn_train_memory(recipe: Recipe, peak_per_gpu: Callable[[Recipe, int], int]) -> None:
     """Warn (one line on stderr, never a refusal) when `align memory`'s measured peak per GPU for this recipe exceeds
-    the memory of the GPU this process trains on. Only where CUDA is available: the probe measures one layer at the
-    real width on the CPU (seconds to minutes), not worth paying on a CPU-only host. Runs once per launch: in the
-    process the user started (its ranks inherit MEMORY_CHECKED) or, under a hand-started launcher, on rank 0."""
+    the memory of the GPU this process trains on. peak_per_gpu(recipe, world_size): bytes, `align memory`'s
+    measurement (a stage: align/stages.py hands it over, as a building block cannot import it). Only where CUDA is
+    available: it measures one layer at the real width on the CPU (seconds to minutes), not worth paying on a
+    CPU-only host. Runs once per launch: in the process the user started (its ranks inherit MEMORY_CHECKED) or,
+    under a hand-started launcher, on rank 0."""
     if os.environ.get(MEMORY_CHECKED) or os.environ.get("RANK", "0") != "0" or recipe.dflash is not None:
         return  # a DFlash drafter is not modelled by align memory
     import torch
@@ -266,13 +268,11 @@ def warn_train_memory(recipe: Recipe) -> None:
     if not torch.cuda.is_available():
         return
     os.environ[MEMORY_CHECKED] = "1"
-    from align.memory import peak_per_gpu
-
     # Under a launcher the world is known; in the process that starts one it is the recipe's (memory.world_size).
     world = int(os.environ.get("WORLD_SIZE", recipe.memory.world_size))
     device = int(os.environ.get("LOCAL_RANK", 0))
     try:
-        need = peak_per_gpu(recipe, world).total
+        need = peak_per_gpu(recipe, world)
     except RecipeError:  # sizes align memory does not know: nothing measured, nothing to say
         return
     gpu = torch.cuda.get_device_properties(device)

@@ -186,7 +186,7 @@ class _FakeGpu:
 
 
 def _fake_cuda(monkeypatch, probes):
-    """CUDA available with a 1 MB device; `probes` collects every call of the measurement."""
+    """A 1 MB CUDA device; returns align memory's measurement, which records each call in `probes`."""
     import align.memory
     from align.preflight import MEMORY_CHECKED
 
@@ -194,20 +194,19 @@ def _fake_cuda(monkeypatch, probes):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _FakeGpu())
-    real = align.memory.peak_per_gpu
-    monkeypatch.setattr(align.memory, "peak_per_gpu", lambda *a: probes.append(a) or real(*a))
+    return lambda *a: probes.append(a) or align.memory.peak_per_gpu(*a).total  # what align/stages.py hands over
 
 
 def test_train_warns_once_when_the_measured_peak_exceeds_the_gpu_and_still_starts(tmp_path, monkeypatch, capsys):
     from align.preflight import warn_train_memory
 
     probes = []
-    _fake_cuda(monkeypatch, probes)
+    measured = _fake_cuda(monkeypatch, probes)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     r = recipe(f"drafter.path={_small_drafter(tmp_path)}", "train.micro_batch_size=2", "memory.prompt_tokens=16",
                "trajectories.max_new_tokens=16")
-    assert warn_train_memory(r) is None  # a warning, not a refusal
-    warn_train_memory(r)  # the ranks a launch starts run the checks again: they inherit that it was done
+    assert warn_train_memory(r, measured) is None  # a warning, not a refusal
+    warn_train_memory(r, measured)  # the ranks a launch starts run the checks again: they inherit that it was done
     err = capsys.readouterr().err.splitlines()
     warnings = [line for line in err if line.startswith("align train: warning: ")]
     assert len(warnings) == 1 and len(probes) == 1, err
@@ -223,9 +222,9 @@ def test_train_without_cuda_runs_no_probe(tmp_path, monkeypatch, capsys):
     from align.preflight import warn_train_memory
 
     probes = []
-    _fake_cuda(monkeypatch, probes)
+    measured = _fake_cuda(monkeypatch, probes)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    warn_train_memory(recipe(f"drafter.path={_small_drafter(tmp_path)}"))
+    warn_train_memory(recipe(f"drafter.path={_small_drafter(tmp_path)}"), measured)
     assert probes == [] and "warning" not in capsys.readouterr().err
 
 
