@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     import torch
 
 TRAJECTORY_MANIFEST = "manifest.json"
+# One prompt in HELD_OUT_EVERY (prompt_index % HELD_OUT_EVERY == 0) is held out of training: align train measures the
+# simulated accepted length and the final real τ on those prompts, and align derive adapts no drafter on them. Here,
+# in a building block, because both stages read it and a stage cannot import another.
+HELD_OUT_EVERY = 20
 
 # A prompt is plain text, or a conversation of chat messages ({"role", "content"}) that ends on a turn the model
 # answers (never an assistant turn).

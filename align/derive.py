@@ -31,14 +31,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from align.config import DeriveSection, Recipe, RecipeError
+from align.data import HELD_OUT_EVERY  # the drafter is not adapted on the prompts align train measures it on
 from align.families import DrafterSpec
 
 MANIFEST = "manifest.json"
 # The layout of the folder align derive writes: bumped when it changes, so older folders are derived again.
 FORMAT = 1
-# align train's (align/train.py HELD_OUT_EVERY; a stage cannot import another, tests/test_derive.py checks they agree):
-# one prompt in 20 is held out, and the drafter is not adapted on the prompts align train measures it on.
-HELD_OUT_EVERY = 20
 
 
 @dataclass(frozen=True)

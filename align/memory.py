@@ -335,6 +335,15 @@ def per_gpu(recipe: Recipe, width: Width, measured: Measured) -> PerGpu:
     return PerGpu(weights, gradients, optimizer, gathered, activations, total)
 
 
+def peak_per_gpu(recipe: Recipe, world_size: int) -> PerGpu:
+    """What `align memory` reports, as numbers: one layer measured on the CPU at the recipe's width and micro-batch,
+    extrapolated to a rank of `world_size` under the recipe's ZeRO stage. RecipeError where the drafter's sizes are
+    unknown (drafter_width)."""
+    recipe = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"world_size": world_size})})
+    width = drafter_width(recipe)
+    return per_gpu(recipe, width, measure(recipe, width, micro_batch_shape(recipe, width)))
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:8.2f} GB"
 

@@ -13,7 +13,7 @@ from typing import Callable, Union
 
 from align.config import Recipe
 from align.preflight import (check_calibrate, check_eval, check_export, check_gkd, check_new_tokens, check_train,
-                             check_trajectories, eval_models, train_models)
+                             check_trajectories, eval_models, train_models, warn_train_memory)
 
 
 def _none(recipe: Recipe) -> tuple[str, ...]:
@@ -23,6 +23,12 @@ def _none(recipe: Recipe) -> tuple[str, ...]:
 def _train_checks(recipe: Recipe) -> None:
     check_train(recipe)
     _stage_check("align.train")(recipe)  # the run folder's settings: a changed recipe is refused before launching
+    warn_train_memory(recipe, _peak_per_gpu)  # last: after every refusal, since it measures (only with CUDA)
+
+
+def _peak_per_gpu(recipe: Recipe, world_size: int) -> int:
+    """`align memory`'s measured peak per GPU in bytes: that stage's module, imported only when it is asked."""
+    return importlib.import_module("align.memory").peak_per_gpu(recipe, world_size).total
 
 
 def _served_drafter(recipe: Recipe) -> str:

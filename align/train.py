@@ -54,10 +54,10 @@ from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_fol
                               naming_path, read_log, record_checksums, save_merged, state_to_resume, step_folders,
                               write_text_atomic)
 from align.config import Recipe, RecipeError, first_line
-from align.data import TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
+from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
 from align.drafters import drafter_for
-from align.losses import WINDOW_LOSSES, needs_verifier_distributions
+from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise
 from align.mask_token import dflash_mask_token
 from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)
 from align.tracking import open_trackers
@@ -75,8 +75,6 @@ MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_ev
                                   "train.keep_last", "train.held_out_max_rows", "train.activation_checkpointing",
                                   "drafter.device", "verifier.device"})
 RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
-# One prompt in HELD_OUT_EVERY is kept out of training, for the simulated accepted length and the final real τ.
-HELD_OUT_EVERY = 20
 
 
 @dataclass
@@ -538,6 +536,19 @@ def held_out_sample(held_out: list[int], max_rows: Optional[int], seed: int) -> 
     return [held_out[i] for i in sorted(chosen)]
 
 
+def window_streaks(logits: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, W, γ, V) in any float dtype, targets (B, W, γ), target_mask (B, W, γ) bool -> (B, W) expected
+    streak Σ_j Π_{i≤j} q(x_i) and (B, W) greedy streak (argmax hits before the first miss), both fp32.
+
+    log q(x) is computed in chunks of positions (losses.rowwise): over a 150k–262k vocabulary an fp32 log_softmax of
+    every window position at once would be the largest tensor of the metric. The argmax reads the logits as they are
+    (widening to fp32 is exact, so it picks the same token)."""
+    log_q = rowwise(_row_target_log_prob, logits, targets).masked_fill(~target_mask, float("-inf"))
+    hits = (logits.argmax(-1) == targets) & target_mask
+    return torch.exp(torch.cumsum(log_q, -1)).sum(-1), hits.int().cumprod(-1).sum(-1).float()
+
+
 @torch.no_grad()
 def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[str, float]:
     """Simulated accepted length on held-out trajectories: the expected streak Σ_j Π_{i≤j} q(x_i), and the greedy
@@ -550,17 +561,15 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
         rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                               np.random.default_rng([t.seed, start]), max_len=t.max_sequence_length).to(trainer.device)
+        # In the drafter's own dtype: window_streaks reads it in fp32 chunk by chunk, never as one fp32 copy.
         logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier,
-                               forwards=agreed_forwards(trainer, batch, recipe)).float()
-        log_q = torch.log_softmax(logits, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
-        log_q = log_q.masked_fill(~batch.target_mask, float("-inf"))
-        hits = (logits.argmax(-1) == batch.targets) & batch.target_mask
+                               forwards=agreed_forwards(trainer, batch, recipe))
+        expected, greedy = window_streaks(logits, batch.targets, batch.target_mask)
         # Per trajectory; a bidirectional batch has a row per window, each naming its trajectory in source_rows.
         weight = torch.tensor(weights[start : start + t.micro_batch_size], dtype=torch.float64,
                               device=trainer.device)[batch.source_rows][:, None]
         valid = batch.target_mask[..., 0] * weight  # (B, W): padding rows count 0
-        totals += torch.stack([(torch.exp(torch.cumsum(log_q, -1)).sum(-1) * valid).sum(),
-                               (hits.int().cumprod(-1).sum(-1) * valid).sum(), valid.sum()])
+        totals += torch.stack([(expected * valid).sum(), (greedy * valid).sum(), valid.sum()])
     if trainer.world > 1:
         dist.all_reduce(totals)
     return {"expected_streak": totals[0].item() / max(totals[2].item(), 1),

@@ -92,7 +92,7 @@ def toy_trajectories(toy_family, tmp_path_factory):
     root, _ = toy_family
     out = tmp_path_factory.mktemp("traj")
     assert main(["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
-                 f"data.dir={root / 'data'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
+                 f"data.dir={root / 'data'}", f"bootstrap.out={root / 'ck'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
                  "trajectories.batch_size=8", *TOY_TRAJECTORIES]) == 0
     return root, out
 

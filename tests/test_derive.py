@@ -217,13 +217,6 @@ def test_missing_or_benchmark_trajectories_and_foreign_folders_are_refused(famil
     assert "align did not write it" in one_line_refusal(capsys)
 
 
-def test_held_out_prompts_are_align_trains():
-    from align.derive import HELD_OUT_EVERY
-    from align.train import HELD_OUT_EVERY as TRAIN_HELD_OUT_EVERY
-
-    assert HELD_OUT_EVERY == TRAIN_HELD_OUT_EVERY
-
-
 def every_method_is_greedy_identical_to_ar(verifier, drafter, spec, tokenizer, prompts: list[torch.Tensor],
                                            new_tokens: int) -> dict[tuple[str, int], float]:
     """Each method's greedy tokens with `drafter` equal AR greedy's, on every prompt; returns each τ."""

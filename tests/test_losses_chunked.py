@@ -238,3 +238,51 @@ def test_real_vocabulary_chunked_equals_whole(gemma_lm_head):
         ref.backward()
         torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(d_chunked.grad, d_whole.grad, rtol=1e-4, atol=1e-7)
+
+
+# ---- the held-out metric (align/train.py held_out_streak) reads log q(x) through the same chunks ----------------
+def _old_held_out_streaks(logits, targets, target_mask):
+    """held_out_streak's computation before chunking: one fp32 log_softmax over every window position at once."""
+    logits = logits.float()
+    log_q = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    log_q = log_q.masked_fill(~target_mask, float("-inf"))
+    hits = (logits.argmax(-1) == targets) & target_mask
+    return torch.exp(torch.cumsum(log_q, -1)).sum(-1), hits.int().cumprod(-1).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_held_out_streaks_equal_the_unchunked_computation(dtype, monkeypatch):
+    from align.train import window_streaks
+
+    monkeypatch.setattr(losses, "LOSS_CHUNK_ELEMENTS", 3 * 50)  # 3 positions a chunk over 2 × 3 × 5 = 30
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(2, 3, 5, 50, generator=g) * 2).to(dtype)  # (B, W, γ, V)
+    targets = torch.randint(0, 50, (2, 3, 5), generator=g)
+    targets[0, 0] = logits[0, 0].argmax(-1)  # a window the drafter gets wholly right
+    targets[0, 1, :3] = logits[0, 1, :3].argmax(-1)  # a streak of 3 then (likely) a miss
+    target_mask = torch.ones(2, 3, 5, dtype=torch.bool)
+    target_mask[1, 2, 2:] = False  # a window cut short by its completion's end
+    target_mask[1, 1] = False  # a padding window
+    with torch.no_grad():
+        expected, greedy = window_streaks(logits, targets, target_mask)
+    ref_expected, ref_greedy = _old_held_out_streaks(logits, targets, target_mask)
+    assert expected.shape == greedy.shape == (2, 3)
+    torch.testing.assert_close(expected, ref_expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(greedy, ref_greedy.float())
+    assert greedy[0, 0] == 5 and greedy[0, 1] >= 3 and expected[1, 1] == 0
+
+
+def test_held_out_streaks_hold_no_fp32_copy_of_the_logits(monkeypatch):
+    from align.train import window_streaks
+
+    # 64 positions of a 32,768 vocabulary in bf16 (4 MiB); its fp32 log_softmax would be 8 MiB, the chunks 1 MiB
+    monkeypatch.setattr(losses, "LOSS_CHUNK_ELEMENTS", 8 * 32_768)
+    logits = torch.randn(2, 2, 16, 32_768).bfloat16()
+    targets = torch.randint(0, 32_768, (2, 2, 16))
+    target_mask = torch.ones(2, 2, 16, dtype=torch.bool)
+    whole = 64 * 32_768 * 4
+    with torch.no_grad():
+        peak, _ = peak_bytes(lambda: window_streaks(logits, targets, target_mask))
+        old_peak, _ = peak_bytes(lambda: _old_held_out_streaks(logits, targets, target_mask))
+    assert old_peak >= whole  # the old computation did hold one (the check can fail)
+    assert peak <= whole // 2, f"peak {peak / 2**20:.1f} MiB"

@@ -167,3 +167,91 @@ def test_activation_checkpointing_trains_the_same_steps_and_the_cap_draws_fewer_
     assert all(c["windows"] <= p["windows"] for c, p in zip(capped, plain))
     assert sum(c["windows"] for c in capped) < sum(p["windows"] for p in plain)
     assert all(math.isfinite(c["loss"]) for c in capped)
+
+
+# ---- `align train` warns before starting when the measured peak exceeds its GPU ----------------------------------
+def _small_drafter(tmp_path):
+    """A folder holding only a config.json at a small width: all align memory reads of a drafter."""
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}))
+    return folder
+
+
+class _FakeGpu:
+    name = "Fake GPU"
+    total_memory = 1_000_000  # 1 MB: less than any measured peak
+
+
+def _fake_cuda(monkeypatch, probes):
+    """A 1 MB CUDA device; returns align memory's measurement, which records each call in `probes`."""
+    import align.memory
+    from align.preflight import MEMORY_CHECKED
+
+    monkeypatch.delenv(MEMORY_CHECKED, raising=False)  # restored (unset) after the test
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _FakeGpu())
+    return lambda *a: probes.append(a) or align.memory.peak_per_gpu(*a).total  # what align/stages.py hands over
+
+
+def test_train_warns_once_when_the_measured_peak_exceeds_the_gpu_and_still_starts(tmp_path, monkeypatch, capsys):
+    from align.preflight import warn_train_memory
+
+    probes = []
+    measured = _fake_cuda(monkeypatch, probes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    r = recipe(f"drafter.path={_small_drafter(tmp_path)}", "train.micro_batch_size=2", "memory.prompt_tokens=16",
+               "trajectories.max_new_tokens=16")
+    assert warn_train_memory(r, measured) is None  # a warning, not a refusal
+    warn_train_memory(r, measured)  # the ranks a launch starts run the checks again: they inherit that it was done
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("align train: warning: ")]
+    assert len(warnings) == 1 and len(probes) == 1, err
+    need = per_gpu(r, drafter_width(r), measure(r, drafter_width(r), micro_batch_shape(r, drafter_width(r)))).total
+    assert f"{need / 1e9:.1f} GB per GPU (ZeRO-0 over 8 ranks)" in warnings[0]
+    assert "cuda:0 (Fake GPU) has 0.0 GB" in warnings[0]
+    for change in ("train.zero_stage=1", "train.activation_checkpointing=true", "train.micro_batch_size",
+                   "train.max_sequence_length"):
+        assert change in warnings[0]
+
+
+def test_train_without_cuda_runs_no_probe(tmp_path, monkeypatch, capsys):
+    from align.preflight import warn_train_memory
+
+    probes = []
+    measured = _fake_cuda(monkeypatch, probes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    warn_train_memory(recipe(f"drafter.path={_small_drafter(tmp_path)}"), measured)
+    assert probes == [] and "warning" not in capsys.readouterr().err
+
+
+# CUDA seen by the preflight alone (the stage then trains on the CPU, as this host can): a 1 MB device.
+FAKE_GPU_PREFLIGHT = """
+import sys
+import torch
+
+class FakeGpu:
+    name = "Fake GPU"
+    total_memory = 1_000_000
+
+real = torch.cuda.is_available
+torch.cuda.is_available = lambda: sys._getframe(1).f_globals.get("__name__") == "align.preflight" or real()
+torch.cuda.get_device_properties = lambda device: FakeGpu()
+from align.cli import main
+raise SystemExit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def test_the_train_stage_warns_once_and_still_trains(toy_trajectories, tmp_path):
+    script = tmp_path / "fake_gpu_train.py"
+    script.write_text(FAKE_GPU_PREFLIGHT)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), TINY, *overrides(toy_trajectories, out)], cwd=ROOT,
+                          capture_output=True, text=True, env=checkout_env(OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("align train: warning: align memory")]
+    assert len(warnings) == 1 and "cuda:0 (Fake GPU) has 0.0 GB" in warnings[0], proc.stderr[-2000:]
+    assert (out / "metrics.jsonl").read_text().splitlines()  # the stage started and trained
