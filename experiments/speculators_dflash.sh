@@ -54,21 +54,14 @@ if [ ! -f "$work/data/align_conversion.json" ]; then
   "$ALIGN_PY" -m align.speculators_data --trajectories "$trajectories" --verifier "$verifier" \
     --layer-ids "$layer_ids" --out "$work/data"
 fi
-max_len=$("$ALIGN_PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['max_seq_len'])" "$work/data/align_conversion.json")
+max_len=$("$ALIGN_PY" experiments/speculators_steps.py max-len "$work/data/align_conversion.json")
 
 # 2. speculators' trainer, the same budget. Its --max-steps ends an epoch but not the run (speculators 0.9.0,
 # train/trainer.py:601-605 break the step loop, run_training at :734-739 starts the next epoch, which takes one more
 # step and breaks again, forever; past max_steps the linear schedule's lr is 0, so the weights no longer change), so
 # the script stops it once an epoch checkpoint records global_step >= max_steps, and serves that checkpoint.
 step_folder() {  # the first epoch folder whose training_state.json has global_step >= $max_steps
-  "$ALIGN_PY" - "$work/train" "$max_steps" <<'PY'
-import json, sys
-from pathlib import Path
-done = [(json.loads(p.read_text())["global_step"], int(p.parent.name)) for p in Path(sys.argv[1]).glob("*/training_state.json")
-        if p.parent.name.isdigit()]
-reached = sorted(epoch for step, epoch in done if step >= int(sys.argv[2]))
-print(Path(sys.argv[1]) / str(reached[0]) if reached else "")
-PY
+  "$ALIGN_PY" experiments/speculators_steps.py step-folder "$work/train" "$max_steps"
 }
 if [ ! -f "$work/train/done" ]; then
   rm -rf "$work/train"
@@ -105,18 +98,4 @@ for which in speculators align; do
   drafter=$spec_drafter; [ $which = align ] && drafter=$align_drafter
   "$ALIGN" serve-check "$recipe" serve_check.drafter="$drafter" serve_check.out="$work/serve-check-$which" "$@" || true
 done
-"$ALIGN_PY" - "$work" <<'PY'
-import json, sys
-from pathlib import Path
-work = Path(sys.argv[1])
-print("| drafter | align tau | vLLM mean acceptance length | vLLM speedup | outputs identical |")
-print("|---|---|---|---|---|")
-for which in ("speculators", "align"):
-    path = work / f"serve-check-{which}" / "serve_check.json"
-    if not path.is_file():
-        print(f"| {which} | (no serve_check.json) | | | |")
-        continue
-    r = json.loads(path.read_text())
-    print(f"| {which} | {r['align']['tau']:.2f} | {r['vllm_drafter']['mean_acceptance_length']:.2f} | "
-          f"{r['check']['vllm_speedup']:.2f}x | {r['vllm_drafter']['identical']} |")
-PY
+"$ALIGN_PY" experiments/speculators_steps.py table "$work"

@@ -62,7 +62,10 @@ def family(tmp_path_factory) -> dict[str, Path]:
 
 
 def derive_args(family, out: Path, *extra: str) -> list[str]:
+    # The tiny random family has no chat template (the SmolLM2 recipe's data.chat_template is on) and its trajectories
+    # were made with transformers (the recipe's backend is vLLM).
     return ["derive", str(RECIPE), f"verifier.path={family['verifier']}", f"trajectories.out={family['traj']}",
+            "data.chat_template=auto", "trajectories.backend=hf", "trajectories.batch_size=12",
             "trajectories.max_new_tokens=16", f"derive.out={out}", "derive.num_layers=3", "derive.seq_len=32",
             "derive.block_sizes=[4, 8]", "derive.batch_size=2", "derive.max_steps=8", "derive.lr=1e-2",
             "derive.warmup_steps=1", "derive.eval_tokens=64", "derive.precision=fp32", *extra]
@@ -260,7 +263,8 @@ def test_a_two_layer_drafter_from_the_real_smollm2(smollm2, tmp_path, capsys):
     out = tmp_path / "drafter"
     capsys.readouterr()
     assert main(["derive", str(RECIPE), f"verifier.path={smollm2}", f"trajectories.out={tmp_path / 'traj'}",
-                 "trajectories.max_new_tokens=16", "trajectories.batch_size=2", "trajectories.backend=hf", f"derive.out={out}", "derive.num_layers=2", "derive.seq_len=32",
+                 "trajectories.max_new_tokens=16", "trajectories.batch_size=2", "trajectories.backend=hf",
+                 f"derive.out={out}", "derive.num_layers=2", "derive.seq_len=32",
                  "derive.block_sizes=[4, 8]", "derive.batch_size=1", "derive.max_steps=2", "derive.eval_tokens=32"]) == 0
     said = capsys.readouterr().out
     assert "'<empty_output>' (id 16)" in said  # the mask token chosen for a tokenizer without one, said
