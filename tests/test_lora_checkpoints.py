@@ -43,7 +43,8 @@ def lora_run(toy_family, tmp_path_factory):
 
 
 def merged_by_hand(base: Path, step: Path) -> dict[str, torch.Tensor]:
-    """The base's weights with each LoRA pair added (W + B·A·alpha/r), computed here from the files alone."""
+    """The base's weights with each LoRA pair added (W + B·A·alpha/r), in the adapter's dtype (the run's), computed
+    here from the files alone."""
     weights = load_file(str(base / "model.safetensors"))
     config = json.loads((step / "adapter_config.json").read_text())
     scale = config["lora_alpha"] / config["r"]
@@ -54,7 +55,7 @@ def merged_by_hand(base: Path, step: Path) -> dict[str, torch.Tensor]:
             continue
         b = adapter[key.replace(".lora_A.", ".lora_B.")]
         name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-        merged[name] = (weights[name].float() + scale * (b.float() @ a.float())).to(weights[name].dtype)
+        merged[name] = weights[name].to(a.dtype) + scale * (b @ a)  # in the run's dtype, as the merged save was
     return merged
 
 
@@ -76,7 +77,7 @@ def test_the_api_decodes_a_lora_checkpoint_as_its_merged_form(lora_run, tmp_path
     step = out / "step_2"
     merged = merged_by_hand(base, step)
     old_form = tmp_path / "merged"  # what a LoRA step_<N>/ held before: the merged model, loadable alone
-    model = AutoModelForCausalLM.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=next(iter(merged.values())).dtype)
     model.load_state_dict(merged, strict=False)  # (lm_head.weight is tied to the embeddings)
     model.save_pretrained(old_form)
     AutoTokenizer.from_pretrained(base).save_pretrained(old_form)
@@ -86,8 +87,9 @@ def test_the_api_decodes_a_lora_checkpoint_as_its_merged_form(lora_run, tmp_path
     loaded = from_adapter.drafter.state_dict()
     assert all(torch.allclose(loaded[k].float(), v.float(), atol=1e-6) for k, v in merged.items())
     assert not any("lora" in k for k in loaded)  # merged: no LoRA layers left
-    for prompt in PROMPTS:
-        a, b = (pair.generate(prompt, method="specdiff", max_new_tokens=12) for pair in (from_adapter, from_merged))
+    ours, theirs = (pair.generate(PROMPTS, method="specdiff", max_new_tokens=12) for pair in (from_adapter, from_merged))
+    assert len(ours) == len(PROMPTS)
+    for a, b in zip(ours, theirs):
         assert a.token_ids == b.token_ids and a.stats.accept_counts == b.stats.accept_counts
 
 
