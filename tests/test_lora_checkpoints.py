@@ -136,7 +136,7 @@ def test_a_changed_base_drafter_is_refused_in_one_line(lora_run, tmp_path, capsy
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(lora_run):
     """Run last: it adds step_3 to the fixture's run (DeepSpeed state resumed, the new save an adapter again)."""
     _, base, out = lora_run
-    args = overrides((None, out.parent / "traj"), out, f"bootstrap.out={lora_run[0] / 'ck'}", "train.max_steps=3",
+    args = overrides((lora_run[0], out.parent / "traj"), out, f"bootstrap.out={lora_run[0] / 'ck'}", "train.max_steps=3",
                      "train.lora_r=4", "train.micro_batch_size=2", "train.final_eval_prompts=1")
     args = [a for a in args if not a.startswith(("drafter.path=", "verifier.path="))] + [
         f"drafter.path={base}", f"verifier.path={lora_run[0] / 'ck' / 'verifier'}"]
@@ -144,5 +144,5 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint(lora_run):
     assert rc == 0, log[-3000:]
     assert "resuming from step 2" in log
     assert (out / "step_3" / "adapter_model.safetensors").is_file() and not (out / "step_3" / "model.safetensors").exists()
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert 3 in steps and steps.count(1) <= 1 + steps.count(3)  # step 3 trained after the resume, 1–2 not redone
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "loss" in line][-1] == 3
