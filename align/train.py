@@ -572,8 +572,8 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
 # saving and the final check
 # --------------------------------------------------------------------------------------------------------------------
 def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
-    """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written atomically by rank 0), then the
-    DeepSpeed state for exact resume. Only called with finite weights."""
+    """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
+    atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
     module = trainer.engine.module
     if recipe.train.zero_stage == 3:
         # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters

@@ -34,7 +34,8 @@ def lora_run(toy_family, tmp_path_factory):
     base = tmp / "drafter-base"
     shutil.copytree(root / "ck" / "drafter-base", base)
     out = tmp / "run"
-    args = overrides(toy_trajectories, out, f"bootstrap.out={root / 'ck'}", "train.max_steps=2", "train.lora_r=4", "train.micro_batch_size=2",
+    args = overrides(toy_trajectories, out, f"bootstrap.out={root / 'ck'}", "train.max_steps=2", "train.lora_r=4",
+                     "train.micro_batch_size=2",
                      "train.final_eval_prompts=1")
     args = [a for a in args if not a.startswith("drafter.path=")] + [f"drafter.path={base}"]
     rc, log = launch(1, args)
@@ -87,7 +88,8 @@ def test_the_api_decodes_a_lora_checkpoint_as_its_merged_form(lora_run, tmp_path
     loaded = from_adapter.drafter.state_dict()
     assert all(torch.allclose(loaded[k].float(), v.float(), atol=1e-6) for k, v in merged.items())
     assert not any("lora" in k for k in loaded)  # merged: no LoRA layers left
-    ours, theirs = (pair.generate(PROMPTS, method="specdiff", max_new_tokens=12) for pair in (from_adapter, from_merged))
+    ours, theirs = (pair.generate(PROMPTS, method="specdiff", max_new_tokens=12)
+                    for pair in (from_adapter, from_merged))
     assert len(ours) == len(PROMPTS)
     for a, b in zip(ours, theirs):
         assert a.token_ids == b.token_ids and a.stats.accept_counts == b.stats.accept_counts
@@ -98,7 +100,8 @@ def test_export_writes_the_merged_weights(lora_run, tmp_path):
     step = out / "step_2"
     exported = tmp_path / "export"
     assert main(["export", str(ROOT / "recipes/tiny/align.yaml"), f"verifier.path={root / 'ck' / 'verifier'}",
-                 f"drafter.path={step}", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}", f"export.out={exported}"]) == 0
+                 f"drafter.path={step}", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}",
+                 f"export.out={exported}"]) == 0
     names = {p.name for p in exported.iterdir()}
     assert "adapter_config.json" not in names and BASE_RECORD not in names and "adapter_model.safetensors" not in names
     written = load_file(str(exported / "model.safetensors"))
@@ -127,7 +130,8 @@ def test_a_changed_base_drafter_is_refused_in_one_line(lora_run, tmp_path, capsy
         align.load(verifier=str(root / "ck" / "verifier"), drafter=str(step))
     capsys.readouterr()
     rc = main(["export", str(ROOT / "recipes/tiny/align.yaml"), f"verifier.path={root / 'ck' / 'verifier'}",
-               f"drafter.path={step}", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}", f"export.out={tmp_path / 'export'}"])
+               f"drafter.path={step}", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}",
+               f"export.out={tmp_path / 'export'}"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "weights have changed" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "export").exists()
@@ -136,13 +140,15 @@ def test_a_changed_base_drafter_is_refused_in_one_line(lora_run, tmp_path, capsy
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(lora_run):
     """Run last: it adds step_3 to the fixture's run (DeepSpeed state resumed, the new save an adapter again)."""
     _, base, out = lora_run
-    args = overrides((lora_run[0], out.parent / "traj"), out, f"bootstrap.out={lora_run[0] / 'ck'}", "train.max_steps=3",
+    args = overrides((lora_run[0], out.parent / "traj"), out, f"bootstrap.out={lora_run[0] / 'ck'}",
+                     "train.max_steps=3",
                      "train.lora_r=4", "train.micro_batch_size=2", "train.final_eval_prompts=1")
     args = [a for a in args if not a.startswith(("drafter.path=", "verifier.path="))] + [
         f"drafter.path={base}", f"verifier.path={lora_run[0] / 'ck' / 'verifier'}"]
     rc, log = launch(1, args)
     assert rc == 0, log[-3000:]
     assert "resuming from step 2" in log
-    assert (out / "step_3" / "adapter_model.safetensors").is_file() and not (out / "step_3" / "model.safetensors").exists()
+    assert (out / "step_3" / "adapter_model.safetensors").is_file()
+    assert not (out / "step_3" / "model.safetensors").exists()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
             if "loss" in line][-1] == 3
