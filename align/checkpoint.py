@@ -562,6 +562,112 @@ def save_merged(model: Any, tokenizer: Any, final: Path, files: dict[str, str], 
         record_checksums(tmp)
 
 
+# A LoRA run's step_<N>/ holds its adapter (peft's files), the base drafter's config and tokenizer, and a pointer to
+# the base drafter (BASE_RECORD): a save writes megabytes where the merged model would rewrite every frozen weight.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_RECORD = "base_drafter.json"
+
+
+def is_adapter_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a LoRA checkpoint align train wrote (an adapter and the pointer to its base drafter)."""
+    return (Path(folder) / ADAPTER_CONFIG).is_file() and (Path(folder) / BASE_RECORD).is_file()
+
+
+def save_adapter(module: Any, state: dict[str, Any], tokenizer: Any, base_path: str, final: Path,
+                 files: dict[str, str], kind: str = "train") -> None:
+    """Write the LoRA adapter of the peft model `module`, read from `state` (its full state dict, in the run's dtype:
+    under ZeRO-3 the consolidated one, as the module's own parameters are partitioned), as peft's adapter_config.json
+    + adapter_model.safetensors at `final`, atomically, with the base drafter's config (and remote code), the
+    tokenizer, extra text `files`, BASE_RECORD (the base drafter `base_path`: its resolved path and weights' sha256,
+    so that a changed base is refused when read) and the files' checksums."""
+    import copy
+
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    adapter = {k: v.detach().cpu().contiguous() for k, v in
+               get_peft_model_state_dict(module, state_dict=state, save_embedding_layers=False).items()}
+    config = copy.deepcopy(module.peft_config["default"])
+    identity = drafter_identity(base_path)
+    config.base_model_name_or_path, config.inference_mode = identity["resolved"], True
+    base = module.get_base_model()
+    with atomic_folder(final, kind) as tmp:
+        config.save_pretrained(tmp)
+        save_file(adapter, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        base.config.save_pretrained(tmp)
+        local = Path(identity["resolved"])
+        for code in (sorted(local.glob("*.py")) if local.is_dir() else []):  # remote code the config names
+            shutil.copy2(code, tmp / code.name)
+        tokenizer.save_pretrained(tmp)
+        (tmp / BASE_RECORD).write_text(json.dumps(identity, indent=2))
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        record_checksums(tmp)
+
+
+def adapter_base(folder: str | os.PathLike) -> str:
+    """The base drafter of the LoRA checkpoint `folder`, checked: RecipeError (one line) when it is gone or its
+    weights are not the ones the adapter was trained on."""
+    record = json.loads((Path(folder) / BASE_RECORD).read_text())
+    base = record["resolved"]
+    now = _base_sha256(base)
+    if now is None and not Path(base).is_dir():
+        raise RecipeError(f"drafter.path: {folder} is a LoRA adapter on {base}, which is not on this machine; put the "
+                          "base drafter back there, or export the merged model where it is")
+    if record.get("weights_sha256") and now != record["weights_sha256"]:
+        raise RecipeError(f"drafter.path: {folder} is a LoRA adapter on {base}, whose weights have changed since it "
+                          f"was trained (sha256 {record['weights_sha256'][:12]}…, now {str(now)[:12]}…); restore "
+                          "that base drafter")
+    return base
+
+
+def _base_sha256(path: str) -> Optional[str]:
+    """weights_sha256 of a local folder or a Hub id's cached snapshot, cached on the files' sizes and times (a 7B
+    base is hashed once per process, not at every load)."""
+    from align.hub import hub_snapshot, is_hub_id
+
+    folder = Path(path) if Path(path).is_dir() else hub_snapshot(path) if is_hub_id(path) else None
+    if folder is None:
+        return None
+    files = sorted(Path(folder).glob("*.safetensors")) or sorted(Path(folder).glob("*.bin"))
+    return _cached_weights_sha256(Path(folder).resolve(), tuple((f.name, *_stat(f)) for f in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_weights_sha256(folder: Path, stats: tuple[tuple[str, int, int], ...]) -> Optional[str]:
+    return weights_sha256(folder)
+
+
+def adapter_dtype(folder: str | os.PathLike) -> Any:
+    """The dtype the adapter was saved in (the run's)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / ADAPTER_WEIGHTS), framework="pt") as f:
+        return next(f.get_slice(k).get_dtype() for k in f.keys())
+
+
+def merge_adapter(base: Any, folder: str | os.PathLike) -> Any:
+    """`base` (a loaded drafter) with the LoRA adapter of `folder` merged into its weights, as the merged checkpoint
+    of older versions held them: the merge is computed in the adapter's dtype (the run's), then the weights go back
+    to `base`'s dtype. Only parameters are cast: computed buffers (rotary inv_freq) keep their precision."""
+    import torch
+    from peft import PeftModel
+
+    saved = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[adapter_dtype(folder)]
+    dtype = next(base.parameters()).dtype
+    device = next(base.parameters()).device
+    for p in base.parameters():
+        p.data = p.data.to(saved)
+    model = PeftModel.from_pretrained(base, str(folder), autocast_adapter_dtype=False, torch_device=str(device))
+    model = model.merge_and_unload()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 def _tied_keys_as_mapping(model: Any) -> None:
     """Remote code written for transformers 4 (Dream, DiffuCoder: `_tied_weights_keys = ["lm_head.weight"]`) lists
     its tied weights, where transformers 5's save_pretrained reads a {tied: source} mapping and fails on a list.

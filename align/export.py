@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from align.cards import check_eval_rows, licence, model_card, ships_custom_generate, speculators_card
-from align.checkpoint import CHECKSUMS, MARKER, atomic_folder, non_finite_weights
+from align.checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, CHECKSUMS, MARKER, adapter_base,
+                              atomic_folder, is_adapter_folder, non_finite_weights)
 from align.config import Recipe, RecipeError
 from align.hub import hub_offline
 from align.preflight import check_file, check_inputs
@@ -72,8 +73,11 @@ def copy_run_records(recipe: Recipe, source: Path, tmp: Path) -> tuple[Optional[
 def build_folder(recipe: Recipe, command: str, out: Path) -> None:
     """Write the export folder atomically: a previous export stays until the new one is complete."""
     source = model_folder(recipe.drafter.path)  # a Hub id's files are in the Hub cache
-    if (source / "adapter_config.json").is_file():
-        raise RecipeError(f"drafter.path: {source} is a LoRA adapter; export a merged step_<N> folder from align train")
+    if is_adapter_folder(source):  # a LoRA step_<N>/ of align train: exported merged, once its base is checked
+        adapter_base(source)
+    elif (source / ADAPTER_CONFIG).is_file():
+        raise RecipeError(f"drafter.path: {source} is a LoRA adapter align did not write (no {BASE_RECORD}); merge it "
+                          "into its base and export that folder")
     poisoned = non_finite_weights(source)  # align train never saves such weights; a folder from elsewhere may hold them
     if poisoned:
         raise RecipeError(f"drafter.path: {poisoned} holds NaN or infinite weights; a Hub folder of it would decode "
@@ -107,11 +111,27 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     copy_licence_file(recipe, origin(recipe.verifier.path), tmp)
 
 
+def write_merged_weights(recipe: Recipe, source: Path, tmp: Path) -> None:
+    """The LoRA checkpoint `source` merged into its base, in the checkpoint's dtype, as a standalone model's weights
+    in `tmp` (Hub users load the export with transformers alone)."""
+    from align.checkpoint import _tied_keys_as_mapping, adapter_dtype
+    from align.models import load_ar_drafter
+
+    dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[adapter_dtype(source)]
+    model = load_ar_drafter(recipe.drafter.model_copy(update={"device": "cpu", "dtype": dtype}))  # merged on load
+    _tied_keys_as_mapping(model)
+    model.save_pretrained(tmp)
+
+
 def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
     from align.models import drafter_spec_from_config, load_tokenizer
 
     # meta.json becomes the card; the checksums (checked when read) would no longer match the files written here
-    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", CHECKSUMS, "*.tmp", MARKER), dirs_exist_ok=True)
+    adapter = is_adapter_folder(source)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("meta.json", CHECKSUMS, "*.tmp", MARKER, *(
+        (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD) if adapter else ())), dirs_exist_ok=True)
+    if adapter:
+        write_merged_weights(recipe, source, tmp)
     config = json.loads((tmp / "config.json").read_text())
     if "drafter_spec" not in config:
         from transformers import AutoConfig

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 from transformers.masking_utils import (find_first_full_attention_index, sliding_window_bidirectional_overlay,
                                        sliding_window_overlay)
 
-from align.checkpoint import verify_checksums
+from align.checkpoint import adapter_base, is_adapter_folder, merge_adapter, verify_checksums
 from align.config import ModelSection, RecipeError
 # Remote code written for transformers 4 (Dream, DiffuCoder, LLaDA) goes through named compatibility shims as it loads.
 from align.remote_code import MASKS_IGNORED, honours_attention_masks, masks_ignored
@@ -86,6 +86,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     if os.path.isdir(section.path):  # a folder align wrote is read only if its files match their checksums
         verify_checksums(section.path)  # (already done, and cached, where cli checked the models)
+        if is_adapter_folder(section.path):
+            # A LoRA step_<N>/ of align train: its base drafter (checked unchanged), with the adapter merged in memory.
+            base = _load(section.model_copy(update={"path": adapter_base(section.path)}), **config_overrides)
+            return merge_adapter(base, section.path)
     device = resolve_device(section.device)
     kwargs = dict(
         dtype=resolve_dtype(section.dtype, device),

@@ -6,7 +6,8 @@ the DeepSpeed launcher runs on every rank:
     python align/train.py recipes/tiny/align.yaml                                      # 1 process, no launcher
 
 Reads trajectories written by `align trajectories`, trains on windows with the recipe's weighted losses, and writes
-`<train.out>/step_<N>/` (a merged HF folder loadable by transformers alone, with meta.json), `ds_state/` (DeepSpeed
+`<train.out>/step_<N>/` (a merged HF folder loadable by transformers alone, with meta.json; a LoRA run's holds the
+adapter and a checked pointer to its base drafter, merged when read and by `align export`), `ds_state/` (DeepSpeed
 state for exact resume) and `metrics.jsonl`, and sends the metrics to the trackers of `train.report_to` (TensorBoard
 events in `<train.out>/tensorboard` by default). A re-run resumes from the last checkpoint and reproduces the losses
 an uninterrupted run would have had: every batch is a function of (seed, step, rank).
@@ -51,8 +52,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_folder, mark_folder, merged_model,
-                              naming_path, read_log, record_checksums, save_merged, state_to_resume, step_folders,
-                              write_text_atomic)
+                              naming_path, read_log, record_checksums, save_adapter, save_merged, state_to_resume,
+                              step_folders, write_text_atomic)
 from align.config import Recipe, RecipeError, first_line
 from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
@@ -580,8 +581,8 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
 # saving and the final check
 # --------------------------------------------------------------------------------------------------------------------
 def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
-    """`out/step_<N>/` (the drafter with LoRA merged, in the run's dtype, written atomically by rank 0), then the
-    DeepSpeed state for exact resume. Only called with finite weights."""
+    """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
+    atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
     module = trainer.engine.module
     if recipe.train.zero_stage == 3:
         # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
@@ -594,9 +595,12 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
         state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
                  else None)
     if trainer.rank == 0:
-        model = merged_model(module, state)
-        save_merged(model, trainer.tokenizer, out / f"step_{step}", {"meta.json": json.dumps({"step": step, **meta},
-                                                                                              indent=2)})
+        files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
+        if hasattr(module, "peft_config") and recipe.dflash is None:
+            # The adapter only, with a checked pointer to the base drafter: readers merge it, export writes it merged.
+            save_adapter(module, state, trainer.tokenizer, recipe.drafter.path, out / f"step_{step}", files)
+        else:
+            save_merged(merged_model(module, state), trainer.tokenizer, out / f"step_{step}", files)
     # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
     with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
         trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},

@@ -180,16 +180,23 @@ def test_every_rank_gets_the_same_number_of_held_out_rows(count, world):
 
 
 @pytest.mark.parametrize("lora", [0, 4])
-def test_lora_and_full_fine_tuning_save_loadable_merged_folders(trajectories, tmp_path, lora):
+def test_lora_and_full_fine_tuning_save_loadable_folders(trajectories, tmp_path, lora):
     root, _ = trajectories
     out = tmp_path / f"lora{lora}"
     rc, log = launch(1, overrides(trajectories, out, "train.max_steps=2", f"train.lora_r={lora}",
                                   "train.micro_batch_size=2", "train.losses={streak: 1.0, fkl: 0.5}",
                                   "train.data_mode=online", "train.eval_every=2", "train.final_eval_prompts=2"))
     assert rc == 0, log[-3000:]
-    merged = AutoModelForCausalLM.from_pretrained(out / "step_2")
+    if lora:  # the adapter, merged into its base when read (tests/test_lora_checkpoints.py: the whole round trip)
+        from align.config import DrafterSection
+        from align.models import load_ar_drafter
+
+        assert not (out / "step_2" / "model.safetensors").exists()
+        merged = load_ar_drafter(DrafterSection(path=str(out / "step_2")))
+    else:
+        merged = AutoModelForCausalLM.from_pretrained(out / "step_2")
     base = AutoModelForCausalLM.from_pretrained(root / "ck" / "drafter-base")
-    assert set(merged.state_dict()) == set(base.state_dict())  # no LoRA keys left: plain transformers loads it
+    assert set(merged.state_dict()) == set(base.state_dict())  # no LoRA keys left
     changed = [n for n, p in merged.named_parameters() if not torch.allclose(p.float(), base.state_dict()[n].float())]
     assert changed
     meta = json.loads((out / "step_2" / "meta.json").read_text())
