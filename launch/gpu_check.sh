@@ -228,7 +228,7 @@ import sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 assert [r["step"] for r in records] == [1, 2, 3], records
 assert all(math.isfinite(r["loss"]) for r in records), records
-print("gpu_check: zero3: losses " + ", ".join(f"{r['loss']:.3f}" for r in records))
+print("gpu_check: zero3: losses " + ", ".join(f"{r['loss']:.4g}" for r in records))
 PY
 }
 stage zero3_diffusion_gemma - zero3
@@ -255,9 +255,9 @@ cuda = json.loads((m / "cuda.json").read_text()) if (m / "cuda.json").is_file() 
 rows = [(f"measured {k}", cpu["measured_bytes"][k], cuda and cuda["measured_bytes"][k])
         for k in cpu["measured_bytes"]] + [("per GPU peak", cpu["per_gpu_bytes"]["total"],
                                             cuda and cuda["per_gpu_bytes"]["total"])]
-print(f"gpu_check: memory  {'':26} {'CPU probe':>12} {'cuda max_memory_allocated':>26}")
+print(f"gpu_check: memory  {'':30} {'CPU probe':>12} {'cuda max_memory_allocated':>26}")
 for name, a, b in rows:
-    print(f"gpu_check: memory  {name:26} {a / 1e9:9.3f} GB "
+    print(f"gpu_check: memory  {name:30} {a / 1e9:9.3f} GB "
           + (f"{b / 1e9:22.3f} GB  (x{b / a:.2f})" if b is not None else f"{'(no GPU)':>25}"))
 PY
 }
