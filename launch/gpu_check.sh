@@ -5,6 +5,10 @@
 # non-zero unless every stage succeeds, training losses stay finite (align train exits 3 otherwise) and every greedy
 # output is identical to its reference. A failed stage does not stop the stages that do not need its output (GPU time
 # is scarce: one run should say everything that is wrong); the last lines list each stage's outcome.
+# Then the real-code parts (docs/gpus.md): bf16 decoding and which methods stay identical to AR greedy, the Hub's
+# Dream/LLaDA remote code at tiny size ($ALIGN_REMOTE_CODE or the fixtures), a ZeRO-3 DiffusionGemma step on 2-token
+# completions, and `align memory` at 7B width (on a GPU beside torch.cuda.max_memory_allocated of the same shapes).
+# Each stage prints PASS/FAIL; ALIGN_GPU_CHECK_STAGES="<stage> ..." runs only those named.
 #   bash launch/gpu_check.sh                 # OUT=<a fresh temporary folder> by default
 #   ALIGN_PYTHON=python3 bash launch/gpu_check.sh   # your own environment (a CUDA build of torch and align's other
 #                                                   # dependencies), from this checkout, instead of .venv
