@@ -71,7 +71,9 @@ stage() {
 passed=()
 stage bootstrap - $A bootstrap recipes/tiny/bootstrap.yaml bootstrap.out="$ck" "${data[@]}" \
   bootstrap.corpus_fraction=0.15 bootstrap.vocab_size=512 "${sizes[@]}"
-models=(verifier.path="$ck/verifier" drafter.path="$ck/drafter-base" ar_drafter.path="$ck/ar-drafter")
+# bootstrap.out: where the stages find the tiny family's tokenizer, which lets them use its default prompts
+models=(verifier.path="$ck/verifier" drafter.path="$ck/drafter-base" ar_drafter.path="$ck/ar-drafter"
+        bootstrap.out="$ck")
 made=(trajectories.out="$out/trajectories" trajectories.temperature=0.7 trajectories.completions_per_prompt=2
       trajectories.max_new_tokens=24 trajectories.store_topk=8)
 stage trajectories bootstrap $A trajectories recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${data[@]}" \
@@ -84,7 +86,7 @@ fp32=(verifier.dtype=float32 drafter.dtype=float32 ar_drafter.dtype=float32)
 stage eval train $A eval recipes/tiny/eval.yaml "${models[@]}" "${fp32[@]}" "${data[@]}" eval.out="$out/eval" \
   eval.num_prompts=4 eval.warmup=1 decode.max_new_tokens=32 eval.sampling_temperature=0.8 \
   "eval.compare_drafters={aligned: $aligned}"
-spiffy=(drafter.path="$aligned" drafter.dtype=float32 "${data[@]}" calibrate.block_length=8 calibrate.budget=4
+spiffy=(drafter.path="$aligned" bootstrap.out="$ck" drafter.dtype=float32 "${data[@]}" calibrate.block_length=8 calibrate.budget=4
         decode.max_new_tokens=32)
 stage calibrate train $A calibrate recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.out="$out/spiffy" \
   calibrate.num_prompts=4
@@ -166,9 +168,11 @@ stage remote_code - remote_code
 # (2) A DiffusionGemma drafter (Gemma 4 verifier) trained under ZeRO-3 on trajectories whose completions are 40, 3 and
 # 2 tokens long (tests/test_zero3.py's): rows that use fewer windows than others, where ranks that made different
 # numbers of collective forwards would hang. 2 ranks with 2 or more GPUs, or on the CPU (gloo, as the suite runs
-# it); 1 rank on one GPU (two ranks cannot share one GPU under NCCL). A hang is cut off after 300 s.
+# it); 1 rank on one GPU (two ranks cannot share one GPU under NCCL). A hang is cut off after 300 s (CPU: 900 s).
 zero3_ranks=2
 if [ "$gpus" -eq 1 ]; then zero3_ranks=1; fi
+hang_s=300  # on a GPU; a CPU shared with other work can take minutes over the 3 steps
+if [ "$gpus" -eq 0 ]; then hang_s=900; fi
 zero3() {
   local z=$out/zero3
   echo "gpu_check: zero3: $zero3_ranks rank(s) ($gpus GPU(s)), ZeRO-3, bf16, completions of 40, 3 and 2 tokens"
@@ -223,7 +227,7 @@ write_trajectories(load_recipe(RECIPE, args), root / "trajectories")
 PY
   local args
   mapfile -t args <"$z/args.txt"
-  timeout 300 $A train recipes/gemma4-diffusiongemma.yaml --num_gpus "$zero3_ranks" "${args[@]}" || return $?
+  timeout "$hang_s" $A train recipes/gemma4-diffusiongemma.yaml --num_gpus "$zero3_ranks" "${args[@]}" || return $?
   "$py" - "$z/run/metrics.jsonl" <<'PY'
 import json
 import math
