@@ -53,7 +53,7 @@ def test_a_failed_stage_is_listed_and_skips_only_the_stages_that_need_it(tmp_pat
     assert "gpu_check: train: skipped (trajectories did not succeed)" in lines
     assert "gpu_check: spiffy_exact: skipped (spiffy_eval did not succeed)" in lines
     assert "gpu_check: bf16_identical: skipped (eval_bf16 did not succeed)" in lines
-    assert "gpu_check: FAIL bootstrap (exit 7)" in lines
+    assert "gpu_check: FAIL bootstrap (exit 7)" in proc.stdout.splitlines()
     assert proc.stdout.rstrip().endswith(f"gpu_check: FAILED ({tmp_path / 'check'})")
 
 
