@@ -61,11 +61,15 @@ stage() {
     return
   fi
   echo "gpu_check: -- $name"
-  if "$@"; then
+  local rc=0
+  "$@" || rc=$?
+  if [ "$rc" -eq 0 ]; then
     passed+=("$name")
     outcomes+=("$name: ok")
+    echo "gpu_check: PASS $name"
   else
-    outcomes+=("$name: FAILED (exit $?)")
+    outcomes+=("$name: FAILED (exit $rc)")
+    echo "gpu_check: FAIL $name (exit $rc)"
   fi
 }
 passed=()
