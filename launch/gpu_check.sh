@@ -231,12 +231,7 @@ write_trajectories(load_recipe(RECIPE, args), root / "trajectories")
 PY
   local args
   mapfile -t args <"$z/args.txt"
-  # Through cat: the DeepSpeed launcher can leave its stdout non-blocking, and on a shared pipe this script's later
-  # lines were then lost (seen under the test suite's capture).
-  timeout "$hang_s" $A train recipes/gemma4-diffusiongemma.yaml --num_gpus "$zero3_ranks" "${args[@]}" \
-    </dev/null 2>&1 | cat
-  local rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || return "$rc"
+  timeout "$hang_s" $A train recipes/gemma4-diffusiongemma.yaml --num_gpus "$zero3_ranks" "${args[@]}" || return $?
   "$py" - "$z/run/metrics.jsonl" <<'PY'
 import json
 import math
