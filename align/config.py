@@ -796,6 +796,9 @@ class MemorySection(Section):
     prompt_tokens: int = Field(default=512, ge=1)
     #: write the measured figures as JSON here; None: print the table only
     out: Optional[str] = Field(default=None, min_length=1)
+    #: where the one layer is measured: cpu (the torch profiler's allocation trace) or cuda (the GPU's
+    #: torch.cuda.max_memory_allocated, to check the CPU figures against a real GPU)
+    device: Literal["cpu", "cuda"] = "cpu"
 
 
 class Recipe(Section):

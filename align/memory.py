@@ -63,6 +63,17 @@ def allocation_trace(work: Callable[[], Any]) -> tuple[int, int, Any]:
     return peak, live, result
 
 
+def cuda_allocation_trace(work: Callable[[], Any]) -> tuple[int, int, Any]:
+    """allocation_trace on the current CUDA device: torch.cuda.max_memory_allocated above what was allocated when
+    work() started, what was still allocated when it returned, its result."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = work()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start, result
+
+
 def peak_bytes(work: Callable[[], Any]) -> tuple[int, Any]:
     """(peak bytes of tensor memory allocated above what was live when work() started, work()'s result)."""
     peak, _, result = allocation_trace(work)
@@ -217,16 +228,17 @@ def _layer(width: Width, recipe: Recipe) -> torch.nn.Module:
     return layer
 
 
-def _rotary(width: Width, shape: Shape, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    positions = torch.arange(shape.tokens, dtype=torch.float32)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, width.head_dim, 2, dtype=torch.float32) / width.head_dim))
+def _rotary(width: Width, shape: Shape, dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(shape.tokens, dtype=torch.float32, device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, width.head_dim, 2, dtype=torch.float32, device=device)
+                                / width.head_dim))
     angles = torch.cat([positions[:, None] * inv_freq] * 2, -1)[None].expand(shape.rows, -1, -1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 @dataclass(frozen=True)
 class Measured:
-    """Bytes measured on the CPU for one micro-batch."""
+    """Bytes measured (on memory.device) for one micro-batch."""
     layer_kept: int  # what one layer keeps for its backward (its saved tensors and output), per layer
     layer_peak: int  # one layer's forward + backward peak
     layer_input: int  # one layer's input: all a checkpointed layer keeps
@@ -234,36 +246,38 @@ class Measured:
 
 
 def measure(recipe: Recipe, width: Width, shape: Shape) -> Measured:
-    """One layer and the LM head with the recipe's losses at `shape`, forward and backward, measured (peak_bytes)."""
+    """One layer and the LM head with the recipe's losses at `shape`, forward and backward, measured on
+    memory.device (cpu: allocation_trace; cuda: cuda_allocation_trace)."""
     from align.losses import WINDOW_LOSSES
 
-    dtype = _dtype(recipe)
+    dtype, device = _dtype(recipe), recipe.memory.device
+    trace = cuda_allocation_trace if device == "cuda" else allocation_trace
     torch.manual_seed(0)
-    layer = _layer(width, recipe)
-    rotary = _rotary(width, shape, dtype)
-    hidden = torch.randn(shape.rows, shape.tokens, width.hidden_size, dtype=dtype).requires_grad_()
+    layer = _layer(width, recipe).to(device)
+    rotary = _rotary(width, shape, dtype, device)
+    hidden = torch.randn(shape.rows, shape.tokens, width.hidden_size, dtype=dtype, device=device).requires_grad_()
     layer_input = hidden.numel() * hidden.element_size()
-    _, kept, out = allocation_trace(lambda: layer(hidden, attention_mask=None, position_embeddings=rotary))
+    _, kept, out = trace(lambda: layer(hidden, attention_mask=None, position_embeddings=rotary))
     del out
 
     def layer_step() -> None:
         layer(hidden, attention_mask=None, position_embeddings=rotary).sum().backward()
 
-    layer_peak, _ = peak_bytes(layer_step)
+    layer_peak, _, _ = trace(layer_step)
     del layer, hidden
 
-    head = torch.nn.Linear(width.hidden_size, width.vocab_size, bias=False, dtype=dtype)
+    head = torch.nn.Linear(width.hidden_size, width.vocab_size, bias=False, dtype=dtype, device=device)
     head.requires_grad_(not recipe.train.lora_r)  # peft's all-linear leaves the output layer out
     positions = shape.rows * shape.tokens if width.logits_over_sequence else shape.windows * shape.gamma
-    head_hidden = torch.randn(positions, width.hidden_size, dtype=dtype).requires_grad_()
-    targets = torch.randint(0, width.vocab_size, (shape.windows, shape.gamma))
-    mask = torch.ones(shape.windows, shape.gamma, dtype=torch.bool)
+    head_hidden = torch.randn(positions, width.hidden_size, dtype=dtype, device=device).requires_grad_()
+    targets = torch.randint(0, width.vocab_size, (shape.windows, shape.gamma), device=device)
+    mask = torch.ones(shape.windows, shape.gamma, dtype=torch.bool, device=device)
     offline_kd = any(WINDOW_LOSSES[n][1] == "verifier_logits" for n in recipe.train.losses) and \
         not recipe.train.labels_online()
     # Offline, align/windows.py rebuilds the verifier's top-k as dense fp32 [windows, γ, V] logits; online the
     # verifier's own logits arrive in its dtype.
     verifier_logits = (torch.randn(shape.windows, shape.gamma, width.vocab_size,
-                                   dtype=torch.float32 if offline_kd else dtype)
+                                   dtype=torch.float32 if offline_kd else dtype, device=device)
                        if any(WINDOW_LOSSES[n][1] == "verifier_logits" for n in recipe.train.losses) else None)
 
     def head_and_losses() -> None:
@@ -280,7 +294,7 @@ def measure(recipe: Recipe, width: Width, shape: Shape) -> Measured:
             total = total + weight * fn(logits, other, mask, **count)
         total.backward()
 
-    head_peak, _ = peak_bytes(head_and_losses)
+    head_peak, _, _ = trace(head_and_losses)
     return Measured(kept, layer_peak, layer_input, head_peak)
 
 
@@ -361,7 +375,8 @@ def report(recipe: Recipe, width: Width, shape: Shape, measured: Measured, gpu: 
         f"trajectory tokens{', capped by train.max_sequence_length' if t.max_sequence_length else ''}), "
         f"{shape.windows} windows x gamma {shape.gamma}; {'bf16' if t.bf16 else 'fp32'}, activation checkpointing "
         f"{'on' if t.activation_checkpointing else 'off'}, losses {', '.join(t.losses)}",
-        "  measured on the CPU (one layer, forward + backward):",
+        ("  measured on the CPU (one layer, forward + backward):" if recipe.memory.device == "cpu" else
+         "  measured on cuda, torch.cuda.max_memory_allocated (one layer, forward + backward):"),
         f"    kept per layer          {_gb(measured.layer_kept)}  ({measured.layer_kept / tokens / 1024:.1f} KiB per "
         f"token)",
         f"    layer forward+backward  {_gb(measured.layer_peak)}",
@@ -378,8 +393,11 @@ def report(recipe: Recipe, width: Width, shape: Shape, measured: Measured, gpu: 
 
 
 def check(recipe: Recipe) -> None:
-    """What `align memory` reads, refused before it builds anything: the drafter's sizes."""
+    """What `align memory` reads, refused before it builds anything: the drafter's sizes, and a GPU to measure on
+    where memory.device is cuda."""
     drafter_width(recipe)
+    if recipe.memory.device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("memory.device: cuda was asked for, but no CUDA device is visible (use cpu)")
 
 
 def main(recipe: Recipe, command: str) -> int:

@@ -5,6 +5,10 @@
 # non-zero unless every stage succeeds, training losses stay finite (align train exits 3 otherwise) and every greedy
 # output is identical to its reference. A failed stage does not stop the stages that do not need its output (GPU time
 # is scarce: one run should say everything that is wrong); the last lines list each stage's outcome.
+# Then the real-code parts (docs/gpus.md): bf16 decoding and which methods stay identical to AR greedy, the Hub's
+# Dream/LLaDA remote code at tiny size ($ALIGN_REMOTE_CODE or the fixtures), a ZeRO-3 DiffusionGemma step on 2-token
+# completions, and `align memory` at 7B width (on a GPU beside torch.cuda.max_memory_allocated of the same shapes).
+# Each stage prints PASS/FAIL; ALIGN_GPU_CHECK_STAGES="<stage> ..." runs only those named.
 #   bash launch/gpu_check.sh                 # OUT=<a fresh temporary folder> by default
 #   ALIGN_PYTHON=python3 bash launch/gpu_check.sh   # your own environment (a CUDA build of torch and align's other
 #                                                   # dependencies), from this checkout, instead of .venv
@@ -12,6 +16,14 @@
 # float32, where greedy outputs are comparable token for token. Without a GPU it runs the same stages on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# torch is never reinstalled: without ALIGN_PYTHON and ALIGN_TORCH, a machine whose python3 already has torch and
+# align's dependencies (a GPU image's CUDA build) runs with that python3; else launch/setup.sh builds .venv (with
+# ALIGN_TORCH, the torch you name).
+if [ -z "${ALIGN_PYTHON:-}" ] && [ -z "${ALIGN_TORCH:-}" ] && [ ! -x .venv/bin/python ] && \
+   python3 -c "import torch, transformers, deepspeed, peft, pydantic, safetensors" 2>/dev/null; then
+  ALIGN_PYTHON=python3
+  echo "gpu_check: the machine's python3 and its torch $(python3 -c 'import torch; print(torch.__version__)')"
+fi
 if [ -n "${ALIGN_PYTHON:-}" ]; then
   py=$ALIGN_PYTHON
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -43,22 +55,29 @@ outcomes=()
 stage() {
   local name=$1 needed=$2
   shift 2
+  if [ -n "${ALIGN_GPU_CHECK_STAGES:-}" ] && [[ " $ALIGN_GPU_CHECK_STAGES " != *" $name "* ]]; then return; fi
   if [ "$needed" != - ] && [[ " ${passed[*]} " != *" $needed "* ]]; then
     outcomes+=("$name: skipped ($needed did not succeed)")
     return
   fi
   echo "gpu_check: -- $name"
-  if "$@"; then
+  local rc=0
+  "$@" || rc=$?
+  if [ "$rc" -eq 0 ]; then
     passed+=("$name")
     outcomes+=("$name: ok")
+    echo "gpu_check: PASS $name"
   else
-    outcomes+=("$name: FAILED (exit $?)")
+    outcomes+=("$name: FAILED (exit $rc)")
+    echo "gpu_check: FAIL $name (exit $rc)"
   fi
 }
 passed=()
 stage bootstrap - $A bootstrap recipes/tiny/bootstrap.yaml bootstrap.out="$ck" "${data[@]}" \
   bootstrap.corpus_fraction=0.15 bootstrap.vocab_size=512 "${sizes[@]}"
-models=(verifier.path="$ck/verifier" drafter.path="$ck/drafter-base" ar_drafter.path="$ck/ar-drafter")
+# bootstrap.out: where the stages find the tiny family's tokenizer, which lets them use its default prompts
+models=(verifier.path="$ck/verifier" drafter.path="$ck/drafter-base" ar_drafter.path="$ck/ar-drafter"
+        bootstrap.out="$ck")
 made=(trajectories.out="$out/trajectories" trajectories.temperature=0.7 trajectories.completions_per_prompt=2
       trajectories.max_new_tokens=24 trajectories.store_topk=8)
 stage trajectories bootstrap $A trajectories recipes/tiny/align.yaml --num_gpus "$ranks" "${models[@]}" "${data[@]}" \
@@ -71,7 +90,7 @@ fp32=(verifier.dtype=float32 drafter.dtype=float32 ar_drafter.dtype=float32)
 stage eval train $A eval recipes/tiny/eval.yaml "${models[@]}" "${fp32[@]}" "${data[@]}" eval.out="$out/eval" \
   eval.num_prompts=4 eval.warmup=1 decode.max_new_tokens=32 eval.sampling_temperature=0.8 \
   "eval.compare_drafters={aligned: $aligned}"
-spiffy=(drafter.path="$aligned" drafter.dtype=float32 "${data[@]}" calibrate.block_length=8 calibrate.budget=4
+spiffy=(drafter.path="$aligned" bootstrap.out="$ck" drafter.dtype=float32 "${data[@]}" calibrate.block_length=8 calibrate.budget=4
         decode.max_new_tokens=32)
 stage calibrate train $A calibrate recipes/tiny/spiffy.yaml "${spiffy[@]}" calibrate.out="$out/spiffy" \
   calibrate.num_prompts=4
@@ -90,6 +109,171 @@ if [ "$gpus" -ge 1 ]; then
   # Not a check but a measurement the GPU is needed for: the verifier's cost curve, which sizes drafts and trees.
   stage verify_costs - $A verify-costs checkpoints/tiny/verifier qwen2.5-7b llama-3.1-8b --out "$out/verify_costs.json"
 fi
+# Greedy decoding in bf16 (the dtype a GPU serves in), every method: which outputs are token-identical to AR greedy.
+# bf16 is identical only up to its numerics (eval.json's exact_match_semantics), so this reports and does not fail.
+bf16_models=(verifier.dtype=bfloat16 drafter.dtype=bfloat16 ar_drafter.dtype=bfloat16)
+stage eval_bf16 train $A eval recipes/tiny/eval.yaml "${models[@]}" "${bf16_models[@]}" "${data[@]}" eval.out="$out/eval_bf16" \
+  eval.num_prompts=4 eval.warmup=0 decode.max_new_tokens=32 "eval.compare_drafters={aligned: $aligned}"
+bf16_identical() {
+  local said rc=0
+  said=$($A exact "$out/eval_bf16/eval.json") || rc=$?
+  [ -n "$said" ] || return 1  # no eval.json read: a failure; outputs that differ are only reported
+  echo "$said"
+  echo "gpu_check: bf16 identical to AR greedy: $(grep 'exact_match 1.00' <<<"$said" | sed 's/.*: \(.*\): exact_match.*/\1/' | paste -sd' ')"
+  echo "gpu_check: bf16 not identical (a near-tie flipped in bf16): $(grep -v 'exact_match 1.00' <<<"$said" | grep exact_match | sed 's/.*: \(.*\): exact_match \(.*\)/\1 (\2)/' | paste -sd' ')"
+}
+stage bf16_identical eval_bf16 bf16_identical
+
+# The real-code parts; they need no stage above.
+device=cpu
+if [ "$gpus" -ge 1 ]; then device=cuda; fi
+# (1) Dream/DiffuCoder and LLaDA as the Hub lays them out (auto_map, their own modelling files) at tiny size, loaded
+# through align's loader and its shims, a forward on this machine's device. $ALIGN_REMOTE_CODE/<family>: the real
+# files as the Hub ships them; else the repository's fixtures (tests/fixtures/README.md).
+remote_code() {
+  "$py" - "$out/remote" "$device" <<'PY'
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, "tests")
+from remote_code_families import code_folder, write_family
+
+from align.config import DrafterSection
+from align.models import load_drafter, load_tokenizer
+from align.remote_code import masks_ignored, shims_applied
+
+root, device = Path(sys.argv[1]), sys.argv[2]
+failed = False
+for name in ("dream", "llada"):
+    code = f"{code_folder(name)} ({'real files, ALIGN_REMOTE_CODE' if os.environ.get('ALIGN_REMOTE_CODE') else 'fixtures'})"
+    try:
+        folder = write_family(name, root / name, seed=3)
+        section = DrafterSection(path=str(folder), trust_remote_code=True, device=device, dtype="float32")
+        model, spec = load_drafter(section, load_tokenizer(str(folder), True))
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        at = next(model.parameters()).device
+        ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]], device=at)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        assert logits.shape[:2] == (1, 5) and bool(torch.isfinite(logits).all()), logits.shape
+        print(f"gpu_check: PASS remote_code {name}: {code}: {type(model).__name__} on {at.type}, shims "
+              f"{sorted(shims_applied(model))}, masks ignored {masks_ignored(model)}")
+    except Exception as e:  # report and go on to the other family
+        print(f"gpu_check: FAIL remote_code {name}: {code}: {type(e).__name__}: {e}")
+        failed = True
+sys.exit(1 if failed else 0)
+PY
+}
+stage remote_code - remote_code
+
+# (2) A DiffusionGemma drafter (Gemma 4 verifier) trained under ZeRO-3 on trajectories whose completions are 40, 3 and
+# 2 tokens long (tests/test_zero3.py's): rows that use fewer windows than others, where ranks that made different
+# numbers of collective forwards would hang. 2 ranks with 2 or more GPUs, or on the CPU (gloo, as the suite runs
+# it); 1 rank on one GPU (two ranks cannot share one GPU under NCCL). A hang is cut off after 300 s (CPU: 900 s).
+zero3_ranks=2
+if [ "$gpus" -eq 1 ]; then zero3_ranks=1; fi
+hang_s=300  # on a GPU; a CPU shared with other work can take minutes over the 3 steps
+if [ "$gpus" -eq 0 ]; then hang_s=900; fi
+zero3() {
+  local z=$out/zero3
+  echo "gpu_check: zero3: $zero3_ranks rank(s) ($gpus GPU(s)), ZeRO-3, bf16, completions of 40, 3 and 2 tokens"
+  "$py" - "$z" <<'PY' || return 1
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "tests")
+import hashlib
+import json
+
+import numpy as np
+from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
+from test_zero3 import LENGTHS, TOKENIZER, WINDOWS
+
+from align.config import load_recipe
+from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
+from align.models import load_tokenizer
+from align.trajectories import settings_of, write_chunk
+
+
+def write_trajectories(recipe, out: Path) -> None:
+    """Trajectories as `align trajectories` writes them (chunk, manifest with the recipe's settings), of random token
+    ids with test_zero3's completion lengths."""
+    rng = np.random.default_rng(0)
+    rows = [{"prompt_ids": rng.integers(3, 8000, 5).tolist(), "completion_ids": rng.integers(3, 8000, n).tolist(),
+             "prompt_index": i} for i, n in enumerate(LENGTHS)]
+    tokenizer = load_tokenizer(recipe.verifier.path)
+    settings = settings_of(recipe, [r["prompt_ids"] for r in rows],
+                           chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path),
+                           verifier_end_tokens(recipe, tokenizer))
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    write_chunk(rows, out / "chunks" / "chunk-00000", settings_hash)
+    chunk = json.loads((out / "chunks" / "chunk-00000" / "chunk.json").read_text())
+    (out / TRAJECTORY_MANIFEST).write_text(json.dumps({
+        "settings_hash": settings_hash, "settings": settings, "rows": len(rows),
+        "completion_tokens": chunk["tokens"], "chunks": {"chunk-00000": chunk["sha256"]}}))
+
+
+root = Path(sys.argv[1])
+tokenizer = load_tokenizer(TOKENIZER)
+verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, root / "verifier")
+drafter = save_with_tokenizer(tiny_diffusion_gemma(0), tokenizer, root / "drafter")
+args = [f"verifier.path={verifier}", f"drafter.path={drafter}", "verifier.dtype=float32", "drafter.dtype=float32",
+        f"trajectories.out={root / 'trajectories'}", "trajectories.max_new_tokens=40",
+        "trajectories.completions_per_prompt=1", "train.gamma=4", f"train.windows_per_sequence={WINDOWS}",
+        "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
+        "train.max_steps=3", "train.save_every=3", "train.eval_every=1", "train.zero_stage=3", "train.bf16=true",
+        f"train.out={root / 'run'}"]
+write_trajectories(load_recipe(RECIPE, args), root / "trajectories")
+(root / "args.txt").write_text("\n".join(args) + "\n")
+PY
+  local args
+  mapfile -t args <"$z/args.txt"
+  timeout "$hang_s" $A train recipes/gemma4-diffusiongemma.yaml --num_gpus "$zero3_ranks" "${args[@]}" || return $?
+  "$py" - "$z/run/metrics.jsonl" <<'PY'
+import json
+import math
+import sys
+
+records = [json.loads(line) for line in open(sys.argv[1])]
+assert [r["step"] for r in records] == [1, 2, 3], records
+assert all(math.isfinite(r["loss"]) for r in records), records
+print("gpu_check: zero3: losses " + ", ".join(f"{r['loss']:.4g}" for r in records))
+PY
+}
+stage zero3_diffusion_gemma - zero3
+
+# (4) align memory at Qwen2.5-7B width (recipes/qwen2.5-7b-diffucoder.yaml): the probe measures one layer on the CPU
+# and extrapolates; on a GPU the same shapes are measured again on cuda (memory.device=cuda:
+# torch.cuda.max_memory_allocated) and the two tables printed side by side. ALIGN_GPU_CHECK_MEMORY: overrides for
+# both runs (the suite shortens the prompt on its CPU).
+memory() {
+  local m=$out/memory more
+  read -ra more <<<"${ALIGN_GPU_CHECK_MEMORY:-}"
+  $A memory recipes/qwen2.5-7b-diffucoder.yaml "${more[@]}" memory.out="$m/cpu.json" || return 1
+  if [ "$device" = cuda ]; then
+    $A memory recipes/qwen2.5-7b-diffucoder.yaml "${more[@]}" memory.device=cuda memory.out="$m/cuda.json" || return 1
+  fi
+  "$py" - "$m" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+m = Path(sys.argv[1])
+cpu = json.loads((m / "cpu.json").read_text())
+cuda = json.loads((m / "cuda.json").read_text()) if (m / "cuda.json").is_file() else None
+rows = [(f"measured {k}", cpu["measured_bytes"][k], cuda and cuda["measured_bytes"][k])
+        for k in cpu["measured_bytes"]] + [("per GPU peak", cpu["per_gpu_bytes"]["total"],
+                                            cuda and cuda["per_gpu_bytes"]["total"])]
+print(f"gpu_check: memory  {'':30} {'CPU probe':>12} {'cuda max_memory_allocated':>26}")
+for name, a, b in rows:
+    print(f"gpu_check: memory  {name:30} {a / 1e9:9.3f} GB "
+          + (f"{b / 1e9:22.3f} GB  (x{b / a:.2f})" if b is not None else f"{'(no GPU)':>25}"))
+PY
+}
+stage memory - memory
 printf 'gpu_check: %s\n' "${outcomes[@]}"
 for outcome in "${outcomes[@]}"; do
   if [[ $outcome != *": ok" ]]; then
