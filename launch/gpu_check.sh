@@ -20,9 +20,9 @@ cd "$(dirname "$0")/.."
 # align's dependencies (a GPU image's CUDA build) runs with that python3; else launch/setup.sh builds .venv (with
 # ALIGN_TORCH, the torch you name).
 if [ -z "${ALIGN_PYTHON:-}" ] && [ -z "${ALIGN_TORCH:-}" ] && [ ! -x .venv/bin/python ] && \
-   python3 -c "import torch, transformers, deepspeed, peft, pydantic, safetensors" 2>/dev/null; then
+   python3 launch/gpu_check_steps.py has-dependencies 2>/dev/null; then
   ALIGN_PYTHON=python3
-  echo "gpu_check: the machine's python3 and its torch $(python3 -c 'import torch; print(torch.__version__)')"
+  echo "gpu_check: the machine's python3 and its torch $(python3 launch/gpu_check_steps.py torch-version)"
 fi
 if [ -n "${ALIGN_PYTHON:-}" ]; then
   py=$ALIGN_PYTHON
@@ -131,41 +131,7 @@ if [ "$gpus" -ge 1 ]; then device=cuda; fi
 # through align's loader and its shims, a forward on this machine's device. $ALIGN_REMOTE_CODE/<family>: the real
 # files as the Hub ships them; else the repository's fixtures (tests/fixtures/README.md).
 remote_code() {
-  "$py" - "$out/remote" "$device" <<'PY'
-import os
-import sys
-from pathlib import Path
-
-import torch
-
-sys.path.insert(0, "tests")
-from remote_code_families import code_folder, write_family
-
-from align.config import DrafterSection
-from align.models import load_drafter, load_tokenizer
-from align.remote_code import masks_ignored, shims_applied
-
-root, device = Path(sys.argv[1]), sys.argv[2]
-failed = False
-for name in ("dream", "llada"):
-    code = f"{code_folder(name)} ({'real files, ALIGN_REMOTE_CODE' if os.environ.get('ALIGN_REMOTE_CODE') else 'fixtures'})"
-    try:
-        folder = write_family(name, root / name, seed=3)
-        section = DrafterSection(path=str(folder), trust_remote_code=True, device=device, dtype="float32")
-        model, spec = load_drafter(section, load_tokenizer(str(folder), True))
-        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-        at = next(model.parameters()).device
-        ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]], device=at)
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits
-        assert logits.shape[:2] == (1, 5) and bool(torch.isfinite(logits).all()), logits.shape
-        print(f"gpu_check: PASS remote_code {name}: {code}: {type(model).__name__} on {at.type}, shims "
-              f"{sorted(shims_applied(model))}, masks ignored {masks_ignored(model)}")
-    except Exception as e:  # report and go on to the other family
-        print(f"gpu_check: FAIL remote_code {name}: {code}: {type(e).__name__}: {e}")
-        failed = True
-sys.exit(1 if failed else 0)
-PY
+  "$py" launch/gpu_check_steps.py remote-code "$out/remote" "$device"
 }
 stage remote_code - remote_code
 
@@ -180,68 +146,11 @@ if [ "$gpus" -eq 0 ]; then hang_s=900; fi
 zero3() {
   local z=$out/zero3
   echo "gpu_check: zero3: $zero3_ranks rank(s) ($gpus GPU(s)), ZeRO-3, bf16, completions of 40, 3 and 2 tokens"
-  "$py" - "$z" <<'PY' || return 1
-import sys
-from pathlib import Path
-
-sys.path.insert(0, "tests")
-import hashlib
-import json
-
-import numpy as np
-from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
-from test_zero3 import LENGTHS, TOKENIZER, WINDOWS
-
-from align.config import load_recipe
-from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
-from align.models import load_tokenizer
-from align.trajectories import settings_of, write_chunk
-
-
-def write_trajectories(recipe, out: Path) -> None:
-    """Trajectories as `align trajectories` writes them (chunk, manifest with the recipe's settings), of random token
-    ids with test_zero3's completion lengths."""
-    rng = np.random.default_rng(0)
-    rows = [{"prompt_ids": rng.integers(3, 8000, 5).tolist(), "completion_ids": rng.integers(3, 8000, n).tolist(),
-             "prompt_index": i} for i, n in enumerate(LENGTHS)]
-    tokenizer = load_tokenizer(recipe.verifier.path)
-    settings = settings_of(recipe, [r["prompt_ids"] for r in rows],
-                           chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path),
-                           verifier_end_tokens(recipe, tokenizer))
-    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    write_chunk(rows, out / "chunks" / "chunk-00000", settings_hash)
-    chunk = json.loads((out / "chunks" / "chunk-00000" / "chunk.json").read_text())
-    (out / TRAJECTORY_MANIFEST).write_text(json.dumps({
-        "settings_hash": settings_hash, "settings": settings, "rows": len(rows),
-        "completion_tokens": chunk["tokens"], "chunks": {"chunk-00000": chunk["sha256"]}}))
-
-
-root = Path(sys.argv[1])
-tokenizer = load_tokenizer(TOKENIZER)
-verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, root / "verifier")
-drafter = save_with_tokenizer(tiny_diffusion_gemma(0), tokenizer, root / "drafter")
-args = [f"verifier.path={verifier}", f"drafter.path={drafter}", "verifier.dtype=float32", "drafter.dtype=float32",
-        f"trajectories.out={root / 'trajectories'}", "trajectories.max_new_tokens=40",
-        "trajectories.completions_per_prompt=1", "train.gamma=4", f"train.windows_per_sequence={WINDOWS}",
-        "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
-        "train.max_steps=3", "train.save_every=3", "train.eval_every=1", "train.zero_stage=3", "train.bf16=true",
-        f"train.out={root / 'run'}"]
-write_trajectories(load_recipe(RECIPE, args), root / "trajectories")
-(root / "args.txt").write_text("\n".join(args) + "\n")
-PY
+  "$py" launch/gpu_check_steps.py zero3-prepare "$z" || return 1
   local args
   mapfile -t args <"$z/args.txt"
   timeout "$hang_s" $A train recipes/gemma4-diffusiongemma.yaml --num_gpus "$zero3_ranks" "${args[@]}" || return $?
-  "$py" - "$z/run/metrics.jsonl" <<'PY'
-import json
-import math
-import sys
-
-records = [json.loads(line) for line in open(sys.argv[1])]
-assert [r["step"] for r in records] == [1, 2, 3], records
-assert all(math.isfinite(r["loss"]) for r in records), records
-print("gpu_check: zero3: losses " + ", ".join(f"{r['loss']:.4g}" for r in records))
-PY
+  "$py" launch/gpu_check_steps.py zero3-losses "$z/run/metrics.jsonl"
 }
 stage zero3_diffusion_gemma - zero3
 
@@ -256,22 +165,7 @@ memory() {
   if [ "$device" = cuda ]; then
     $A memory recipes/qwen2.5-7b-diffucoder.yaml "${more[@]}" memory.device=cuda memory.out="$m/cuda.json" || return 1
   fi
-  "$py" - "$m" <<'PY'
-import json
-import sys
-from pathlib import Path
-
-m = Path(sys.argv[1])
-cpu = json.loads((m / "cpu.json").read_text())
-cuda = json.loads((m / "cuda.json").read_text()) if (m / "cuda.json").is_file() else None
-rows = [(f"measured {k}", cpu["measured_bytes"][k], cuda and cuda["measured_bytes"][k])
-        for k in cpu["measured_bytes"]] + [("per GPU peak", cpu["per_gpu_bytes"]["total"],
-                                            cuda and cuda["per_gpu_bytes"]["total"])]
-print(f"gpu_check: memory  {'':30} {'CPU probe':>12} {'cuda max_memory_allocated':>26}")
-for name, a, b in rows:
-    print(f"gpu_check: memory  {name:30} {a / 1e9:9.3f} GB "
-          + (f"{b / 1e9:22.3f} GB  (x{b / a:.2f})" if b is not None else f"{'(no GPU)':>25}"))
-PY
+  "$py" launch/gpu_check_steps.py memory-table "$m"
 }
 stage memory - memory
 printf 'gpu_check: %s\n' "${outcomes[@]}"

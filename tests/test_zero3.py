@@ -22,7 +22,7 @@ from conftest import checkout_env
 from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
 
 from align.config import load_recipe
-from align.data import TRAJECTORY_MANIFEST, chat_template
+from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
 from align.models import load_tokenizer
 from align.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
 from align.trajectories import settings_of, write_chunk
@@ -46,7 +46,8 @@ def write_trajectories(recipe, out: Path) -> None:
              "prompt_index": i} for i, n in enumerate(LENGTHS)]
     tokenizer = load_tokenizer(recipe.verifier.path)
     settings = settings_of(recipe, [r["prompt_ids"] for r in rows],
-                           chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path))
+                           chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path),
+                           verifier_end_tokens(recipe, tokenizer))
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     write_chunk(rows, out / "chunks" / "chunk-00000", settings_hash)
     chunk = json.loads((out / "chunks" / "chunk-00000" / "chunk.json").read_text())

@@ -1,0 +1,135 @@
+"""The steps of launch/gpu_check.sh that are Python rather than an align command (kept here, not embedded in the
+script). Run from the repository root; the test helpers they reuse live in tests/.
+
+  python launch/gpu_check_steps.py has-dependencies      exit 0 when this python has align's dependencies
+  python launch/gpu_check_steps.py torch-version
+  python launch/gpu_check_steps.py remote-code OUT DEVICE tiny Dream and LLaDA as the Hub lays them out, loaded
+                                                         through align's loader and shims, one forward on DEVICE
+  python launch/gpu_check_steps.py zero3-prepare OUT     a tiny DiffusionGemma, its Gemma 4 verifier and trajectories
+                                                         of 40, 3 and 2 tokens; the train overrides in OUT/args.txt
+  python launch/gpu_check_steps.py zero3-losses METRICS  the ZeRO-3 run's three losses, finite
+  python launch/gpu_check_steps.py memory-table OUT      the CPU probe beside cuda's max_memory_allocated
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "tests")  # remote_code_families, test_diffusion_gemma and test_zero3 build the tiny models
+
+
+def has_dependencies() -> None:
+    for name in ("torch", "transformers", "deepspeed", "peft", "pydantic", "safetensors"):
+        importlib.import_module(name)
+
+
+def torch_version() -> None:
+    import torch
+
+    print(torch.__version__)
+
+
+def remote_code(out: str, device: str) -> int:
+    import torch
+    from remote_code_families import code_folder, write_family
+
+    from align.config import DrafterSection
+    from align.models import load_drafter, load_tokenizer
+    from align.remote_code import masks_ignored, shims_applied
+
+    failed = False
+    for name in ("dream", "llada"):
+        where = "real files, ALIGN_REMOTE_CODE" if os.environ.get("ALIGN_REMOTE_CODE") else "fixtures"
+        code = f"{code_folder(name)} ({where})"
+        try:
+            folder = write_family(name, Path(out) / name, seed=3)
+            section = DrafterSection(path=str(folder), trust_remote_code=True, device=device, dtype="float32")
+            model, spec = load_drafter(section, load_tokenizer(str(folder), True))
+            assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+            at = next(model.parameters()).device
+            ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]], device=at)
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            assert logits.shape[:2] == (1, 5) and bool(torch.isfinite(logits).all()), logits.shape
+            print(f"gpu_check: PASS remote_code {name}: {code}: {type(model).__name__} on {at.type}, shims "
+                  f"{sorted(shims_applied(model))}, masks ignored {masks_ignored(model)}")
+        except Exception as e:  # noqa: BLE001 - reported, and the other family still runs
+            print(f"gpu_check: FAIL remote_code {name}: {code}: {type(e).__name__}: {e}")
+            failed = True
+    return 1 if failed else 0
+
+
+def zero3_prepare(out: str) -> None:
+    import numpy as np
+    from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
+    from test_zero3 import LENGTHS, TOKENIZER, WINDOWS
+
+    from align.config import load_recipe
+    from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
+    from align.models import load_tokenizer
+    from align.trajectories import settings_of, write_chunk
+
+    root = Path(out)
+    tokenizer = load_tokenizer(TOKENIZER)
+    verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, root / "verifier")
+    drafter = save_with_tokenizer(tiny_diffusion_gemma(0), tokenizer, root / "drafter")
+    args = [f"verifier.path={verifier}", f"drafter.path={drafter}", "verifier.dtype=float32", "drafter.dtype=float32",
+            f"trajectories.out={root / 'trajectories'}", "trajectories.max_new_tokens=40",
+            "trajectories.completions_per_prompt=1", "train.gamma=4", f"train.windows_per_sequence={WINDOWS}",
+            "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
+            "train.max_steps=3", "train.save_every=3", "train.eval_every=1", "train.zero_stage=3", "train.bf16=true",
+            f"train.out={root / 'run'}"]
+    recipe = load_recipe(RECIPE, args)
+    # Trajectories as `align trajectories` writes them (chunk, manifest with the recipe's settings), of random token
+    # ids with test_zero3's completion lengths.
+    rng = np.random.default_rng(0)
+    rows = [{"prompt_ids": rng.integers(3, 8000, 5).tolist(), "completion_ids": rng.integers(3, 8000, n).tolist(),
+             "prompt_index": i} for i, n in enumerate(LENGTHS)]
+    verifier_tokenizer = load_tokenizer(recipe.verifier.path)
+    settings = settings_of(recipe, [r["prompt_ids"] for r in rows],
+                           chat_template(verifier_tokenizer, recipe.data.chat_template, recipe.verifier.path),
+                           verifier_end_tokens(recipe, verifier_tokenizer))
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    trajectories = root / "trajectories"
+    write_chunk(rows, trajectories / "chunks" / "chunk-00000", settings_hash)
+    chunk = json.loads((trajectories / "chunks" / "chunk-00000" / "chunk.json").read_text())
+    (trajectories / TRAJECTORY_MANIFEST).write_text(json.dumps({
+        "settings_hash": settings_hash, "settings": settings, "rows": len(rows),
+        "completion_tokens": chunk["tokens"], "chunks": {"chunk-00000": chunk["sha256"]}}))
+    (root / "args.txt").write_text("\n".join(args) + "\n")
+
+
+def zero3_losses(metrics: str) -> None:
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["step"] for r in records] == [1, 2, 3], records
+    assert all(math.isfinite(r["loss"]) for r in records), records
+    print("gpu_check: zero3: losses " + ", ".join(f"{r['loss']:.4g}" for r in records))
+
+
+def memory_table(out: str) -> None:
+    m = Path(out)
+    cpu = json.loads((m / "cpu.json").read_text())
+    cuda = json.loads((m / "cuda.json").read_text()) if (m / "cuda.json").is_file() else None
+    rows = [(f"measured {k}", cpu["measured_bytes"][k], cuda and cuda["measured_bytes"][k])
+            for k in cpu["measured_bytes"]] + [("per GPU peak", cpu["per_gpu_bytes"]["total"],
+                                                cuda and cuda["per_gpu_bytes"]["total"])]
+    print(f"gpu_check: memory  {'':30} {'CPU probe':>12} {'cuda max_memory_allocated':>26}")
+    for name, a, b in rows:
+        print(f"gpu_check: memory  {name:30} {a / 1e9:9.3f} GB "
+              + (f"{b / 1e9:22.3f} GB  (x{b / a:.2f})" if b is not None else f"{'(no GPU)':>25}"))
+
+
+STEPS = {"has-dependencies": has_dependencies, "torch-version": torch_version, "remote-code": remote_code,
+         "zero3-prepare": zero3_prepare, "zero3-losses": zero3_losses, "memory-table": memory_table}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in STEPS:
+        print(f"usage: gpu_check_steps.py {{{','.join(STEPS)}}} ARGS...", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(STEPS[sys.argv[1]](*sys.argv[2:]) or 0)
