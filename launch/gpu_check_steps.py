@@ -13,7 +13,6 @@ script). Run from the repository root; the test helpers they reuse live in tests
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import math
@@ -66,14 +65,11 @@ def remote_code(out: str, device: str) -> int:
 
 
 def zero3_prepare(out: str) -> None:
-    import numpy as np
     from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
-    from test_zero3 import LENGTHS, TOKENIZER, WINDOWS
+    from test_zero3 import TOKENIZER, WINDOWS, write_trajectories
 
     from align.config import load_recipe
-    from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
     from align.models import load_tokenizer
-    from align.trajectories import settings_of, write_chunk
 
     root = Path(out)
     tokenizer = load_tokenizer(TOKENIZER)
@@ -85,23 +81,8 @@ def zero3_prepare(out: str) -> None:
             "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
             "train.max_steps=3", "train.save_every=3", "train.eval_every=1", "train.zero_stage=3", "train.bf16=true",
             f"train.out={root / 'run'}"]
-    recipe = load_recipe(RECIPE, args)
-    # Trajectories as `align trajectories` writes them (chunk, manifest with the recipe's settings), of random token
-    # ids with test_zero3's completion lengths.
-    rng = np.random.default_rng(0)
-    rows = [{"prompt_ids": rng.integers(3, 8000, 5).tolist(), "completion_ids": rng.integers(3, 8000, n).tolist(),
-             "prompt_index": i} for i, n in enumerate(LENGTHS)]
-    verifier_tokenizer = load_tokenizer(recipe.verifier.path)
-    settings = settings_of(recipe, [r["prompt_ids"] for r in rows],
-                           chat_template(verifier_tokenizer, recipe.data.chat_template, recipe.verifier.path),
-                           verifier_end_tokens(recipe, verifier_tokenizer))
-    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    trajectories = root / "trajectories"
-    write_chunk(rows, trajectories / "chunks" / "chunk-00000", settings_hash)
-    chunk = json.loads((trajectories / "chunks" / "chunk-00000" / "chunk.json").read_text())
-    (trajectories / TRAJECTORY_MANIFEST).write_text(json.dumps({
-        "settings_hash": settings_hash, "settings": settings, "rows": len(rows),
-        "completion_tokens": chunk["tokens"], "chunks": {"chunk-00000": chunk["sha256"]}}))
+    # Trajectories as `align trajectories` writes them, of random token ids with test_zero3's completion lengths.
+    write_trajectories(load_recipe(RECIPE, args), root / "trajectories")
     (root / "args.txt").write_text("\n".join(args) + "\n")
 
 
