@@ -150,8 +150,11 @@ def test_a_training_step_and_the_export_keep_the_remote_code(folders, trajectori
     for module in source["auto_map"].values():
         assert (step / f"{module.split('.')[0]}.py").is_file()
     dtype_name = str(dtype).removeprefix("torch.")
-    saved = load_file(step / "model.safetensors")
-    assert {t.dtype for t in saved.values()} == {dtype} and config["dtype"] == dtype_name  # the run's dtype
+    lora = (step / "adapter_config.json").is_file()  # a LoRA run's checkpoint holds its adapter, merged on load
+    assert lora == any(e.startswith("train.lora_r=") for e in extra)
+    saved = load_file(step / ("adapter_model.safetensors" if lora else "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {dtype}  # the run's dtype
+    assert lora or config["dtype"] == dtype_name
     trained, _ = drafter(step, dtype_name)
     base, _ = drafter(folders[family], dtype_name)
     assert set(trained.state_dict()) == set(base.state_dict())  # LoRA merged: no adapter keys
