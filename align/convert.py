@@ -19,11 +19,11 @@ import json
 import shutil
 import time
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 
 from align.config import ConvertSection, Recipe, RecipeError
+from align.provenance import installed_versions
 from align.weights import (Source, assemble, check_gguf_header, check_sha256, hub_license, locate, read_gguf,
                            source_sha256)
 
@@ -259,7 +259,7 @@ def main(recipe: Recipe, command: str) -> int:
                                                                   if tokenizer.chat_template else None),
                           "eos_token_ids": end_ids, "pad_token_id": tokenizer.pad_token_id},
             "check": checked,
-            "versions": {name: _version(name) for name in ("align-drafters", "transformers", "torch", "gguf")},
+            "versions": installed_versions("align-drafters", "transformers", "torch", "gguf"),
             "seconds": round(time.perf_counter() - t0, 1),
         }
         manifest["files"] = {f.name: {"sha256": file_sha256(f), "bytes": f.stat().st_size}
@@ -271,9 +271,3 @@ def main(recipe: Recipe, command: str) -> int:
           f"{manifest['seconds']:.0f} s -> {out}")
     return 0
 
-
-def _version(name: str) -> Optional[str]:
-    try:
-        return version(name)
-    except Exception:
-        return None

@@ -26,13 +26,13 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 
 from align.config import DeriveSection, Recipe, RecipeError
 from align.data import HELD_OUT_EVERY  # the drafter is not adapted on the prompts align train measures it on
 from align.families import DrafterSpec
+from align.provenance import installed_versions
 
 MANIFEST = "manifest.json"
 # The layout of the folder align derive writes: bumped when it changes, so older folders are derived again.
@@ -243,7 +243,7 @@ def main(recipe: Recipe, command: str) -> int:
         "steps_per_s": round(steps_per_s, 4) if steps_per_s else None,
         "precision": "bf16" if bf16 else "fp32", "threads": torch.get_num_threads(),
         "settings": recipe.derive.model_dump(mode="json"),
-        "versions": {name: _version(name) for name in ("align-drafters", "transformers", "torch")},
+        "versions": installed_versions("align-drafters", "transformers", "torch"),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     files = {MANIFEST: json.dumps(manifest, indent=2)}
@@ -255,9 +255,3 @@ def main(recipe: Recipe, command: str) -> int:
           f"(id {p.spec.mask_token_id}) -> {out}")
     return 0
 
-
-def _version(name: str) -> Optional[str]:
-    try:
-        return version(name)
-    except Exception:
-        return None

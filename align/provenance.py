@@ -161,3 +161,17 @@ def scrub_folder(folder: Path) -> None:
             text = path.read_text()
             if scrub_text(text) != text:
                 path.write_text(scrub_text(text))
+
+
+def installed_versions(*names: str) -> dict[str, Optional[str]]:
+    """The installed version of each distribution named, None for one that is not installed: what a stage's manifest
+    records of the software that wrote it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, Optional[str]] = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
