@@ -17,6 +17,7 @@ from align.config import RecipeError, load_recipe
 from align.data import load_trajectories
 from align.memory import (Measured, Width, allocation_trace, drafter_width, lora_parameters, measure,
                           micro_batch_shape, per_gpu)
+from align.preflight import MEMORY_CHECKED
 from align.train import apply_activation_checkpointing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,9 +189,10 @@ class _FakeGpu:
 def _fake_cuda(monkeypatch, probes):
     """A 1 MB CUDA device; returns align memory's measurement, which records each call in `probes`."""
     import align.memory
-    from align.preflight import MEMORY_CHECKED
 
-    monkeypatch.delenv(MEMORY_CHECKED, raising=False)  # restored (unset) after the test
+    # setenv, not delenv: delenv of an unset name records nothing, so the "1" the check writes would outlive the test
+    # and silence every later check in this process and its children. "" reads as unset.
+    monkeypatch.setenv(MEMORY_CHECKED, "")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _FakeGpu())
@@ -249,8 +251,10 @@ def test_the_train_stage_warns_once_and_still_trains(toy_trajectories, tmp_path)
     script = tmp_path / "fake_gpu_train.py"
     script.write_text(FAKE_GPU_PREFLIGHT)
     out = tmp_path / "run"
+    env = checkout_env(OMP_NUM_THREADS="1")
+    env.pop(MEMORY_CHECKED, None)  # a check done in the test process is not this launch's
     proc = subprocess.run([sys.executable, str(script), TINY, *overrides(toy_trajectories, out)], cwd=ROOT,
-                          capture_output=True, text=True, env=checkout_env(OMP_NUM_THREADS="1"), timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("align train: warning: align memory")]
     assert len(warnings) == 1 and "cuda:0 (Fake GPU) has 0.0 GB" in warnings[0], proc.stderr[-2000:]
