@@ -23,10 +23,11 @@ it (the CANVAS_DECODER_FAMILIES; align/drafters/canvas.py reads it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
@@ -158,10 +159,38 @@ def load_ar_drafter(section: ModelSection) -> PreTrainedModel:
     return _load(section)
 
 
+@contextlib.contextmanager
+def partitioned_loading(deepspeed_config: Optional[dict[str, Any]]) -> Iterator[None]:
+    """While inside, under a ZeRO-3 DeepSpeed config, each parameter `from_pretrained` builds is partitioned across
+    the ranks as it is created and filled from the checkpoint one tensor at a time (transformers' `deepspeed.zero.Init`
+    path, switched on while an HfDeepSpeedConfig object lives: it keeps a weak reference only): no rank holds the
+    whole model, on its device or in host memory. The drafter's loading only: a frozen verifier runs outside the
+    engine and must be whole. A no-op for None or another stage."""
+    if not deepspeed_config or deepspeed_config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    switch = HfDeepSpeedConfig(deepspeed_config)
+    try:
+        yield
+    finally:
+        del switch
+        unset_hf_deepspeed_config()
+
+
+def is_partitioned(model: Any) -> bool:
+    """Whether `model`'s parameters are ZeRO-3 partitions (DeepSpeed marks each with `ds_id`; `.data` is then empty
+    between forwards and the full shape is `ds_shape`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def load_drafter(
     section: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None
 ) -> tuple[PreTrainedModel, DrafterSpec]:
-    """The diffusion drafter and its spec. `section` is a DrafterSection (its spec fields override the config's)."""
+    """The diffusion drafter and its spec. `section` is a DrafterSection (its spec fields override the config's).
+    Inside `partitioned_loading` the weights come partitioned, and the check that remote code reads its masks (a
+    forward, which needs whole weights) is left to `check_masks_are_read` once DeepSpeed's engine gathers them."""
     config = AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
     spec = drafter_spec_from_config(
         config, tokenizer, section.mask_token_id, section.logits_shift, section.attention
@@ -181,16 +210,22 @@ def load_drafter(
     reads_align_masks = not is_canvas_decoder(model) and not is_dflash(model)
     if spec.attention == "block_causal" and reads_align_masks:
         check_mask_layer_types(model, "drafter")  # its block mask is align's: refused now, not at the first draft
-    if section.trust_remote_code and reads_align_masks:
-        _check_masks_are_read(model, spec)
+    if section.trust_remote_code and reads_align_masks and not is_partitioned(model):
+        check_masks_are_read(model, spec)
     return model, spec
 
 
-def _check_masks_are_read(model: PreTrainedModel, spec: DrafterSpec) -> None:
+def check_masks_are_read(model: PreTrainedModel, spec: DrafterSpec) -> None:
     """Remote code may drop the masks it is handed (LLaDA's attention hard-codes `attn_mask=None`). Such a drafter is
     marked (`MASKS_IGNORED`) so that no padded batch relies on one (`full_mask_kwargs` refuses, the training windows
-    run row by row unpadded); a block-causal drafter, whose every forward needs its block mask, is refused."""
-    if honours_attention_masks(model, full_mask_kwargs, vocab_size(model)):
+    run row by row unpadded); a block-causal drafter, whose every forward needs its block mask, is refused. Two
+    forwards in eval mode (dropout would tell the two apart): under ZeRO-3 every rank must make them (collectives)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        honoured = honours_attention_masks(model, full_mask_kwargs, vocab_size(model))
+    model.train(was_training)
+    if honoured:
         return
     if spec.attention == "block_causal":
         raise RecipeError(f"drafter.attention: {type(model).__name__} ignores attention masks, and block_causal "
@@ -217,7 +252,8 @@ def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSect
 def vocab_size(model: PreTrainedModel) -> int:
     if is_dflash(model):  # it has no LM head of its own: it uses the verifier's
         return int(model.config.vocab_size)
-    return model.get_output_embeddings().weight.shape[0]
+    weight = model.get_output_embeddings().weight
+    return getattr(weight, "ds_shape", weight.shape)[0]  # a ZeRO-3 partition's own shape is empty
 
 
 def config_vocab_size(model: PreTrainedModel) -> int:

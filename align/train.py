@@ -51,16 +51,17 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_folder, mark_folder, merged_model,
-                              naming_path, read_log, record_checksums, save_adapter, save_merged, state_to_resume,
-                              step_folders, write_text_atomic)
+from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_folder, is_adapter_folder, mark_folder,
+                              merged_model, naming_path, read_log, record_checksums, save_adapter, save_merged,
+                              state_to_resume, step_folders, write_text_atomic)
 from align.config import Recipe, RecipeError, first_line
 from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
 from align.drafters import drafter_for
 from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise
 from align.mask_token import dflash_mask_token
-from align.models import (DrafterSpec, load_drafter, load_tokenizer, load_verifier, new_dflash_drafter)
+from align.models import (DrafterSpec, check_masks_are_read, is_partitioned, load_drafter, load_tokenizer,
+                          load_verifier, new_dflash_drafter, partitioned_loading)
 from align.tracking import open_trackers
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,
                            verifier_window_logits, window_forwards, window_logits)
@@ -324,7 +325,11 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         model, spec = new_dflash_drafter(recipe.verifier, recipe.dflash, recipe.drafter, mask_token_id, t.gamma)
     else:
         tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
-        model, spec = load_drafter(recipe.drafter, tokenizer)
+        # Under ZeRO-3 each rank loads only its partition of the drafter (a 26B one is 52 GB whole in bf16). A LoRA
+        # step_<N>/ as the drafter is merged into its base in memory, which needs the whole base: loaded whole.
+        partition = t.zero_stage == 3 and world > 1 and not is_adapter_folder(recipe.drafter.path)
+        with partitioned_loading(deepspeed_config(recipe) if partition else None):
+            model, spec = load_drafter(recipe.drafter, tokenizer)
         mask_token = None
     model.train()
     apply_activation_checkpointing(model, t.activation_checkpointing)
@@ -341,6 +346,10 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         0.5 * (1 + math.cos(math.pi * min(1.0, s / t.max_steps)))))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=deepspeed_config(recipe))
+    if recipe.dflash is None and is_partitioned(model) and recipe.drafter.trust_remote_code:
+        # load_drafter's check, now that the engine's hooks gather the weights; the mark goes on the drafter itself
+        # (a peft wrapper passes reads of it through), as load_drafter puts it.
+        check_masks_are_read(model.get_base_model() if t.lora_r else model, spec)
     # A DFlash drafter reads the verifier's hidden states in every step.
     reads_verifier = drafter_for(model, spec).verifier_states is not None
     verifier = load_verifier(recipe.verifier) if data.online or reads_verifier else None

@@ -95,12 +95,11 @@ def test_the_ranks_rows_ask_for_different_numbers_of_forwards(canvas_run):
     assert held[0] != held[1], held
 
 
-@pytest.mark.slow  # two 2-rank ZeRO-3 DeepSpeed runs
-def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_path):
-    args, _ = canvas_run
-    out = tmp_path / "run"
+def run_on_two_ranks(recipe_and_args: list[str], out: Path) -> list[dict]:
+    """align train on 2 DeepSpeed ranks (ZeRO-3 in the arguments) writing to `out`; its metrics records. A hang fails
+    the test."""
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000 + 7), "align/train.py",
-           RECIPE, *args, f"train.out={out}"]
+           *recipe_and_args, f"train.out={out}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -110,7 +109,14 @@ def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_pat
         log = proc.communicate()[0]
         pytest.fail(f"the 2-rank ZeRO-3 run hung (killed after {HANG_S} s): {log[-2000:]}")
     assert proc.returncode == 0, log[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow  # two 2-rank ZeRO-3 DeepSpeed runs
+def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_path):
+    args, _ = canvas_run
+    out = tmp_path / "run"
+    records = run_on_two_ranks([RECIPE, *args], out)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["expected_streak"]) for r in records), records
     # A save under ZeRO-3 at every step, and only the last two kept.
@@ -127,6 +133,28 @@ def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_pat
     shared = [k for k in saved if k in master]
     assert len(shared) >= len(saved) - 1, set(saved) - set(master)  # (a tied output embedding is saved once)
     assert all(torch.equal(saved[k], master[k].to(torch.bfloat16)) for k in shared)
+
+
+@pytest.mark.slow  # a 2-rank ZeRO-3 DeepSpeed run
+def test_a_lora_run_under_zero3_saves_its_trained_adapter(toy_trajectories, tmp_path):
+    """Under ZeRO-3 each rank holds a shard of the adapter too: the adapter rank 0 writes is DeepSpeed's consolidated
+    one, equal to the fp32 master weights in the run's dtype, and the frozen base is not rewritten. (The tiny family:
+    DiffusionGemma's shared encoder-decoder weights refuse LoRA.)"""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    from test_multi_node import recipe_args
+
+    out = tmp_path / "run"
+    run_on_two_ranks([*recipe_args(toy_trajectories, out), "train.lora_r=4", "train.max_steps=2",
+                      "train.save_every=2"], out)
+    assert not (out / "step_2" / "model.safetensors").exists()
+    adapter = load_file(out / "step_2" / "adapter_model.safetensors")
+    master = get_fp32_state_dict_from_zero_checkpoint(str(out / "ds_state"), tag="step_2")
+    # peft saves `…lora_A.weight` for the module's `…lora_A.default.weight`
+    trained = {k.replace(".default.", "."): v for k, v in master.items() if ".lora_" in k}
+    assert adapter and set(adapter) == set(trained), set(adapter) ^ set(trained)
+    assert all(torch.equal(adapter[k], trained[k].to(adapter[k].dtype)) for k in adapter)
+    assert any(trained[k].abs().sum() > 0 for k in trained if "lora_B" in k)  # trained (lora_B starts at zero)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -183,3 +211,85 @@ def test_the_held_out_metric_reads_a_fixed_sample_of_capped_size():
     assert held_out_sample(held_out, 256, seed=0) == sample  # the same rows at every eval
     assert held_out_sample(held_out[:100], 256, seed=0) == held_out[:100]
     assert held_out_sample(held_out, None, seed=0) == held_out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# loading under ZeRO-3: each rank builds and fills only its partition
+# --------------------------------------------------------------------------------------------------------------------
+# Run by the DeepSpeed launcher on 2 ranks: load the drafter as align train does under ZeRO-3, report what each rank
+# holds, then (the engine built) check the masks as align train does and compare every gathered weight with the file.
+PARTITIONED_LOAD = """
+import json, sys
+import deepspeed, torch
+from safetensors.torch import load_file
+from align.config import load_recipe
+from align.models import check_masks_are_read, is_partitioned, load_drafter, load_tokenizer, partitioned_loading
+from align.remote_code import masks_ignored
+from align.train import deepspeed_config, init_distributed
+
+folder, remote, report = sys.argv[-3:]  # (the launcher puts --local_rank=N first)
+recipe = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={folder}", f"drafter.trust_remote_code={remote}",
+                                                  "drafter.dtype=float32", "train.bf16=false", "train.zero_stage=3"])
+rank, world = init_distributed()
+with partitioned_loading(deepspeed_config(recipe)):
+    model, spec = load_drafter(recipe.drafter, load_tokenizer(folder, recipe.drafter.trust_remote_code))
+held = {"partitioned": is_partitioned(model), "whole_elements": sum(p.data.numel() for p in model.parameters()),
+        "shard_elements": sum(p.ds_tensor.numel() for p in model.parameters()),
+        "model_elements": sum(p.ds_numel for p in model.parameters())}
+model.requires_grad_(True)  # as align train does (load_drafter hands it frozen)
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.0),
+                                  config=deepspeed_config(recipe))
+if recipe.drafter.trust_remote_code:
+    check_masks_are_read(model, spec)
+saved, equal = load_file(f"{folder}/model.safetensors"), {}
+for name, p in model.named_parameters():
+    if name in saved:
+        with deepspeed.zero.GatheredParameters([p]):
+            equal[name] = torch.equal(p.data, saved[name].to(p.dtype))
+model.eval()
+with torch.no_grad():  # the engine's hooks gather each layer for the forward; computed buffers (rotary) as built
+    logits = model(input_ids=torch.arange(3, 11)[None]).logits[0].tolist()
+held.update(masks_ignored=masks_ignored(model), equal=equal, parameters=len(list(model.parameters())), logits=logits)
+with open(f"{report}.{rank}", "w") as f:
+    json.dump(held, f)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # 2-rank DeepSpeed launches
+@pytest.mark.parametrize("family", ["tiny", "dream", "llada"])
+def test_zero3_loads_each_ranks_partition_only_and_the_gathered_weights_are_the_files(family, tmp_path):
+    """No rank builds the whole drafter (`whole_elements` 0: every parameter is an empty placeholder between forwards),
+    each holds about half; gathered, every weight equals the file's. Remote code's mask check runs once the engine
+    gathers the weights, and finds what it finds on a whole model (LLaDA ignores masks, Dream reads them); a forward
+    through the engine gives the whole model's logits."""
+    from remote_code_families import write_family
+
+    from align.models import load_drafter as load_whole
+    from align.remote_code import masks_ignored
+
+    remote = family != "tiny"
+    folder = write_family(family, tmp_path / family) if remote else ROOT / "checkpoints/tiny/drafter-base"
+    script = tmp_path / "load.py"
+    script.write_text(PARTITIONED_LOAD)
+    port = str(29500 + os.getpid() % 1000 + 11)
+    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", port, str(script), str(folder), str(remote),
+                           str(tmp_path / "report")], cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in (0, 1)]
+    whole = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={folder}", f"drafter.trust_remote_code={remote}",
+                                                    "drafter.dtype=float32"]).drafter
+    model, _ = load_whole(whole, load_tokenizer(str(folder), remote))
+    elements = sum(p.numel() for p in model.parameters())
+    for report in reports:
+        assert report["partitioned"] and report["whole_elements"] == 0, report
+        assert report["model_elements"] == elements
+        # DeepSpeed pads each parameter's partition to a multiple of the world size: about half, never the whole.
+        assert report["shard_elements"] <= elements // 2 + report["parameters"], report
+        assert report["equal"] and all(report["equal"].values()), report["equal"]
+        assert len(report["equal"]) >= report["parameters"] - 1  # (a tied output embedding is saved once)
+        assert report["masks_ignored"] == masks_ignored(model) == (family == "llada")
+        with torch.no_grad():
+            assert torch.equal(torch.tensor(report["logits"]), model(input_ids=torch.arange(3, 11)[None]).logits[0])
