@@ -22,7 +22,7 @@ def checkout_env(**extra: str) -> dict[str, str]:
 # Fixtures that run a stage before the test (trajectories, a DeepSpeed run, a real model's conversion): a test that
 # needs one is in the slow tier, wherever it is. The rest of the slow tier is marked where it is (pytestmark, or
 # @pytest.mark.slow); `pytest -m "not slow"` is the fast tier (docs/install.md).
-SLOW_FIXTURES = {"toy_trajectories", "smollm2"}
+SLOW_FIXTURES = {"toy_trajectories", "smollm2", "lora_run"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ defects, or with $ALIGN_REMOTE_CODE the real files as the Hub ships them (tests/
 checked both ways: with it the family loads and runs; without it the defect it bridges is there.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -51,21 +52,34 @@ def drafter(folder, attention=None):
     return load_drafter(section, load_tokenizer(str(folder), True))
 
 
-# Loads a family folder through align's loader with one shim left out, and runs a forward, in a fresh interpreter:
-# the real LLaDA code registers its config class with AutoConfig when it is imported, so within one process every
-# later LLaDA folder gets the class (already shimmed) that was loaded first.
-WITHOUT_ONE_SHIM = """
-import sys
+# For each (folder, shim) pair: load the family folder through align's loader with that shim left out and run a
+# forward, in a child forked from one interpreter that imported torch and align once (a fresh interpreter per case
+# cost 6-10 s each): the real LLaDA code registers its config class with AutoConfig when it is imported, so within one
+# process every later LLaDA folder would get the class (already shimmed) that was loaded first, and a forked child
+# starts from the parent, which imported no family code. Prints one JSON line per pair: [shim, what it ended with].
+WITHOUT_EACH_SHIM = """
+import json, os, sys, traceback
 import torch
 import align.remote_code as remote_code
-folder, left_out = sys.argv[1], "shim_" + sys.argv[2]
-remote_code.CLASS_SHIMS = tuple(s for s in remote_code.CLASS_SHIMS if s.__name__ != left_out)
-remote_code.MODULE_SHIMS = tuple(s for s in remote_code.MODULE_SHIMS if s.__name__ != left_out)
 from align.config import DrafterSection
 from align.models import load_drafter, load_tokenizer
-section = DrafterSection(path=folder, trust_remote_code=True, device="cpu", dtype="float32")
-model, spec = load_drafter(section, load_tokenizer(folder, True))
-model(input_ids=torch.tensor([[5, 6, 7, spec.mask_token_id]]))
+for folder, shim in zip(sys.argv[1::2], sys.argv[2::2]):
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        continue
+    left_out = "shim_" + shim
+    remote_code.CLASS_SHIMS = tuple(s for s in remote_code.CLASS_SHIMS if s.__name__ != left_out)
+    remote_code.MODULE_SHIMS = tuple(s for s in remote_code.MODULE_SHIMS if s.__name__ != left_out)
+    try:
+        section = DrafterSection(path=folder, trust_remote_code=True, device="cpu", dtype="float32")
+        model, spec = load_drafter(section, load_tokenizer(folder, True))
+        model(input_ids=torch.tensor([[5, 6, 7, spec.mask_token_id]]))
+        ended = "no error"
+    except Exception as e:  # the traceback's last line, as an uncaught error would end the interpreter's output
+        ended = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1]
+    print(json.dumps([shim, ended]), flush=True)
+    os._exit(0)
 """
 
 
@@ -79,14 +93,21 @@ def test_each_family_loads_through_its_shims_and_runs(folders, family):
     assert logits.shape[:2] == (1, 5) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("family, shim", [(f, s) for f in sorted(FAMILY_SHIMS) for s in sorted(FAMILY_SHIMS[f])])
-def test_without_a_shim_its_defect_is_there(folders, family, shim):
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_ONE_SHIM, str(folders[family]), shim], cwd=ROOT,
+@pytest.fixture(scope="module")
+def without_each_shim(folders) -> dict[str, str]:
+    """{shim: the last line of what loading and running its family without it ended with}."""
+    pairs = [str(part) for f in sorted(FAMILY_SHIMS) for s in sorted(FAMILY_SHIMS[f]) for part in (folders[f], s)]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_EACH_SHIM, *pairs], cwd=ROOT,
                           env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), capture_output=True, text=True,
                           timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
+
+
+@pytest.mark.parametrize("family, shim", [(f, s) for f in sorted(FAMILY_SHIMS) for s in sorted(FAMILY_SHIMS[f])])
+def test_without_a_shim_its_defect_is_there(without_each_shim, family, shim):
     error, words = WITHOUT[shim]
-    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-    assert proc.returncode != 0 and re.match(rf"{error.__name__}: .*{words}", last), proc.stderr[-2000:]
+    assert re.match(rf"{error.__name__}: .*{words}", without_each_shim[shim]), without_each_shim
 
 
 def test_the_default_rope_is_transformers_4s():
