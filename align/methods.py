@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from align.checkpoint import atomic_folder
+from align.checkpoint import atomic_folder, mark_folder
 from align.config import DecodeSection, Recipe, RecipeError
 from align.corpus import ensure_data
 from align.data import eos_token_ids, load_trajectories  # eos_token_ids: the end-token rule, for the callers here
@@ -205,6 +205,9 @@ def trigram_proxy(source: Path, data_dir: str, tokenizer: Any) -> TrigramModel:
                          add_special_tokens=False)["input_ids"]
     stream = np.fromiter((t for doc in docs for t in (doc if doc and doc[-1] == eos else [*doc, eos])), dtype=np.int64)
     model = TrigramModel.fit(stream, len(tokenizer))
+    # trigram/ marked too: data.dir may hold nothing but align's marked folders (checkpoint.check_output_owner), and
+    # an unmarked trigram/ in a data.dir of its own (not bootstrap's) made the next stage refuse the folder.
+    mark_folder(folder.parent, "data")
     with atomic_folder(folder, "data") as tmp:
         model.save(tmp, source=str(source))
     return model

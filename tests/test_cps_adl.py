@@ -46,6 +46,27 @@ def test_trigram_round_trips(tmp_path):
     assert np.array_equal(model.log_probs(1, 2, np.arange(9)), again.log_probs(1, 2, np.arange(9)))
 
 
+def test_a_proxy_cached_in_a_data_dir_of_its_own_leaves_it_usable_by_the_next_stage(tmp_path):
+    """The CPS proxy's cache in a fresh data.dir (the SmolLM2 eval's data/smollm2/cache): the next stage that names
+    that folder must not refuse it as a folder align did not write."""
+    import json
+    from pathlib import Path
+
+    from align.checkpoint import check_output_owner
+    from align.methods import trigram_proxy
+    from align.models import load_tokenizer
+
+    source = tmp_path / "text.jsonl"
+    source.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(20)))
+    tokenizer = load_tokenizer(str(Path(__file__).resolve().parents[1] / "checkpoints/tiny/tokenizer"))
+    data_dir = tmp_path / "cache"
+    fitted = trigram_proxy(source, str(data_dir), tokenizer)
+    check_output_owner("data.dir", data_dir, "data")  # raised RecipeError before trigram/ was marked
+    cached = trigram_proxy(source, str(data_dir), tokenizer)  # read from the cache
+    tokens = np.arange(len(tokenizer))
+    assert np.array_equal(fitted.log_probs(5, 6, tokens), cached.log_probs(5, 6, tokens))
+
+
 def proxy_preferring(path_after, vocab=6):
     """A trigram model fitted on text that always continues the context token 5 with `path_after`."""
     return TrigramModel.fit(np.array(([5, *path_after] * 50)), vocab)
