@@ -560,6 +560,9 @@ class ServeCheckSection(Section):
     #: requests in flight at a time, each level measured in vLLM without and with the drafter (speculative decoding's
     #: gain shrinks as requests share a batch); the output and acceptance check runs at 1, which is always measured
     concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1], min_length=1)
+    #: also serve with vLLM's own n-gram speculator (prompt lookup: decode.gamma tokens after the longest match of 1
+    #: to 4 tokens), the drafter-free baseline vLLM users reach for first; one more engine to start
+    ngram: bool = False
 
 
 # --------------------------------------------------------------------------------------------------------------------

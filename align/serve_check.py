@@ -2,7 +2,8 @@
 
 The verifier decodes the eval prompts greedily at batch 1 in three engines: vLLM without a drafter, vLLM with the
 DFlash drafter as its `speculative_config` (the speculators folder `align export ... export.format=speculators`
-writes; an align DFlash checkpoint is exported to a temporary folder first), and align's own runtime (AR greedy and
+writes; an align DFlash checkpoint is exported to a temporary folder first; with serve_check.ngram, a third vLLM
+engine with its n-gram speculator), and align's own runtime (AR greedy and
 specdiff with the same drafter, γ = decode.gamma in both engines). Writes `serve_check.json` and `report.md` to
 `serve_check.out`. Exit 3, with one line, when the outputs differ or vLLM's mean acceptance length is more than
 `serve_check.max_acceptance_gap` (10%) off align's τ: both engines run the same greedy acceptance on the same
@@ -36,6 +37,8 @@ from align.preflight import model_context
 from align.vllm_engine import ServeResult, serve, served_drafter_kind, vllm_dtype
 
 EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed
+# vLLM's n-gram speculator (serve_check.ngram): drafts follow the longest match of 4 down to 1 tokens in the request.
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
 def relative_gap(served: float, reference: float) -> float:
@@ -54,12 +57,18 @@ def report(result: dict[str, Any]) -> str:
         f"| vLLM {result['meta']['vllm']} + drafter | {s['identical']} | {s['mean_acceptance_length']:.2f} | "
         f"{s['tokens_per_second']:.1f} |",
     ]
+    n = result.get("vllm_ngram")
+    if n is not None:
+        rows.append(f"| vLLM {result['meta']['vllm']} + n-gram | {n['identical']} | "
+                    f"{n['mean_acceptance_length']:.2f} | {n['tokens_per_second']:.1f} |")
     m = result["meta"]
     levels = ["| requests in flight | vLLM tokens/s | vLLM + drafter tokens/s | speedup | mean acceptance length | "
-              "outputs identical (without / with) |", "|---|---|---|---|---|---|"]
+              "outputs identical (without / with) |" + (" n-gram tokens/s | n-gram speedup |" if n else ""),
+              "|---|---|---|---|---|---|" + ("---|---|" if n else "")]
     levels += [f"| {r['concurrency']} | {r['plain_tokens_per_second']:.1f} | {r['drafter_tokens_per_second']:.1f} | "
                f"{r['speedup']:.2f}× | {r['mean_acceptance_length']:.2f} | {r['plain_identical']} / "
-               f"{r['drafter_identical']} |" for r in result.get("concurrency", [])]
+               f"{r['drafter_identical']} |" + (f" {r['ngram_tokens_per_second']:.1f} | {r['ngram_speedup']:.2f}× |"
+                                                if n else "") for r in result.get("concurrency", [])]
     lines = [f"# Serving check: {m['drafter']}", "",
              f"{m['num_prompts']} prompts, greedy, {m['max_new_tokens']} new tokens, γ={m['gamma']}, batch 1, "
              f"{m['dtype']}, {m['machine']}, {m['date']}.", "", *rows, "",
@@ -85,15 +94,23 @@ def served(result: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
             "num_accepted_tokens": result.num_accepted_tokens, "accepted_per_position": result.accepted_per_position}
 
 
-def by_concurrency(plain: ServeResult, drafted: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
-    """vLLM without and with the drafter at one concurrency. Outputs at concurrency > 1 are recorded, not required
-    identical: vLLM's batched kernels need not give a batch-1 run's floats (its batch invariance is opt-in)."""
-    return {"concurrency": plain.concurrency, "plain_tokens_per_second": plain.tokens_per_second,
-            "drafter_tokens_per_second": drafted.tokens_per_second,
-            "speedup": drafted.tokens_per_second / plain.tokens_per_second,
-            "mean_acceptance_length": drafted.mean_acceptance_length,
-            "accepted_per_position": drafted.accepted_per_position,
-            "plain_identical": plain.outputs == reference, "drafter_identical": drafted.outputs == reference}
+def by_concurrency(plain: ServeResult, drafted: ServeResult, reference: list[list[int]],
+                   ngram: Optional[ServeResult] = None) -> dict[str, Any]:
+    """vLLM without and with the drafter (and with its n-gram speculator, if served) at one concurrency. Outputs at
+    concurrency > 1 are recorded, not required identical: vLLM's batched kernels need not give a batch-1 run's floats
+    (its batch invariance is opt-in)."""
+    level = {"concurrency": plain.concurrency, "plain_tokens_per_second": plain.tokens_per_second,
+             "drafter_tokens_per_second": drafted.tokens_per_second,
+             "speedup": drafted.tokens_per_second / plain.tokens_per_second,
+             "mean_acceptance_length": drafted.mean_acceptance_length,
+             "accepted_per_position": drafted.accepted_per_position,
+             "plain_identical": plain.outputs == reference, "drafter_identical": drafted.outputs == reference}
+    if ngram is not None:
+        level.update(ngram_tokens_per_second=ngram.tokens_per_second,
+                     ngram_speedup=ngram.tokens_per_second / plain.tokens_per_second,
+                     ngram_mean_acceptance_length=ngram.mean_acceptance_length,
+                     ngram_identical=ngram.outputs == reference)
+    return level
 
 
 def main(recipe: Recipe, command: str) -> Optional[int]:
@@ -151,6 +168,8 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
         # folder not named *dflash* as a standalone draft model (lossless still, but it accepts far less).
         drafted_levels = serve(recipe.verifier.path, prompt_ids, speculative_config={
             "method": "dflash", "model": str(folder.resolve()), "num_speculative_tokens": d.gamma}, **common)
+        ngram_levels = serve(recipe.verifier.path, prompt_ids, speculative_config=NGRAM | {
+            "num_speculative_tokens": d.gamma}, **common) if s.ngram else []
         plain, drafted = plain_levels[0], drafted_levels[0]  # concurrency 1: the check
 
     align_result = {"tau": tau, "specdiff_identical": spec_outputs == reference,
@@ -159,8 +178,10 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
     plain_result, drafted_result = served(plain, reference), served(drafted, reference)
     ratio = drafted.mean_acceptance_length / tau
     problems = []
+    ngram_result = served(ngram_levels[0], reference) if ngram_levels else None
     for name, ok in (("align specdiff", align_result["specdiff_identical"]), ("vLLM", plain_result["identical"]),
-                     ("vLLM with the drafter", drafted_result["identical"])):
+                     ("vLLM with the drafter", drafted_result["identical"]),
+                     ("vLLM with n-gram", ngram_result is None or ngram_result["identical"])):
         if not ok:
             problems.append(f"{name} output differs from align AR greedy")
     if relative_gap(drafted.mean_acceptance_length, tau) > s.max_acceptance_gap:
@@ -169,7 +190,9 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                         f"(allowed {s.max_acceptance_gap:.0%})")
     result = {
         "align": align_result, "vllm_plain": plain_result, "vllm_drafter": drafted_result,
-        "concurrency": [by_concurrency(p, q, reference) for p, q in zip(plain_levels, drafted_levels)],
+        "vllm_ngram": ngram_result,
+        "concurrency": [by_concurrency(p, q, reference, n) for p, q, n in
+                        zip(plain_levels, drafted_levels, ngram_levels or [None] * len(plain_levels))],
         "check": {"passed": not problems, "reason": "; ".join(problems), "acceptance_ratio": ratio,
                   "max_acceptance_gap": s.max_acceptance_gap,
                   "vllm_speedup": drafted.tokens_per_second / plain.tokens_per_second},

@@ -3,7 +3,8 @@ speculators format and served by vLLM, decodes exactly what vLLM without it and 
 mean acceptance length within 10% of align's τ; and what it refuses before any work.
 
 Needs vLLM's environment (.venv-vllm, or ALIGN_VLLM_PYTHON); skipped without it except in CI, as tests/test_vllm.py.
-One serve-check run starts two vLLM engines (without and with the drafter): about a minute on a CPU.
+One serve-check run starts two vLLM engines (without and with the drafter), three with serve_check.ngram: about a
+minute each on a CPU.
 """
 
 import json
@@ -86,11 +87,18 @@ def test_served_drafter_decodes_identically_with_acceptance_within_10_percent(pr
     assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={VERIFIER}", "verifier.dtype=float32",
                   f"drafter.path={checkpoint}", "export.format=speculators",
                   f"export.out={export}"]) in (0, None)
-    assert serve_check(prompt_file, export, tmp_path / "check", "serve_check.concurrency=[1, 2]") in (0, None)
+    assert serve_check(prompt_file, export, tmp_path / "check", "serve_check.concurrency=[1, 2]",
+                       "serve_check.ngram=true") in (0, None)
     result = json.loads((tmp_path / "check" / "serve_check.json").read_text())
-    # One engine per drafter setting, measured at each concurrency: 1 (the check below) and 2 requests in flight.
+    # One engine per drafter setting (none, the DFlash drafter, vLLM's n-gram speculator), measured at each
+    # concurrency: 1 (the check below) and 2 requests in flight.
     levels = result["concurrency"]
     assert [r["concurrency"] for r in levels] == [1, 2] and all(r["plain_tokens_per_second"] > 0 for r in levels)
+    # The n-gram speculator is lossless too, and drafts (the prompts' code repeats itself: `self.`, `items`).
+    ngram = result["vllm_ngram"]
+    assert ngram["identical"] and ngram["num_drafts"] > 0 and ngram["mean_acceptance_length"] >= 1.0
+    assert all(r["ngram_tokens_per_second"] > 0 for r in levels) and "+ n-gram" in (
+        tmp_path / "check" / "report.md").read_text()
     assert levels[0]["mean_acceptance_length"] == result["vllm_drafter"]["mean_acceptance_length"]
     assert levels[1]["mean_acceptance_length"] > 1.0 and "| 2 |" in (tmp_path / "check" / "report.md").read_text()
     assert result["check"]["passed"], result["check"]["reason"]
