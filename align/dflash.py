@@ -277,7 +277,10 @@ def dflash_block_logits(drafter: DFlashDrafter, verifier: Any, anchor_ids: torch
     kv = context.kv or [(embeds.new_zeros(B, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim),) * 2
                         for layer in drafter.layers]
     hidden = drafter(embeds, positions, kv)  # no mask: the block sees the whole context and itself
-    return verifier.get_output_embeddings()(hidden[:, 1:].to(verifier.dtype))
+    # The LM head over the whole block, then the draft rows (one row more costs nothing): on this CPU in bf16 the head
+    # over the slice hidden[:, 1:] measured 130 ms against 5 ms over all rows (SmolLM2's 49k-token head, torch
+    # 2.13), which made a 2-layer drafter's step cost more than the 30-layer verifier's.
+    return verifier.get_output_embeddings()(hidden.to(verifier.dtype))[:, 1:]
 
 
 def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch.Tensor, starts: torch.Tensor,
