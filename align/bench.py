@@ -60,9 +60,12 @@ def interleaved(methods: dict[str, Callable[[int, torch.Tensor], tuple[list[int]
     warm-up. The method order rotates per prompt so that no method always runs first; a prompt's wall time is the
     median of `repeats` runs."""
     names = list(methods)
-    for name in names:
-        for i, ids in enumerate(prompts[:warmup]):
-            methods[name](i, ids)
+    # Warm-up has its bar too: with a real model it is minutes of generations before the first timed one.
+    with tqdm(total=len(names) * len(prompts[:warmup]), desc=f"{desc}, warm-up", unit="gen", dynamic_ncols=True) as bar:
+        for name in names:
+            for i, ids in enumerate(prompts[:warmup]):
+                methods[name](i, ids)
+                bar.update()
     runs = {name: Run([], [], []) for name in names}
     bar = tqdm(total=len(prompts) * len(names) * repeats, desc=desc, unit="gen", dynamic_ncols=True)
     for i, ids in enumerate(prompts):

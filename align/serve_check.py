@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from align.checkpoint import mark_folder, write_result, write_text_atomic
 from align.config import Recipe, RecipeError
@@ -143,7 +144,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
         specdiff_generate(verifier, drafter, spec, prompts[0], d.gamma, min(d.max_new_tokens, 8), Sampling(),
                           eos_ids=eos_ids)
         reference, ar_seconds, spec_outputs, spec_seconds, accepted, steps = [], 0.0, [], 0.0, 0, 0
-        for ids in prompts:
+        for ids in tqdm(prompts, desc="align runtime (AR, specdiff)", unit="prompt", dynamic_ncols=True):
             start = time.perf_counter()
             tokens, _ = ar_generate(verifier, ids, d.max_new_tokens, Sampling(), eos_ids=eos_ids)
             ar_seconds += time.perf_counter() - start
