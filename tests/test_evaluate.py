@@ -228,7 +228,7 @@ def test_cps_proxy_fitted_on_the_verifier_trajectories(toy_trajectories, tmp_pat
     assert main(args) == 0
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert result["methods"]["specdiff_cps"]["exact_match"] == 1.0
-    [cache] = (data_dir / "trigram").iterdir()
+    [cache] = [p for p in (data_dir / "trigram").iterdir() if p.is_dir()]  # (beside trigram/'s own marker)
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["source"] == str(trajectories) and manifest["tokens"] > 0
     # A proxy source that is neither a JSONL file nor a trajectories folder is refused before any work.
