@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from align.provenance import installed_versions
+
 
 # What a report names the software it was measured with: distribution names (align's is `align-drafters`).
 VERSIONED = ("torch", "transformers", "align-drafters", "deepspeed", "datasets")
@@ -17,15 +19,7 @@ VERSIONED = ("torch", "transformers", "align-drafters", "deepspeed", "datasets")
 
 def versions() -> dict[str, Optional[str]]:
     """distribution -> installed version (None: not installed), VERSIONED and Python's."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found: dict[str, Optional[str]] = {"python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
+    return {"python": platform.python_version(), **installed_versions(*VERSIONED)}
 
 
 def cpu_model() -> str:
