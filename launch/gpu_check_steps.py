@@ -65,22 +65,13 @@ def remote_code(out: str, device: str) -> int:
 
 
 def zero3_prepare(out: str) -> None:
-    from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
-    from test_zero3 import TOKENIZER, WINDOWS, write_trajectories
+    from test_diffusion_gemma import RECIPE
+    from test_zero3 import canvas_setup, write_trajectories
 
     from align.config import load_recipe
-    from align.models import load_tokenizer
 
     root = Path(out)
-    tokenizer = load_tokenizer(TOKENIZER)
-    verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, root / "verifier")
-    drafter = save_with_tokenizer(tiny_diffusion_gemma(0), tokenizer, root / "drafter")
-    args = [f"verifier.path={verifier}", f"drafter.path={drafter}", "verifier.dtype=float32", "drafter.dtype=float32",
-            f"trajectories.out={root / 'trajectories'}", "trajectories.max_new_tokens=40",
-            "trajectories.completions_per_prompt=1", "train.gamma=4", f"train.windows_per_sequence={WINDOWS}",
-            "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
-            "train.max_steps=3", "train.save_every=3", "train.eval_every=1", "train.zero_stage=3", "train.bf16=true",
-            f"train.out={root / 'run'}"]
+    args = [*canvas_setup(root), "train.save_every=3", "train.bf16=true", f"train.out={root / 'run'}"]
     # Trajectories as `align trajectories` writes them, of random token ids with test_zero3's completion lengths.
     write_trajectories(load_recipe(RECIPE, args), root / "trajectories")
     (root / "args.txt").write_text("\n".join(args) + "\n")

@@ -56,19 +56,26 @@ def write_trajectories(recipe, out: Path) -> None:
         "completion_tokens": chunk["tokens"], "chunks": {"chunk-00000": chunk["sha256"]}}))
 
 
-@pytest.fixture(scope="module")
-def canvas_run(tmp_path_factory):
-    """(recipe overrides, the loaded recipe) of a tiny DiffusionGemma drafter on uneven trajectories, ZeRO-3."""
-    root = tmp_path_factory.mktemp("zero3")
+def canvas_setup(root: Path) -> list[str]:
+    """A tiny Gemma 4 verifier and DiffusionGemma drafter written under `root`; the recipe overrides (with RECIPE) of
+    3 ZeRO-3 steps on uneven trajectories at root/trajectories, which the caller writes (write_trajectories).
+    Shared with launch/gpu_check_steps.py, which runs the same step on GPUs."""
     tokenizer = load_tokenizer(TOKENIZER)
     verifier = save_with_tokenizer(tiny_gemma4_verifier(1), tokenizer, root / "verifier")
     drafter = save_with_tokenizer(tiny_diffusion_gemma(0), tokenizer, root / "drafter")
-    args = [f"verifier.path={verifier}", f"drafter.path={drafter}", "verifier.dtype=float32", "drafter.dtype=float32",
+    return [f"verifier.path={verifier}", f"drafter.path={drafter}", "verifier.dtype=float32", "drafter.dtype=float32",
             f"trajectories.out={root / 'trajectories'}", "trajectories.max_new_tokens=40",
             "trajectories.completions_per_prompt=1", "train.gamma=4", f"train.windows_per_sequence={WINDOWS}",
             "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "train.warmup_steps=0",
-            "train.max_steps=3", "train.save_every=1", "train.keep_last=2", "train.eval_every=1",
-            "train.zero_stage=3"]
+            "train.max_steps=3", "train.eval_every=1", "train.zero_stage=3"]
+
+
+@pytest.fixture(scope="module")
+def canvas_run(tmp_path_factory):
+    """(recipe overrides, the loaded recipe) of a tiny DiffusionGemma drafter on uneven trajectories, ZeRO-3, saving
+    at every step and keeping the last two."""
+    root = tmp_path_factory.mktemp("zero3")
+    args = [*canvas_setup(root), "train.save_every=1", "train.keep_last=2"]
     recipe = load_recipe(RECIPE, args)
     write_trajectories(recipe, root / "trajectories")
     return args, recipe
