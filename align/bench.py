@@ -60,8 +60,10 @@ def interleaved(methods: dict[str, Callable[[int, torch.Tensor], tuple[list[int]
     warm-up. The method order rotates per prompt so that no method always runs first; a prompt's wall time is the
     median of `repeats` runs."""
     names = list(methods)
-    # Warm-up has its bar too: with a real model it is minutes of generations before the first timed one.
-    with tqdm(total=len(names) * len(prompts[:warmup]), desc=f"{desc}, warm-up", unit="gen", dynamic_ncols=True) as bar:
+    # Warm-up has its bar too: with a real model it is minutes of generations before the first timed one. None
+    # without warm-up (an empty bar would print "0it").
+    warmups = len(names) * len(prompts[:warmup])
+    with tqdm(total=warmups, desc=f"{desc}, warm-up", unit="gen", dynamic_ncols=True, disable=not warmups) as bar:
         for name in names:
             for i, ids in enumerate(prompts[:warmup]):
                 methods[name](i, ids)
