@@ -29,10 +29,9 @@ from align import __version__
 from align.checkpoint import atomic_folder, mark_folder, save_merged
 from align.config import PretrainSection, Recipe, RecipeError
 from align.corpus import SPLITS, build_data, prompt_sets, read_corpus, read_manifest
-from align.losses import next_token
 from align.models import DrafterSpec
-from align.pretraining import (Schedule, leading_windows, mdlm_step, mean_loss, random_windows, train_loop,
-                               use_bf16)
+from align.pretraining import (Schedule, leading_windows, mdlm_step, mean_loss, next_token_step, random_windows,
+                               train_loop, use_bf16)
 
 EOT, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
 PARTS: tuple[str, ...] = ("tokenizer", "verifier", "drafter-base", "ar-drafter")
@@ -105,10 +104,8 @@ def build_model(cfg: PretrainSection, tokenizer: Any, drafter_spec: DrafterSpec 
 
 def ar_step(model: torch.nn.Module, window: torch.Tensor, cfg: PretrainSection, gen: torch.Generator,
             step: int = 0) -> torch.Tensor:
-    """Next-token loss on a (B, L+1) window."""
-    inputs, targets = window[:, :-1], window[:, 1:]
-    logits = model(input_ids=inputs).logits
-    return next_token(logits, targets, num_tokens=targets.numel())
+    """Next-token loss on a (B, L+1) window (the step signature `pretrain` calls)."""
+    return next_token_step(model, window)
 
 
 def schedule_of(cfg: PretrainSection) -> Schedule:

@@ -636,10 +636,17 @@ class DeriveSection(Section):
     """`align derive`: a block-diffusion drafter initialised from the verifier (the Dream/DiffuCoder recipe in
     miniature): its embeddings, a few of its layers, its final norm and LM head, a mask token, then an MDLM
     adaptation on the verifier's own trajectories (trajectories.out); `align train` aligns it after
-    (drafter.path=<derive.out>). align/derive.py."""
+    (drafter.path=<derive.out>). derive.drafter=ar cuts an AR drafter the same way, for the AR baselines
+    (ar_drafter.path). align/derive.py."""
 
     #: the drafter folder written (replaced whole, only when align derive wrote it)
     out: str = "checkpoints/smollm2/diffusion/base"
+    # The AR drafter is the baseline the diffusion drafters are measured against: HF assisted generation and align's
+    # sd_ar read it (ar_drafter.path). Cut the same way and adapted on the same text with the verifier's own greedy
+    # answers as targets, it is DistillSpec's sequence-level distillation.
+    #: block_diffusion: a drafter for align's diffusion methods (a mask token, MDLM adaptation); ar: an
+    #: autoregressive drafter for hf_assisted and sd_ar (ar_drafter.path), adapted with next-token cross-entropy
+    drafter: Literal["block_diffusion", "ar"] = "block_diffusion"
     #: the verifier's layers kept, in order (0 is the first); None: derive.num_layers of them
     layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
     # Spread over the depth, first and last included (the last layer's output is what the final norm and LM head were

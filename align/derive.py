@@ -16,6 +16,10 @@ prompts. A drafter drafts the verifier's answers after chat-templated prompts; t
 distribution the drafter never drafts. `align train` reads the same folder next, and its held-out prompts are held out
 here too. Their prompts are the recipe's training prompts (Magpie prompts in recipes/smollm2: no benchmark item);
 trajectories of the recipe's own eval.prompts are refused.
+
+`derive.drafter=ar` cuts an autoregressive drafter the same way (no mask token, no drafter spec) and adapts it with
+next-token cross-entropy on the same text: the AR baseline HF assisted generation and align's sd_ar run with
+(ar_drafter.path), built as the diffusion drafter is, so that the two are compared on equal terms.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ class Plan:
 
     layers: list[int]
     verifier_layers: int
-    spec: DrafterSpec
-    mask_token: str  # how the mask token was chosen, said and kept in the manifest
+    spec: Optional[DrafterSpec]  # None: an AR drafter
+    mask_token: Optional[str]  # how the mask token was chosen, said and kept in the manifest
     trajectories: dict[str, Any]  # the trajectories' manifest
     config_hash: str
     cached: bool  # derive.out already holds this drafter
@@ -93,9 +97,14 @@ def plan(recipe: Recipe) -> Plan:
                           "tokens)")
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = recipe_chat_template(recipe, "verifier.path")
-    mask_id, how = choose_mask_token(tokenizer, int(config.vocab_size), template, d.mask_token_id,
-                                     key="derive.mask_token_id")
-    spec = DrafterSpec(mask_id, d.logits_shift, d.attention)
+    if d.drafter == "ar":
+        if d.mask_token_id is not None:
+            raise RecipeError("derive.mask_token_id: an AR drafter (derive.drafter=ar) has no mask token; leave it unset")
+        spec, how = None, None
+    else:
+        mask_id, how = choose_mask_token(tokenizer, int(config.vocab_size), template, d.mask_token_id,
+                                         key="derive.mask_token_id")
+        spec = DrafterSpec(mask_id, d.logits_shift, d.attention)
     made = read_trajectory_manifest(recipe.trajectories.out)
     check_trajectories_match(recipe, made)
     if recipe.eval.prompts is not None and _same_path(str(made.get("prompts")), recipe.eval.prompts):
@@ -104,7 +113,7 @@ def plan(recipe: Recipe) -> Plan:
                           "on its training data. Make trajectories of training prompts (align prompts)")
     settings = {
         "format": FORMAT, "verifier": drafter_identity(recipe.verifier.path), "layers": layers,
-        "spec": spec.to_dict(), "trajectories": made.get("settings_hash"),
+        "spec": spec.to_dict() if spec else None, "trajectories": made.get("settings_hash"),
         # what changes the result; where it is written, how often it is saved and how many threads do not
         **{k: v for k, v in d.model_dump(mode="json").items()
            if k not in ("out", "threads", "save_every_minutes", "force", "layers", "num_layers", "mask_token_id")},
@@ -127,9 +136,9 @@ def check(recipe: Recipe) -> None:
 _LAYER_KEY = re.compile(r"^(.*\.layers\.)(\d+)(\..*)$")
 
 
-def build_drafter(verifier: Any, layers: list[int], spec: DrafterSpec) -> Any:
-    """A block-diffusion drafter from `verifier` (a transformers causal LM): its config with `len(layers)` layers and
-    `drafter_spec`, every weight copied (the layers in `layers`, renumbered 0..k-1 in that order), embeddings tied as
+def build_drafter(verifier: Any, layers: list[int], spec: Optional[DrafterSpec]) -> Any:
+    """A drafter from `verifier` (a transformers causal LM): its config with `len(layers)` layers and `drafter_spec`
+    (a block-diffusion drafter; None: an AR one, the verifier's own architecture), every weight copied (the layers in `layers`, renumbered 0..k-1 in that order), embeddings tied as
     the verifier's. Built from its config rather than by deleting layers, so that each attention layer's cache index
     is its new position."""
     from transformers import AutoModelForCausalLM
@@ -139,7 +148,8 @@ def build_drafter(verifier: Any, layers: list[int], spec: DrafterSpec) -> Any:
     if getattr(text, "layer_types", None):  # Qwen2, Gemma: the kept layers keep their attention types
         text.layer_types = [text.layer_types[i] for i in layers]
     text.num_hidden_layers = len(layers)
-    config.drafter_spec = spec.to_dict()
+    if spec is not None:
+        config.drafter_spec = spec.to_dict()
     drafter = AutoModelForCausalLM.from_config(config, dtype=verifier.dtype)
     state = {}
     for name, tensor in verifier.state_dict().items():
@@ -177,7 +187,8 @@ def main(recipe: Recipe, command: str) -> int:
     from align.checkpoint import mark_folder, save_merged, verify_checksums
     from align.data import load_checked_trajectories
     from align.models import load_tokenizer
-    from align.pretraining import Schedule, leading_windows, mdlm_step, mean_loss, random_windows, train_loop, use_bf16
+    from align.pretraining import (Schedule, leading_windows, mdlm_step, mean_loss, next_token_step, random_windows,
+                                   train_loop, use_bf16)
 
     rows = load_checked_trajectories(recipe)
     held = [i for i, k in enumerate(rows["prompt_index"]) if k % HELD_OUT_EVERY == 0]
@@ -195,8 +206,10 @@ def main(recipe: Recipe, command: str) -> int:
     if Path(recipe.verifier.path).is_dir():
         verify_checksums(recipe.verifier.path, "verifier.path")
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
-    token = tokenizer.convert_ids_to_tokens(p.spec.mask_token_id)
-    print(f"derive: layers {p.layers} of the verifier's {p.verifier_layers}; the mask token is {p.mask_token}; "
+    token = tokenizer.convert_ids_to_tokens(p.spec.mask_token_id) if p.spec else None
+    objective = "MDLM" if p.spec else "next-token"
+    kind = f"the mask token is {p.mask_token}" if p.spec else "an AR drafter"
+    print(f"derive: layers {p.layers} of the verifier's {p.verifier_layers}; {kind}; "
           f"{len(streams['train']):,} training tokens ({len(train)} trajectories), {len(streams['held_out']):,} "
           f"held out; {'bf16' if bf16 else 'fp32'}; {d.max_steps} steps -> {out}")
     # float32 for training whatever the verifier is stored in; the drafter is saved in the verifier's own dtype
@@ -214,11 +227,13 @@ def main(recipe: Recipe, command: str) -> int:
     sizes = d.block_sizes
 
     def step_fn(model: Any, window: Any, gen: Any, step: int) -> Any:
+        if p.spec is None:
+            return next_token_step(model, window)
         return mdlm_step(model, window, gen, p.spec.mask_token_id, sizes[step % len(sizes)], p.spec.logits_shift)
 
     held_out = leading_windows(streams["held_out"], d.seq_len, d.eval_tokens, d.batch_size)
     before = mean_loss(drafter, step_fn, held_out, bf16)
-    print(f"derive: held-out MDLM loss before adaptation {before:.3f} nats/token")
+    print(f"derive: held-out {objective} loss before adaptation {before:.3f} nats/token")
     schedule = Schedule(d.lr, d.warmup_steps, d.min_lr_ratio, d.weight_decay, d.save_every_minutes,
                         max_steps=d.max_steps)
     stats = train_loop("derive", drafter, step_fn,
@@ -230,15 +245,16 @@ def main(recipe: Recipe, command: str) -> int:
     manifest = {
         "stage": "derive", "command": command, "config_hash": p.config_hash,
         "verifier": {"path": recipe.verifier.path, "layers": p.verifier_layers},
-        "layers_kept": p.layers,
-        "mask_token": {"id": p.spec.mask_token_id, "token": token, "chosen": p.mask_token},
-        "drafter_spec": p.spec.to_dict(), "parameters": n_params,
+        "drafter": d.drafter, "layers_kept": p.layers,
+        "mask_token": {"id": p.spec.mask_token_id, "token": token, "chosen": p.mask_token} if p.spec else None,
+        "drafter_spec": p.spec.to_dict() if p.spec else None, "parameters": n_params,
         "trainable_parameters": sum(t.numel() for t in drafter.parameters() if t.requires_grad),
         "text": {"source": "the verifier's trajectories", "trajectories": recipe.trajectories.out,
                  "settings_hash": p.trajectories.get("settings_hash"), "prompts": p.trajectories.get("prompts"),
                  "train_rows": len(train), "held_out_rows": len(held), "train_tokens": int(len(streams["train"])),
                  "held_out_every": HELD_OUT_EVERY},
-        "loss_kind": "MDLM bound (nats/token) on held-out trajectories, fixed masks",
+        "loss_kind": ("MDLM bound (nats/token) on held-out trajectories, fixed masks" if p.spec else
+                      "next-token cross-entropy (nats/token) on held-out trajectories"),
         "held_out_loss_before": before, "held_out_loss_after": after, **stats,
         "steps_per_s": round(steps_per_s, 4) if steps_per_s else None,
         "precision": "bf16" if bf16 else "fp32", "threads": torch.get_num_threads(),
@@ -250,8 +266,8 @@ def main(recipe: Recipe, command: str) -> int:
     if Path(recipe.verifier.path).is_dir():  # the verifier's licence travels with weights derived from it
         files.update({f.name: f.read_text() for f in sorted(Path(recipe.verifier.path).glob("LICENSE*"))})
     save_merged(drafter.to(saved_dtype), tokenizer, out, files, kind="derive")
-    print(f"derive: {len(p.layers)} layers, {n_params / 1e6:.1f}M parameters; held-out MDLM loss {before:.3f} -> "
-          f"{after:.3f} nats/token in {stats['steps']} steps ({steps_per_s or 0:.3f} steps/s); mask token {token!r} "
-          f"(id {p.spec.mask_token_id}) -> {out}")
+    said = f"; mask token {token!r} (id {p.spec.mask_token_id})" if p.spec else "; an AR drafter"
+    print(f"derive: {len(p.layers)} layers, {n_params / 1e6:.1f}M parameters; held-out {objective} loss {before:.3f} "
+          f"-> {after:.3f} nats/token in {stats['steps']} steps ({steps_per_s or 0:.3f} steps/s){said} -> {out}")
     return 0
 

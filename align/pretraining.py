@@ -1,6 +1,6 @@
 """Pretraining on the CPU, shared by `align bootstrap` (the tiny family) and `align derive` (a diffusion drafter cut
-from a real verifier): the MDLM step of a block-causal drafter, and a resumable AdamW loop over a budget of wall-clock
-minutes or of steps.
+from a real verifier): the MDLM step of a block-causal drafter, the next-token step of an AR model, and a resumable
+AdamW loop over a budget of wall-clock minutes or of steps.
 
 A building block, not a stage: both stages import it (a stage never imports another). The loop saves a resumable
 state (weights, optimiser, step) atomically every few minutes and at its last step, and draws every batch and mask
@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from align.checkpoint import atomic_file
-from align.losses import mdlm
+from align.losses import mdlm, next_token
 from align.models import attention_masks, block_diffusion_allowed
 
 # The small epsilon keeps 1/t finite; MDLM samples t in [eps, 1].
@@ -88,6 +88,12 @@ def mdlm_step(model: torch.nn.Module, window: torch.Tensor, gen: torch.Generator
     # runs on them alone: (1, M, V) for the M masked positions of the batch.
     logits = model.get_output_embeddings()(scored[masked])[None]
     return mdlm(logits, clean[masked][None], masked[masked][None], ratio[masked][None], num_tokens=clean.numel())
+
+
+def next_token_step(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
+    """Next-token loss (nats/token) of an AR model on a (B, L+1) window."""
+    inputs, targets = window[:, :-1], window[:, 1:]
+    return next_token(model(input_ids=inputs).logits, targets, num_tokens=targets.numel())
 
 
 @dataclass(frozen=True)

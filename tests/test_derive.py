@@ -16,14 +16,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
-from align.config import DecodeSection, DrafterSection, load_recipe
+from align.config import ArDrafterSection, DecodeSection, DrafterSection, load_recipe
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.derive import build_drafter, kept_layers
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
-from align.models import load_drafter
+from align.models import load_ar_drafter, load_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2" / "diffusion.yaml"
@@ -246,6 +246,47 @@ def test_every_method_is_greedy_identical_to_ar_with_the_derived_drafter(family,
     drafter, spec = load_drafter(DrafterSection(path=str(derived)), tokenizer)
     prompts = [torch.tensor([tokenizer(text).input_ids]) for text in ("def add(a, b):", "class Stack:\n    def")]
     every_method_is_greedy_identical_to_ar(verifier, drafter, spec, tokenizer, prompts, NEW_TOKENS)
+
+
+def test_an_ar_drafter_is_cut_and_adapted_for_the_ar_baselines(family, tmp_path, capsys):
+    """derive.drafter=ar: the same cut without a mask token or drafter spec, adapted with next-token cross-entropy; the
+    AR baselines (sd_ar, HF assisted generation) run with it and stay the verifier's own greedy output."""
+    out = tmp_path / "ar-drafter"
+    capsys.readouterr()
+    assert main(derive_args(family, out, "derive.drafter=ar", "derive.lr=1e-3")) == 0
+    said = capsys.readouterr().out
+    assert "an AR drafter" in said and "mask token" not in said
+    config = json.loads((out / "config.json").read_text())
+    assert "drafter_spec" not in config and config["num_hidden_layers"] == 3
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["drafter"] == "ar" and manifest["mask_token"] is None and manifest["drafter_spec"] is None
+    assert manifest["loss_kind"].startswith("next-token") and manifest["layers_kept"] == [0, 2, 5]
+    assert manifest["held_out_loss_after"] < manifest["held_out_loss_before"]
+    # a block-diffusion drafter of the same recipe is a different drafter: not taken for this one
+    assert json.loads((out / "manifest.json").read_text())["config_hash"] != plan_hash(family, tmp_path)
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    verifier = AutoModelForCausalLM.from_pretrained(family["verifier"]).eval()
+    ar_drafter = load_ar_drafter(ArDrafterSection(path=str(out)))
+    eos = eos_token_ids(verifier, tokenizer)
+    decode = DecodeSection(gamma=4, max_new_tokens=NEW_TOKENS)
+    setup = Setup(verifier, None, None, ar_drafter, tokenizer, eos, decode)
+    for text in ("def add(a, b):", "class Stack:\n    def"):
+        ids = torch.tensor([tokenizer(text).input_ids])
+        wanted = ar_generate(verifier, ids, NEW_TOKENS, eos_ids=eos)[0]
+        for name in ("sd_ar", "hf_assisted"):
+            assert METHODS[name](setup, ids, Sampling(), None)[0] == wanted, name
+
+    capsys.readouterr()
+    assert main(derive_args(family, tmp_path / "refused", "derive.drafter=ar", "derive.mask_token_id=7")) == 2
+    assert "derive.mask_token_id: an AR drafter (derive.drafter=ar) has no mask token" in one_line_refusal(capsys)
+    assert not (tmp_path / "refused").exists()
+
+
+def plan_hash(family, tmp_path: Path) -> str:
+    from align.derive import plan
+
+    return plan(load_recipe(RECIPE, derive_args(family, tmp_path / "x")[2:])).config_hash
 
 
 # --------------------------------------------------------------------------------------------------------------------
