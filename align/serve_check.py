@@ -7,7 +7,9 @@ engine with its n-gram speculator), and align's own runtime (AR greedy and
 specdiff with the same drafter, γ = decode.gamma in both engines). Writes `serve_check.json` and `report.md` to
 `serve_check.out`. Exit 3, with one line, when the outputs differ or vLLM's mean acceptance length is more than
 `serve_check.max_acceptance_gap` (10%) off align's τ: both engines run the same greedy acceptance on the same
-weights, so a larger gap is a bug in one of the two.
+weights, so a larger gap is a bug in one of the two. Outputs must be identical in float32 only: in bf16 a forward
+over a draft rounds otherwise than one over a token, and vLLM's kernels otherwise than transformers', so outputs that
+differ there are reported, not failed (align's token-for-token checks run in float32).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def report(result: dict[str, Any]) -> str:
              f"{m['dtype']}, {m['machine']}, {m['date']}.", "", *rows, "",
              f"vLLM mean acceptance length / align τ = {c['acceptance_ratio']:.3f} (allowed gap "
              f"{c['max_acceptance_gap']:.0%}); vLLM speedup from the drafter {c['vllm_speedup']:.2f}×.", "",
-             f"**{'PASS' if c['passed'] else 'FAIL'}**" + ("" if c["passed"] else f": {c['reason']}"), "",
+             f"**{'PASS' if c['passed'] else 'FAIL'}**" + ("" if c["passed"] else f": {c['reason']}")
+             + (f" ({c['note']})" if c.get("note") else ""), "",
              "By concurrency (the prompts in groups sent together, vLLM batching them):", "", *levels, ""]
     return "\n".join(lines)
 
@@ -85,6 +88,23 @@ def served_on() -> str:
     says only "x86_64" on Linux)."""
     cpu = f"{cpu_model()}, {torch.get_num_threads()} torch threads"
     return f"{torch.cuda.get_device_name()}; {cpu}" if torch.cuda.is_available() else cpu
+
+
+def identity_problems(identical: dict[str, bool], dtype: str) -> tuple[list[str], Optional[str]]:
+    """(failures, note) for the engines whose outputs differ from align's AR greedy (engine name -> identical).
+
+    In float32 a difference is a failure: greedy decoding with a lossless drafter is the verifier's own output. In a
+    lower precision it is not evidence of loss: a verification forward over k tokens rounds otherwise than a one-token
+    AR step, and another engine's kernels otherwise again, and one flipped near-tie changes the rest of the output (on
+    SmolLM2 in bf16, vLLM without any drafter differed from transformers' AR greedy on 12 of 16 prompts). There the
+    differences are noted and only the acceptance check can fail."""
+    differ = [name for name, same in identical.items() if not same]
+    if not differ:
+        return [], None
+    if dtype == "float32":
+        return [f"{name} output differs from align AR greedy" for name in differ], None
+    return [], (f"outputs of {', '.join(differ)} differ from align AR greedy: not required identical in {dtype}, "
+                "where forwards of other shapes and engines round differently (the token-for-token check is float32)")
 
 
 def served(result: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
@@ -178,13 +198,11 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                     "specdiff_tokens_per_second": sum(map(len, spec_outputs)) / spec_seconds}
     plain_result, drafted_result = served(plain, reference), served(drafted, reference)
     ratio = drafted.mean_acceptance_length / tau
-    problems = []
     ngram_result = served(ngram_levels[0], reference) if ngram_levels else None
-    for name, ok in (("align specdiff", align_result["specdiff_identical"]), ("vLLM", plain_result["identical"]),
-                     ("vLLM with the drafter", drafted_result["identical"]),
-                     ("vLLM with n-gram", ngram_result is None or ngram_result["identical"])):
-        if not ok:
-            problems.append(f"{name} output differs from align AR greedy")
+    problems, note = identity_problems(
+        {"align specdiff": align_result["specdiff_identical"], "vLLM": plain_result["identical"],
+         "vLLM with the drafter": drafted_result["identical"],
+         "vLLM with n-gram": ngram_result is None or ngram_result["identical"]}, vllm_dtype(verifier.dtype))
     if relative_gap(drafted.mean_acceptance_length, tau) > s.max_acceptance_gap:
         problems.append(f"vLLM mean acceptance length {drafted.mean_acceptance_length:.2f} is "
                         f"{relative_gap(drafted.mean_acceptance_length, tau):.0%} off align's τ {tau:.2f} "
@@ -194,7 +212,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
         "vllm_ngram": ngram_result,
         "concurrency": [by_concurrency(p, q, reference, n) for p, q, n in
                         zip(plain_levels, drafted_levels, ngram_levels or [None] * len(plain_levels))],
-        "check": {"passed": not problems, "reason": "; ".join(problems), "acceptance_ratio": ratio,
+        "check": {"passed": not problems, "reason": "; ".join(problems), "note": note, "acceptance_ratio": ratio,
                   "max_acceptance_gap": s.max_acceptance_gap,
                   "vllm_speedup": drafted.tokens_per_second / plain.tokens_per_second},
         "meta": {"command": command, "recipe": recipe.to_dict(), "drafter": s.drafter, "drafter_format": kind,

@@ -140,3 +140,15 @@ def test_refusals_are_one_line_before_any_work(prompt_file, tmp_path, capsys, mo
     assert serve_check(prompt_file, checkpoint, tmp_path / "out") == 2
     assert "vllm needs vLLM's own environment" in capsys.readouterr().err
     assert not started and not (tmp_path / "out").exists()
+
+
+def test_differing_outputs_fail_in_float32_and_are_noted_in_bf16():
+    from align.serve_check import identity_problems
+
+    same = {"align specdiff": True, "vLLM": True, "vLLM with the drafter": True}
+    assert identity_problems(same, "float32") == ([], None) and identity_problems(same, "bfloat16") == ([], None)
+    differ = {**same, "vLLM with the drafter": False}
+    assert identity_problems(differ, "float32") == (["vLLM with the drafter output differs from align AR greedy"],
+                                                    None)
+    failures, note = identity_problems(differ, "bfloat16")
+    assert failures == [] and note.startswith("outputs of vLLM with the drafter differ") and "bfloat16" in note
