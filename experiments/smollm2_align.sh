@@ -9,6 +9,7 @@
 #   checkpoints/smollm2/verifier/            the converted verifier
 #   checkpoints/smollm2/dflash/export/       the DFlash drafter in the speculators format (vLLM serves it)
 #   checkpoints/smollm2/diffusion/export/    the standalone drafter in align's format, with custom_generate
+#   checkpoints/smollm2/ar-drafter/          the AR baseline drafter (HF assisted generation, sd_ar)
 #   checkpoints/smollm2/eval/eval.json       GSM8K (eval-humaneval/, eval-mtbench/ beside it), and serve-check/
 #
 # Benchmark prompts: $GSM8K, $HUMANEVAL, $SPEC_BENCH (JSONL files), by default ../shared/benchmarks/ when it is there,
@@ -27,29 +28,35 @@ spec_bench=${SPEC_BENCH:-$([ -f $shared/spec_bench.jsonl ] && echo $shared/spec_
 num_prompts=${NUM_PROMPTS:-8}
 # bf16 only where this CPU computes it natively (AVX512-BF16 or AMX); emulated, it is many times slower than fp32.
 dtype=$(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo float32)
+precision=(verifier.dtype=$dtype train.bf16=$([ $dtype = bfloat16 ] && echo true || echo false))
 dflash=recipes/smollm2/dflash.yaml
 diffusion=recipes/smollm2/diffusion.yaml
 eval=recipes/smollm2/eval.yaml
 # Bad overrides stop the job here (one line, exit 2), before any work.
 for recipe in recipes/smollm2/convert.yaml recipes/smollm2/prompts.yaml $dflash $diffusion $eval; do
-  $align validate "$recipe" "$@" > /dev/null
+  $align validate "$recipe" "${precision[@]}" "$@" > /dev/null
 done
 started=$SECONDS
 stamp() { echo "[smollm2_align] $1 done at $(( (SECONDS - started) / 60 )) min" >&2; }
 
 $align convert recipes/smollm2/convert.yaml "$@"; stamp convert
 $align prompts recipes/smollm2/prompts.yaml "$@"; stamp prompts
-$align trajectories $dflash "$@"; stamp trajectories  # shared by both drafters (the same trajectories section)
+# Shared by both drafters (their recipes have the same trajectories section).
+$align trajectories $dflash "${precision[@]}" "$@"; stamp trajectories
 
-$align train $dflash --num_gpus 2 "$@"; stamp "dflash train"
+$align train $dflash --num_gpus 2 "${precision[@]}" "$@"; stamp "dflash train"
 dflash_step=$($align latest "$($align validate $dflash "$@" --get train.out)")
 $align export $dflash drafter.path="$dflash_step" "$@"; stamp "dflash export"
 
 $align derive $diffusion "$@"; stamp derive
-$align train $diffusion --num_gpus 2 "$@"; stamp "diffusion train"
+# The AR baseline (HF assisted generation, sd_ar): the same layers, adapted on the same trajectories.
+$align derive $diffusion derive.drafter=ar derive.out="$($align validate $eval "$@" --get ar_drafter.path)" "$@"
+stamp "ar drafter"
+$align train $diffusion --num_gpus 2 "${precision[@]}" "$@"; stamp "diffusion train"
 diffusion_step=$($align latest "$($align validate $diffusion "$@" --get train.out)")
 
-# One interleaved run per benchmark: AR, HF generate, prompt lookup and align's methods with both drafters.
+# One interleaved run per benchmark: AR, HF generate, prompt lookup, the AR drafter (HF assisted, sd_ar) and align's
+# methods with both diffusion drafters.
 run_eval() {  # out, then the prompt source's overrides
   local out=$1; shift
   $align eval $eval verifier.dtype=$dtype drafter.dtype=$dtype drafter.path="$diffusion_step" \
@@ -68,7 +75,7 @@ fi
 $align export $diffusion drafter.path="$diffusion_step" export.eval=checkpoints/smollm2/eval/eval.json "$@"
 stamp "diffusion export"
 # vLLM without and with the exported DFlash drafter, beside align's runtime, on the GSM8K prompts.
-$align serve-check $dflash serve_check.drafter="$($align validate $dflash "$@" --get export.out)" \
+$align serve-check $dflash "${precision[@]}" serve_check.drafter="$($align validate $dflash "$@" --get export.out)" \
   eval.prompts="$gsm8k" eval.prompt_field=question $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) \
   eval.num_prompts="$num_prompts" serve_check.out=checkpoints/smollm2/serve-check "$@"
 stamp serve-check
