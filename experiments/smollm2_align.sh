@@ -59,7 +59,7 @@ diffusion_step=$($align latest "$($align validate $diffusion "$@" --get train.ou
 # methods with both diffusion drafters.
 run_eval() {  # out, then the prompt source's overrides
   local out=$1; shift
-  $align eval $eval verifier.dtype=$dtype drafter.dtype=$dtype drafter.path="$diffusion_step" \
+  $align eval $eval verifier.dtype=$dtype drafter.dtype=$dtype ar_drafter.dtype=$dtype drafter.path="$diffusion_step" \
     "eval.compare_drafters={dflash: $dflash_step}" eval.num_prompts="$num_prompts" eval.out="$out" "$@"
 }
 run_eval checkpoints/smollm2/eval eval.prompts="$gsm8k" eval.prompt_field=question \
