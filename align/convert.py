@@ -195,6 +195,11 @@ def _check_saved(folder: Path, reference: Any, tokenizer: Any, end_ids: list[int
     from align.data import render_prompt
 
     saved = AutoModelForCausalLM.from_pretrained(folder).eval()
+    # The exact check is on the weights: two float32 instances of the same weights need not give bitwise-equal logits
+    # on this CPU (the kernels chosen can differ between them; 0.0048 was seen once in a test process).
+    theirs = reference.state_dict()
+    differing = [name for name, tensor in saved.state_dict().items()
+                 if name not in theirs or not torch.equal(tensor, theirs[name].to(tensor.dtype))]
     template = tokenizer.get_chat_template() if tokenizer.chat_template else None
     # A base model (no template) reads plain text with the tokenizer's own special tokens (render_prompt): Gemma
     # without its BOS answers in garbage.
@@ -208,6 +213,7 @@ def _check_saved(folder: Path, reference: Any, tokenizer: Any, end_ids: list[int
                              pad_token_id=tokenizer.pad_token_id)
     answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     return {"prompt": PROBE, "chat_template": template is not None, "max_abs_logit_diff": diff,
+            "weights_differing_from_source": differing,
             "greedy_answer": answer, "new_tokens": PROBE_TOKENS}
 
 
@@ -239,9 +245,10 @@ def main(recipe: Recipe, command: str) -> int:
             shutil.copy2(file, tmp / file.name)
         (tmp / "README.md").write_text(_model_card(source, licence, gguf, c.dtype))
         checked = _check_saved(tmp, reference, tokenizer, end_ids)
-        if c.dtype == "float32" and checked["max_abs_logit_diff"] != 0.0:
-            raise RuntimeError(f"the saved float32 weights give other logits than the source's "
-                               f"(max |Δ| {checked['max_abs_logit_diff']:.3g}): a conversion bug")
+        if c.dtype == "float32" and (checked["weights_differing_from_source"] or checked["max_abs_logit_diff"] > 0.05):
+            raise RuntimeError(f"the saved float32 weights differ from the source's "
+                               f"({checked['weights_differing_from_source'][:3]}; max |logit Δ| "
+                               f"{checked['max_abs_logit_diff']:.3g}): a conversion bug")
         config = model.config
         manifest = {
             "stage": "convert", "command": command, "settings": p.settings,

@@ -89,10 +89,11 @@ def test_the_converted_folder_is_an_ordinary_transformers_llama(smollm2, verifie
 
 
 def test_its_weights_are_the_ggufs_dequantised(smollm2, verifier):
-    # The stage compared the saved folder's logits with transformers' GGUF-loaded model on a chat prompt, in this
-    # session (it fails on any difference in float32): recorded.
+    # The stage compared the saved folder's weights and logits with transformers' GGUF-loaded model on a chat prompt,
+    # in this session (it fails on any weight that differs in float32): recorded.
     check = json.loads((smollm2 / "manifest.json").read_text())["check"]
-    assert check["max_abs_logit_diff"] == 0.0 and check["chat_template"]
+    assert check["weights_differing_from_source"] == [] and check["max_abs_logit_diff"] < 0.05
+    assert check["chat_template"]
     # And the saved tensors are the GGUF's own, read and dequantised with the gguf library here: the mapping from
     # GGUF names to the Llama's is checked, not assumed (for the tensors stored as used: llama.cpp permutes the q/k
     # projections' rows, which transformers' loader undoes).
@@ -130,7 +131,7 @@ def test_the_manifest_records_provenance(smollm2):
     assert m["dtype"] == "float32" and m["dequantised"]
     assert m["model"]["architecture"] == "LlamaForCausalLM" and m["model"]["parameters"] == 134_515_008
     assert m["command"].startswith("align convert ") and "recipes/smollm2/convert.yaml" in m["command"]
-    assert m["check"]["max_abs_logit_diff"] == 0.0 and "Paris" in m["check"]["greedy_answer"]
+    assert m["check"]["weights_differing_from_source"] == [] and "Paris" in m["check"]["greedy_answer"]
     for name, f in m["files"].items():
         assert (smollm2 / name).stat().st_size == f["bytes"]
     card = (smollm2 / "README.md").read_text()
