@@ -99,7 +99,8 @@ def plan(recipe: Recipe) -> Plan:
     template = recipe_chat_template(recipe, "verifier.path")
     if d.drafter == "ar":
         if d.mask_token_id is not None:
-            raise RecipeError("derive.mask_token_id: an AR drafter (derive.drafter=ar) has no mask token; leave it unset")
+            raise RecipeError("derive.mask_token_id: an AR drafter (derive.drafter=ar) has no mask token; leave it "
+                              "unset")
         spec, how = None, None
     else:
         mask_id, how = choose_mask_token(tokenizer, int(config.vocab_size), template, d.mask_token_id,
@@ -138,9 +139,9 @@ _LAYER_KEY = re.compile(r"^(.*\.layers\.)(\d+)(\..*)$")
 
 def build_drafter(verifier: Any, layers: list[int], spec: Optional[DrafterSpec]) -> Any:
     """A drafter from `verifier` (a transformers causal LM): its config with `len(layers)` layers and `drafter_spec`
-    (a block-diffusion drafter; None: an AR one, the verifier's own architecture), every weight copied (the layers in `layers`, renumbered 0..k-1 in that order), embeddings tied as
-    the verifier's. Built from its config rather than by deleting layers, so that each attention layer's cache index
-    is its new position."""
+    (a block-diffusion drafter; None: an AR one, the verifier's own architecture), every weight copied (the layers in
+    `layers`, renumbered 0..k-1 in that order), embeddings tied as the verifier's. Built from its config rather than
+    by deleting layers, so that each attention layer's cache index is its new position."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(verifier.config)

@@ -269,8 +269,9 @@ def lm_head_logits(verifier: Any, hidden: torch.Tensor) -> torch.Tensor:
     Why the copy: on this CPU (torch 2.13) `F.linear` over a strided view such as `hidden[:, 1:]` takes a slow path.
     With SmolLM2's 49k-token head, a training step's window logits (2 rows of 32 windows) took 4.3 s against 2.4 s
     in fp32 and 16.5 s against 0.66 s in bf16; a draft's 8 rows in bf16, 130 ms against 5 ms, which made a 2-layer
-    drafter's step cost more than the 30-layer verifier's. `.contiguous()` is not enough: a (1, k, H) slice of (1, k+1, H) counts as contiguous (the
-    stride of a size-1 dimension is not checked), yet takes the slow path. The copy costs nothing beside the head.
+    drafter's step cost more than the 30-layer verifier's. `.contiguous()` is not enough: a (1, k, H) slice of
+    (1, k+1, H) counts as contiguous (the stride of a size-1 dimension is not checked), yet takes the slow path. The
+    copy costs nothing beside the head.
     """
     rows = hidden.reshape(-1, hidden.shape[-1]).to(verifier.dtype).clone(memory_format=torch.contiguous_format)
     return verifier.get_output_embeddings()(rows).view(*hidden.shape[:-1], -1)
