@@ -8,7 +8,7 @@ the text there, so every template (ChatML, Gemma's, Llama 3's) is read the same 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from align.config import RecipeError
 
@@ -16,11 +16,15 @@ from align.config import RecipeError
 MARKER = "@@ALIGN-USER-MESSAGE@@"
 
 
-def user_turn(tokenizer: Any, template: str) -> tuple[str, str]:
+def user_turn(tokenizer: Any, template: str, system: Optional[str] = None) -> tuple[str, str]:
     """(prefix, suffix): the rendered text before and after the user's message in a conversation that opens with
-    it (the template's default system prompt included, as data.render_prompt renders a user-only prompt)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], chat_template=template,
-                                         add_generation_prompt=False, tokenize=False)
+    it (the template's default system prompt included, as data.render_prompt renders a user-only prompt), or with a
+    system message `system` before it."""
+    conversation = [{"role": "user", "content": MARKER}]
+    if system is not None:
+        conversation.insert(0, {"role": "system", "content": system})
+    text = tokenizer.apply_chat_template(conversation, chat_template=template, add_generation_prompt=False,
+                                         tokenize=False)
     if text.count(MARKER) != 1:
         raise RecipeError("data.chat_template: the chat template does not render a user message as it is given, so "
                           "the text before a user's message cannot be read off it")

@@ -608,6 +608,11 @@ class PromptsSection(Section):
     max_samples: Optional[int] = Field(default=None, ge=1)
     #: samples per verifier batch (one chunk of raw/)
     batch_size: int = Field(default=16, ge=1)
+    #: the system messages the user turn is sampled after, one chunk each in turn (chunk c: entry c mod the list's
+    #: length); null: none, the template's default system prompt. Magpie's way of steering what users ask (its math
+    #: and code sets say in the system message what the assistant helps with). Only the sampling sees them: the kept
+    #: prompts are rendered like every other user turn, with the default system prompt, in trajectories and eval
+    system_prompts: list[Optional[str]] = Field(default_factory=lambda: [None], min_length=1)
     # Magpie samples the user turn at temperature 1 and top-p 1: the verifier's own distribution of requests.
     #: sampling temperature of the user turn
     temperature: float = Field(default=1.0, gt=0.0)

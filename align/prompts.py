@@ -1,7 +1,8 @@
 """`align prompts`: training prompts the verifier writes itself (Magpie: Xu et al. 2024, arXiv 2406.08464).
 
 The verifier's chat template is rendered up to where a user's message begins (with its default system prompt, exactly
-as every stage renders a user-only prompt); the verifier samples the message, which ends at its end-of-turn token;
+as every stage renders a user-only prompt, or after a system message of prompts.system_prompts, which steers what the
+users ask); the verifier samples the message, which ends at its end-of-turn token;
 the samples are filtered (cut short, special tokens, too short, not ASCII, sampling loops, duplicates and
 near-duplicates). What comes out is a JSONL of `messages` (one user turn each) that `align trajectories` reads with
 `data.train_prompts=<out>/prompts.jsonl data.prompt_column=messages`.
@@ -110,13 +111,14 @@ class Filter:
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
-    """What the stage samples from: the tokenizer, the user turn's prefix (text and ids), the tokens that end the
-    message, and the sampling settings raw chunks are made with (and their hash)."""
+    """What the stage samples from: the tokenizer, the user turn's prefixes (text and ids, one per system prompt of
+    prompts.system_prompts), the tokens that end the message, and the sampling settings raw chunks are made with (and
+    their hash)."""
 
     tokenizer: Any
     template: str
-    prefix: str
-    prefix_ids: list[int]
+    prefixes: list[str]
+    prefix_ids: list[list[int]]
     stop_ids: list[int]
     settings: dict[str, Any]
     settings_hash: str
@@ -156,15 +158,20 @@ def plan(recipe: Recipe) -> Plan:
         raise RecipeError(f"verifier.path: the tokenizer of {v.path} has no chat template; Magpie samples a user's "
                           "message from one (an instruct model's)")
     template = chat_template(tokenizer, "on", v.path)
-    prefix, _ = user_turn(tokenizer, template)
-    prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
+    prefixes = [user_turn(tokenizer, template, system)[0] for system in p.system_prompts]
+    for system, prefix in zip(p.system_prompts, prefixes):
+        if system is not None and system not in prefix:  # some templates drop a system message, or re-word it
+            raise RecipeError(f"prompts.system_prompts: the chat template of {v.path} does not render the system "
+                              f"message {system[:40]!r} as it is given, so it cannot steer the user's message")
+    prefix_ids = [tokenizer(prefix, add_special_tokens=False).input_ids for prefix in prefixes]
     stop_ids = sorted(set(end_of_turn_ids(tokenizer, template)) | set(_generation_eos(v.path)) |
                       ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
     if not stop_ids:
         raise RecipeError(f"verifier.path: the tokenizer of {v.path} has no token that ends a turn (no eos, no special "
                           "token after a user message), so a sampled message would never end")
     settings = {"verifier": v.path, "verifier_weights_sha256": _verifier_weights(v.path), "dtype": v.dtype,
-                "chat_template_sha256": template_sha256(template), "prefix_ids": prefix_ids, "stop_ids": stop_ids,
+                "chat_template_sha256": template_sha256(template), "system_prompts": p.system_prompts,
+                "prefix_ids": prefix_ids, "stop_ids": stop_ids,
                 "temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
                 "batch_size": p.batch_size, "seed": p.seed}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -172,7 +179,7 @@ def plan(recipe: Recipe) -> Plan:
     if made is not None and made.get("settings_hash") != digest:
         raise RecipeError(f"prompts.out: {p.out} holds samples drawn with other settings (verifier, template or "
                           "sampling); choose another folder or delete it")
-    return Plan(tokenizer, template, prefix, prefix_ids, stop_ids, settings, digest)
+    return Plan(tokenizer, template, prefixes, prefix_ids, stop_ids, settings, digest)
 
 
 def check(recipe: Recipe) -> None:
@@ -186,14 +193,15 @@ def _read_json(path: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def sample_chunk(verifier: Any, plan_: Plan, p: PromptsSection, seed: int) -> list[dict[str, Any]]:
-    """prompts.batch_size user messages sampled after the prefix, each cut at its first stop token: {ids (the
-    message's tokens), ended (a stop token came within max_new_tokens)}."""
+def sample_chunk(verifier: Any, plan_: Plan, p: PromptsSection, chunk: int, seed: int) -> list[dict[str, Any]]:
+    """prompts.batch_size user messages sampled after the chunk's prefix (its system prompt's), each cut at its first
+    stop token: {ids (the message's tokens), ended (a stop token came within max_new_tokens)}."""
     import torch
 
     torch.manual_seed(seed)
     pad = plan_.tokenizer.pad_token_id
-    ids = torch.tensor([plan_.prefix_ids], device=verifier.device).expand(p.batch_size, -1)
+    prefix_ids = plan_.prefix_ids[chunk % len(plan_.prefix_ids)]
+    ids = torch.tensor([prefix_ids], device=verifier.device).expand(p.batch_size, -1)
     with torch.inference_mode():
         out = verifier.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=p.temperature,
                                 top_p=p.top_p, top_k=0, max_new_tokens=p.max_new_tokens, eos_token_id=plan_.stop_ids,
@@ -231,7 +239,7 @@ def main(recipe: Recipe, command: str) -> int:
                 verifier = load_verifier(recipe.verifier)
             seed = p.seed * 1_000_003 + c
             started = time.perf_counter()
-            samples = sample_chunk(verifier, plan_, p, seed)
+            samples = sample_chunk(verifier, plan_, p, c, seed)
             sampling_s += time.perf_counter() - started
             for s in samples:
                 s["text"] = tokenizer.decode(s["ids"]).strip()
@@ -255,12 +263,15 @@ def main(recipe: Recipe, command: str) -> int:
     manifest = {
         "stage": "prompts", "method": "magpie", "why": WHY, "command": command,
         "data_read": "none: every prompt is a sample of the verifier's (no dataset, so no benchmark item)",
-        "verifier": recipe.verifier.path, "user_turn_prefix": plan_.prefix,
+        "verifier": recipe.verifier.path, "user_turn_prefixes": plan_.prefixes,
         "settings_hash": plan_.settings_hash, "settings": plan_.settings,
         "filters": {k: getattr(p, k) for k in ("min_words", "min_ascii", "min_distinct_words", "near_duplicate")},
         "counts": {"asked": p.num_prompts, "kept": len(rows), "samples_drawn": drawn, "sampled_this_run": sampled,
                    "max_samples": max_samples},
         "dropped": {why: keep.dropped[why] for why in REASONS},
+        # prompt k came from chunk sources[k] // batch_size, sampled after that chunk's system prompt
+        "kept_per_system_prompt": [sum(i // p.batch_size % len(plan_.prefixes) == k for i in sources)
+                                   for k in range(len(plan_.prefixes))],
         "prompts_file_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "engine": f"transformers {version('transformers')}", "seconds_this_run": round(seconds, 1),
         "sampling_seconds_this_run": round(sampling_s, 1),

@@ -52,6 +52,42 @@ def test_the_user_turn_is_read_off_the_template(chat_verifier):
     assert end_of_turn_ids(tokenizer, TEMPLATE.replace("<|endoftext|>", "\n")) == []
 
 
+def test_a_system_prompt_steers_its_chunks_only(chat_verifier, tmp_path, capsys):
+    import torch
+
+    from align.config import load_recipe
+    from align.models import load_verifier
+    from align.prompts import plan, sample_chunk
+
+    args = [f"verifier.path={chat_verifier}", f"prompts.out={tmp_path / 'prompts'}", "prompts.batch_size=2",
+            "prompts.max_new_tokens=6", "prompts.system_prompts=[null, You help with arithmetic.]"]
+    recipe = load_recipe(RECIPE, args)
+    made = plan(recipe)
+    assert made.prefixes == ["<|user|>", "<|system|>You help with arithmetic.<|endoftext|><|user|>"]
+    # Chunk c samples after system prompt c mod 2: chunk 3 draws exactly what the verifier samples after the steered
+    # prefix with that chunk's seed, and chunk 2 what it samples after the plain one.
+    verifier = load_verifier(recipe.verifier)
+    for chunk, prefix in ((2, made.prefix_ids[0]), (3, made.prefix_ids[1])):
+        torch.manual_seed(7)
+        ids = torch.tensor([prefix]).expand(2, -1)
+        expected = verifier.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                     top_p=1.0, top_k=0, max_new_tokens=6, eos_token_id=made.stop_ids,
+                                     pad_token_id=made.stop_ids[0])[:, ids.shape[1]:].tolist()
+        samples = sample_chunk(verifier, made, recipe.prompts, chunk, 7)
+        assert [s["ids"] for s in samples] == [row[: len(s["ids"])] for row, s in zip(expected, samples)]
+        assert all(s["ended"] or len(s["ids"]) == 6 for s in samples)
+    # Another list of system prompts is other sampling settings: a folder of the first is not reused for it.
+    assert plan(load_recipe(RECIPE, args[:-1])).settings_hash != made.settings_hash
+    # A template that drops system messages cannot steer: refused in one line, before any sampling.
+    dropping = chat_verifier.parent / "dropping"
+    shutil.copytree(chat_verifier, dropping, symlinks=True)
+    (dropping / "chat_template.jinja").write_text(TEMPLATE.replace("{% for m in messages %}",
+                                                                   "{% for m in messages if m.role != 'system' %}"))
+    capsys.readouterr()
+    assert main(["prompts", RECIPE, *args, f"verifier.path={dropping}"]) == 2
+    assert "does not render the system message 'You help with arithmetic.'" in one_line_refusal(capsys)
+
+
 def test_each_filter_drops_what_it_names():
     keep = Filter(PromptsSection(min_words=3, near_duplicate=0.5))
     offered = [
@@ -89,7 +125,7 @@ def test_the_stage_resumes_and_counts_what_it_dropped(chat_verifier, tmp_path, c
     assert kept + sum(m["dropped"].values()) == 4 and m["dropped"]["cut_short"] >= 2, m["dropped"]
     assert len((out / "prompts.jsonl").read_text().splitlines()) == kept < 4
     assert f"warning: only {kept} of the 4" in capsys.readouterr().out
-    assert m["user_turn_prefix"] == "<|user|>"
+    assert m["user_turn_prefixes"] == ["<|user|>"] and m["kept_per_system_prompt"] == [kept]
     first = (out / "raw" / "chunk-00000.json").read_text()
     # More samples allowed: the first chunk is reused as it is, only the second is drawn.
     assert main([*args[:-1], "prompts.max_samples=8"]) == 0

@@ -354,10 +354,12 @@ def test_magpie_prompts_from_the_real_verifier(smollm2, tokenizer, tmp_path, cap
         assert message["role"] == "user" and len(message["content"].split()) >= 3 and message["content"].isascii()
     m = json.loads((out / "manifest.json").read_text())
     assert m["method"] == "magpie" and m["data_read"].startswith("none")
-    assert m["user_turn_prefix"].endswith("<|im_start|>user\n") and m["settings"]["stop_ids"] == [2]
+    assert m["user_turn_prefixes"][0].endswith("<|im_start|>user\n") and m["settings"]["stop_ids"] == [2]
     assert m["counts"]["kept"] == 2 and m["counts"]["samples_drawn"] == 2 + sum(m["dropped"].values())
     # The prefix the verifier sampled after is exactly how every stage renders these prompts' start.
-    prefix = plan(load_recipe("recipes/smollm2/prompts.yaml", args[2:])).prefix_ids
+    # Whichever system prompt steered a prompt's sampling, every stage renders it after the template's default one:
+    # the first prefix of the recipe's (its first system prompt is null).
+    prefix = plan(load_recipe("recipes/smollm2/prompts.yaml", args[2:])).prefix_ids[0]
     template = chat_template(tokenizer, "on", "smollm2")
     assert all(render_prompt(tokenizer, r["messages"], template)[: len(prefix)] == prefix for r in rows)
     # A rerun samples nothing: every chunk is reused.
