@@ -125,7 +125,9 @@ def test_the_stage_resumes_and_counts_what_it_dropped(chat_verifier, tmp_path, c
     assert kept + sum(m["dropped"].values()) == 4 and m["dropped"]["cut_short"] >= 2, m["dropped"]
     assert len((out / "prompts.jsonl").read_text().splitlines()) == kept < 4
     assert f"warning: only {kept} of the 4" in capsys.readouterr().out
-    assert m["user_turn_prefixes"] == ["<|user|>"] and m["kept_per_system_prompt"] == [kept]
+    # The recipe steers with three system prompts, the first none: chunk 0, the only one drawn, had the plain prefix.
+    assert m["user_turn_prefixes"][0] == "<|user|>" and len(m["user_turn_prefixes"]) == 3
+    assert m["kept_per_system_prompt"] == [kept, 0, 0]
     first = (out / "raw" / "chunk-00000.json").read_text()
     # More samples allowed: the first chunk is reused as it is, only the second is drawn.
     assert main([*args[:-1], "prompts.max_samples=8"]) == 0
