@@ -4,9 +4,10 @@
 # DeepSpeed on 2 ranks (a DFlash drafter, and a standalone block-diffusion drafter cut from its own layers), both
 # exported, then one interleaved eval per benchmark (GSM8K test at temperature 0 and 1, HumanEval and Spec-Bench's
 # MT-Bench questions at 0), and vLLM without a drafter, with its n-gram speculator and with the DFlash drafter at 1, 4
-# and 16 requests in flight. About 80 minutes on an idle 2-core CPU with native bf16 (the recipes' step counts are
-# chosen for that). Every stage resumes or skips finished work, so a rerun after an interruption continues where it
-# stopped. Leaves:
+# and 16 requests in flight. 59 minutes from a fresh clone on an idle 2-core AMD EPYC with native bf16
+# (docs/results/2026-12-02-smollm2-whole-command.md); the recipes' step counts are chosen to fit 90 minutes on the
+# slower 2-core Xeon of the earlier runs. Every stage resumes or skips finished work, so a rerun after an interruption
+# continues where it stopped. Leaves:
 #
 #   checkpoints/smollm2/verifier/            the converted verifier
 #   checkpoints/smollm2/dflash/export/       the DFlash drafter in the speculators format (vLLM serves it)
@@ -70,8 +71,8 @@ run_eval() {  # out, then the prompt source's overrides
 run_eval checkpoints/smollm2/eval eval.prompts="$gsm8k" eval.prompt_field=question \
   $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) "$@"
 stamp "eval gsm8k"
-run_eval checkpoints/smollm2/eval-humaneval eval.prompts="$humaneval" eval.prompt_field=prompt eval.sampling_temperature=0 \
-  "$@"
+run_eval checkpoints/smollm2/eval-humaneval eval.prompts="$humaneval" eval.prompt_field=prompt \
+  eval.sampling_temperature=0 "$@"
 stamp "eval humaneval"
 if [ -n "$spec_bench" ]; then
   run_eval checkpoints/smollm2/eval-mtbench eval.prompts="$spec_bench" eval.prompt_field=turns \
