@@ -86,6 +86,7 @@ def test_a_system_prompt_steers_its_chunks_only(chat_verifier, tmp_path, capsys)
     capsys.readouterr()
     assert main(["prompts", RECIPE, *args, f"verifier.path={dropping}"]) == 2
     assert "does not render the system message 'You help with arithmetic.'" in one_line_refusal(capsys)
+    assert not (tmp_path / "prompts").exists()  # refused before the output folder is made
 
 
 def test_each_filter_drops_what_it_names():
