@@ -1,6 +1,6 @@
 """What a chat template says about its turns: the text before and after a user's message, and the token that ends a
-turn. Magpie (align/prompts.py) samples a user's message from the text before it; a converted verifier
-(align/convert.py) stops generating at the end-of-turn token.
+turn. Magpie (align/stages/prompts.py) samples a user's message from the text before it; a converted verifier
+(align/stages/convert.py) stops generating at the end-of-turn token.
 
 Both are read off the template itself, by rendering a conversation whose one user message is a marker and splitting
 the text there, so every template (ChatML, Gemma's, Llama 3's) is read the same way, with its default system prompt.

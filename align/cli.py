@@ -270,10 +270,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_DISK_FAULT
 
 
+def _nothing(recipe: Recipe) -> tuple:
+    return ()
+
+
 def check_stage(stage: Stage, recipe: Recipe) -> None:
-    """Everything the stage will read or write, checked before it starts. Raises RecipeError."""
+    """Everything the stage will read or write, checked before it starts: the files and folders its table entry names,
+    then what its module declares (models, prompts, its own check; align/stages/__init__.py). Raises RecipeError."""
     check_inputs(recipe, file_keys=stage.file_keys)
-    check_models(recipe, stage.models(recipe))
+    module = importlib.import_module(stage.module) if stage.module is not None else None
+    check_models(recipe, getattr(module, "models", _nothing)(recipe))
     from align.checkpoint import check_output_owner
 
     written = {key: Path(str(get_key(recipe, key))) for key in (*stage.outputs, *stage.folders)}
@@ -287,11 +293,11 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
         a, b = same[0]
         raise RecipeError(f"{b}: {written[b]} is also {a}; each of a stage's outputs needs a folder of its own")
     # After the outputs: reading the tiny prompts builds data.dir on first use.
-    for key, model_key in stage.prompts(recipe):
+    for key, model_key in getattr(module, "prompts", _nothing)(recipe):
         from align.data import check_prompts  # reads datasets and tokenizers: only for the stages that need them
 
         check_prompts(recipe, key, model_key)
-    stage.check(recipe)
+    getattr(module, "check", _nothing)(recipe)
 
 
 def hold_outputs(stage: Stage, recipe: Recipe, args: argparse.Namespace) -> ExitStack:
@@ -357,9 +363,8 @@ def _start(stage: Stage, recipe: Recipe, args: argparse.Namespace, argv: list[st
 
         if not single_local_process(args):
             return run(args)
-    module = stage.module(recipe) if callable(stage.module) else stage.module
     try:
-        status = importlib.import_module(module).main(recipe, shlex.join(["align", *argv]))
+        status = importlib.import_module(stage.module).main(recipe, shlex.join(["align", *argv]))
     except RecipeError as e:  # a problem only the stage can see (e.g. a model's spec); still before any writing
         if int(os.environ.get("RANK", 0)) == 0:  # launched on several ranks, each would say the same
             print(f"align {args.stage}: error: {e}", file=sys.stderr)

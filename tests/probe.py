@@ -1146,13 +1146,13 @@ def operator_cases() -> list[Case]:
         # eval.json itself goes through write_result, which keeps it elsewhere when the disk refuses it
         # (tests/test_faults.py); the report beside it is the write after it.
         Case("disk full at eval's report write", "9", argv=["eval", R, f"eval.out={S}/out/e"], kind="fault",
-             faults="align.evaluate:write_text_atomic", check=one_line_naming("report.md")),
+             faults="align.stages.evaluate.speculative:write_text_atomic", check=one_line_naming("report.md")),
         Case("disk full during export", "9", argv=["export", R, f"export.out={S}/out/x"], kind="fault",
-             faults="align.export:atomic_folder", check=one_line_naming("out/x")),
+             faults="align.stages.export:atomic_folder", check=one_line_naming("out/x")),
         Case("disk full during trajectories", "9", argv=["trajectories", R, f"trajectories.out={S}/out/t"],
-             kind="fault", faults="align.trajectories:write_chunk", check=one_line_naming("out/t")),
+             kind="fault", faults="align.stages.trajectories:write_chunk", check=one_line_naming("out/t")),
         Case("disk full at train's state save", "9", argv=["train", R, f"train.out={S}/out/r", "train.max_steps=1",
-             "train.final_eval_prompts=0"], kind="fault", sub=True, faults="align.train:save_checkpoint",
+             "train.final_eval_prompts=0"], kind="fault", sub=True, faults="align.stages.train:save_checkpoint",
              check=one_line_naming("out/r")),
         # 12: the README's scripts share outputs
         Case("README scripts: shared outputs agree", "12", api=lambda s: readme_scripts_agree(), kind="fault",

@@ -269,7 +269,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
         "slow.main = wait\n"
         "sys.modules['slow_stage'] = slow\n"
         "from align import cli\n"
-        "cli.STAGES['eval'] = dataclasses.replace(cli.STAGES['eval'], module='slow_stage', models=lambda r: ())\n"
+        "cli.STAGES['eval'] = dataclasses.replace(cli.STAGES['eval'], module='slow_stage')\n"
         "raise SystemExit(cli.main(sys.argv[1:]))\n"
     )
     env = checkout_env(HF_HUB_OFFLINE="1")
@@ -637,12 +637,12 @@ def long_prompt(tmp_path) -> Path:
 @pytest.fixture
 def no_weights(monkeypatch) -> list[str]:
     """Model weights loaded by any stage (none may be for input refused from configs)."""
-    import align.calibrate
-    import align.evaluate_dllm
-    import align.trajectories
+    import align.stages.calibrate
+    import align.stages.evaluate.dllm
+    import align.stages.trajectories
 
     loaded: list[str] = []
-    for module in (align.trajectories, align.calibrate, align.evaluate_dllm):
+    for module in (align.stages.trajectories, align.stages.calibrate, align.stages.evaluate.dllm):
         for name in ("load_verifier", "load_drafter"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda *a, name=name, **k: loaded.append(name) or pytest.fail(
@@ -698,7 +698,7 @@ def toy_args(toy: dict[str, Path], tmp_path: Path) -> list[str]:
 
 def test_training_windows_past_the_drafters_context_are_refused(toy, tmp_path):
     from align.config import load_recipe
-    from align.train import check_data
+    from align.stages.train import check_data
 
     recipe = load_recipe("recipes/tiny/align.yaml", [*toy_args(toy, tmp_path), f"drafter.path={toy['drafter']}"])
     with pytest.raises(RecipeError, match=r"^train.gamma: row 0 of .* reads \d+ tokens; with train.gamma=4 it exceeds "

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from align.bootstrap import ar_step, build_model, pretrain, use_bf16
+from align.stages.bootstrap import ar_step, build_model, pretrain, use_bf16
 from align.cli import main
 from align.config import load_recipe
 from align.models import DrafterSpec
@@ -90,6 +90,6 @@ def test_auto_precision_follows_the_cpu_that_trains_not_a_gpu(monkeypatch):
     # CPU: a CPU without native bf16 would have emulated it, many times slower than fp32.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for flags, native in (("flags\t: fpu avx2", False), ("flags\t: fpu avx2 avx512_bf16", True)):
-        monkeypatch.setattr("align.bootstrap.Path.read_text", lambda self, flags=flags: flags)
+        monkeypatch.setattr("align.stages.bootstrap.Path.read_text", lambda self, flags=flags: flags)
         assert use_bf16("auto") == native, flags
     assert use_bf16("bf16") and not use_bf16("fp32")

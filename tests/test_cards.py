@@ -356,7 +356,7 @@ def test_a_hub_base_under_a_licence_align_does_not_list_keeps_it_by_name(tmp_pat
 
 def test_a_local_bases_licence_file_comes_along(tmp_path):
     from align.config import load_recipe
-    from align.export import copy_licence_file
+    from align.stages.export import copy_licence_file
     from align.provenance import origin
 
     base, out = tmp_path / "base", tmp_path / "out"

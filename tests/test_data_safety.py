@@ -225,14 +225,14 @@ def test_a_run_resumes_only_with_its_settings_and_a_finished_one_adds_nothing(to
     assert "train.max_steps: 1 is below step 2" in line, line
     assert snapshot(out) == before
     # What may change: the length (a longer run would continue), saving, evaluation, reporting.
-    from align.train import check_resume
+    from align.stages.train import check_resume
 
     assert check_resume(load_recipe("recipes/tiny/align.yaml", train_args(toy_trajectories, out, "train.max_steps=5",
                                     "train.save_every=1", "train.report_to=none")[2:])) == 2
 
 
 def test_a_run_from_before_run_json_is_compared_with_its_checkpoints_recipe(toy_trajectories, tmp_path):
-    from align.train import check_resume
+    from align.stages.train import check_resume
 
     out = tmp_path / "old"
     args = train_args(toy_trajectories, out)[2:]
@@ -402,8 +402,8 @@ def all_commands():
 
 
 def test_commands_that_share_a_folder_make_it_with_the_same_settings():
-    from align.train import run_settings
-    from align.trajectories import PROMPT_KEYS, SETTING_KEYS
+    from align.stages.train import run_settings
+    from align.stages.trajectories import PROMPT_KEYS, SETTING_KEYS
 
     found = list(all_commands())
     # The parser does see the commands that once collided.

@@ -20,7 +20,7 @@ from align.config import ArDrafterSection, DecodeSection, DrafterSection, load_r
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
-from align.derive import build_drafter, kept_layers
+from align.stages.derive import build_drafter, kept_layers
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
 from align.models import load_ar_drafter, load_drafter
@@ -125,7 +125,7 @@ def test_the_derived_folder_is_a_drafter_align_loads_unchanged(family, derived):
 
 def test_the_mdlm_step_lowers_the_loss(family, derived, tmp_path):
     from align.data import load_trajectories
-    from align.derive import token_stream
+    from align.stages.derive import token_stream
     from align.pretraining import Schedule, mdlm_step, mean_loss, train_loop
 
     tokenizer = AutoTokenizer.from_pretrained(family["verifier"])
@@ -284,7 +284,7 @@ def test_an_ar_drafter_is_cut_and_adapted_for_the_ar_baselines(family, tmp_path,
 
 
 def plan_hash(family, tmp_path: Path) -> str:
-    from align.derive import plan
+    from align.stages.derive import plan
 
     return plan(load_recipe(RECIPE, derive_args(family, tmp_path / "x")[2:])).config_hash
 

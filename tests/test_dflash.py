@@ -76,7 +76,7 @@ def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(l
     from types import SimpleNamespace
 
     from align.config import load_recipe
-    from align.train import compute_losses
+    from align.stages.train import compute_losses
     from align.windows import block_causal_windows
 
     verifier = tiny_verifier()

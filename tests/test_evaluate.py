@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
 from align.config import METHOD_NAMES
-from align.evaluate import drafter_groups
+from align.stages.evaluate.speculative import drafter_groups
 from align.methods import METHODS, OPAQUE
 
 FIELDS = {"tau", "speedup", "tokens_per_s", "exact_match", "per_position_acceptance", "verifier_forwards",

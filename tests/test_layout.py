@@ -1,7 +1,10 @@
-"""The layout rules of DESIGN §2, checked on the source: stages never import stages, building blocks never import
-stages, the runtime never imports training code, one module renames into place, launch scripts hold no Python."""
+"""The layout rules of DESIGN §2, checked on the source: the stages live in align/stages/ and never import each
+other, building blocks never import stages, preflight imports nothing above it, the runtime never imports training
+code, no two modules import each other (not even inside functions), one module renames into place, launch scripts hold
+no Python."""
 
 import ast
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -12,12 +15,16 @@ from align.stages import stage_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "align"
-# Modules with a main(recipe, command) that `align <stage>` runs, from the one list of stages (align/stages.py; train.py
-# is also the script `deepspeed align/train.py` runs). cli.py, which dispatches to them, stages.py, which names them
-# (and imports a stage's own checks when it runs), and __main__.py sit above them.
-STAGES = {name.removeprefix("align.") for name in stage_modules()}
-ENTRY_POINTS = {"cli", "stages", "__main__"}
-TRAINING_CODE = {"deepspeed", "align.train", "align.windows", "align.losses", "peft", "trl"}
+# Modules with a main(recipe, command) that `align <stage>` runs, from the one list of stages (align/stages/__init__.py):
+# align.stages.<name>, a module or a package whose own modules are parts of that one stage.
+STAGES = stage_modules()
+# cli.py dispatches to the stages, align/stages/__init__.py names them, __main__.py runs the CLI, and align/train.py is
+# the script `deepspeed align/train.py` runs (the CLI again): they sit above the stages.
+ENTRY_POINTS = {"align.cli", "align.stages", "align.stages.__init__", "align.__main__", "align.train"}
+TRAINING_CODE = {"deepspeed", "align.stages.train", "align.windows", "align.losses", "peft", "trl"}
+# What preflight (the torch-free checks every stage's refusals are built from) may import from align: the schema, the
+# model families, the Hub's address book and the checksums of folders align wrote.
+BELOW_PREFLIGHT = {"align.config", "align.families", "align.hub", "align.checkpoint"}
 
 
 def modules() -> dict[str, Path]:
@@ -37,21 +44,42 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+def stage_of(name: str) -> str | None:
+    """The stage a module is (or is a part of), or None for a building block."""
+    return next((stage for stage in STAGES if name == stage or name.startswith(stage + ".")), None)
+
+
 def test_every_stage_has_a_main_and_is_known():
-    assert {"bootstrap", "train", "evaluate", "export"} <= STAGES  # the registry was read, not an empty set
+    assert {"align.stages.bootstrap", "align.stages.train", "align.stages.evaluate", "align.stages.export"} <= STAGES
     for name in STAGES:
-        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        assert name.startswith("align.stages."), f"{name}: a stage lives in align/stages/"
+        tree = ast.parse(Path(importlib.util.find_spec(name).origin).read_text())
         assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), name
 
 
+def test_every_module_in_align_stages_is_a_stage():
+    # align/stages/ holds the stages and their parts only: a building block there would look like a stage.
+    strays = [name for name in modules() if name.startswith("align.stages.") and name != "align.stages.__init__"
+              and stage_of(name.removesuffix(".__init__")) is None]
+    assert not strays, f"{strays} are in align/stages/ but no stage of align/stages/__init__.py"
+
+
 @pytest.mark.parametrize("name", sorted(modules()))
-def test_no_module_below_the_cli_imports_a_stage(name):
-    short = name.removeprefix("align.")
+def test_no_module_imports_another_stage(name):
+    # A stage imports no other stage; a building block imports none (what two stages share is a building block).
+    short = name.removesuffix(".__init__")
     if short in ENTRY_POINTS:
         return
-    stage_imports = {m for m in imports(modules()[name]) if m.removeprefix("align.") in STAGES} - {name}
+    own = stage_of(short)
+    stage_imports = {m for m in imports(modules()[name]) if stage_of(m) not in (None, own)}
     assert not stage_imports, f"{name} imports the stage(s) {sorted(stage_imports)}: move what it needs into a " \
                               "building block"
+
+
+def test_preflight_imports_nothing_above_it():
+    found = {m for m in imports(PACKAGE / "preflight.py") if m.split(".")[0] == "align"}
+    above = {m for m in found if not any(m == b or m.startswith(b + ".") for b in BELOW_PREFLIGHT)}
+    assert not above, f"align.preflight imports {sorted(above)}: a check that needs them belongs to its stage"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in modules() if n.startswith("align.decoding")))
@@ -112,26 +140,10 @@ def circle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
-# Function-local imports that close a circle, kept on purpose: each defers a module that imports torch (or reaches
-# one that does) to the one check that needs it, so a recipe is checked without torch. They run only when called,
-# after every module has loaded, so they cannot see a half-initialised module; any other circle fails below.
-DEFERRED_CIRCLES = {
-    ("align.preflight", "align.methods"),  # check_eval names a DFlash drafter's methods in its refusal
-    ("align.preflight", "align.draft_graph"),  # check_eval and check_export read a draft graph
-    ("align.data", "align.models"),  # reading a model's own tokenizer for its prompts
-    ("align.preflight", "align.mask_token"),  # check_train chooses a new DFlash drafter's mask token (its tokenizer)
-}
-
-
 def test_no_import_circles():
-    graph = import_graph()
-    at_import = {name: {t for t, local in edges if not local} for name, edges in graph.items()}
-    assert not circle(at_import), f"modules import each other at import time: {' -> '.join(circle(at_import))}"
-    every = {name: {t for t, local in edges if not (local and (name, t) in DEFERRED_CIRCLES)}
-             for name, edges in graph.items()}
-    assert not circle(every), f"an import circle (through function-local imports): {' -> '.join(circle(every))}"
-    kept = {(name, t) for name, edges in graph.items() for t, local in edges if local}
-    assert DEFERRED_CIRCLES <= kept, f"no longer imported: {sorted(DEFERRED_CIRCLES - kept)} (drop them here)"
+    # Not even through a function-local import: a circle there is a module that needs to know its caller.
+    every = {name: {target for target, _ in edges} for name, edges in import_graph().items()}
+    assert not circle(every), f"an import circle: {' -> '.join(circle(every))}"
 
 
 def test_the_circle_check_sees_a_circle():
@@ -208,7 +220,7 @@ def kind_reads(path: Path) -> list[int]:
 
 def test_the_drafter_kind_is_read_in_align_drafters():
     outside = {name: lines for name, path in modules().items()
-               if not name.startswith("align.drafters") and name not in ("align.convert", "align.weights")
+               if not name.startswith("align.drafters") and name not in ("align.stages.convert", "align.weights")
                and (lines := kind_reads(path))}
     count = sum(len(lines) for lines in outside.values())
     assert count <= MOST_KIND_READS_OUTSIDE_DRAFTERS, \

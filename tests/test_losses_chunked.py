@@ -9,7 +9,7 @@ import torch
 
 from align import losses
 from align.losses import WINDOW_LOSSES, mdlm, next_token
-from align.memory import peak_bytes
+from align.memory_probe import peak_bytes
 
 
 # ---- the losses as they were written before chunking: whole [windows × γ × V] fp32 tensors ----------------------
@@ -240,7 +240,7 @@ def test_real_vocabulary_chunked_equals_whole(gemma_lm_head):
         torch.testing.assert_close(d_chunked.grad, d_whole.grad, rtol=1e-4, atol=1e-7)
 
 
-# ---- the held-out metric (align/train.py held_out_streak) reads log q(x) through the same chunks ----------------
+# ---- the held-out metric (align/stages/train.py held_out_streak) reads log q(x) through the same chunks ----------------
 def _old_held_out_streaks(logits, targets, target_mask):
     """held_out_streak's computation before chunking: one fp32 log_softmax over every window position at once."""
     logits = logits.float()
@@ -252,7 +252,7 @@ def _old_held_out_streaks(logits, targets, target_mask):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_held_out_streaks_equal_the_unchunked_computation(dtype, monkeypatch):
-    from align.train import window_streaks
+    from align.stages.train import window_streaks
 
     monkeypatch.setattr(losses, "LOSS_CHUNK_ELEMENTS", 3 * 50)  # 3 positions a chunk over 2 × 3 × 5 = 30
     g = torch.Generator().manual_seed(7)
@@ -273,7 +273,7 @@ def test_held_out_streaks_equal_the_unchunked_computation(dtype, monkeypatch):
 
 
 def test_held_out_streaks_hold_no_fp32_copy_of_the_logits(monkeypatch):
-    from align.train import window_streaks
+    from align.stages.train import window_streaks
 
     # 64 positions of a 32,768 vocabulary in bf16 (4 MiB); its fp32 log_softmax would be 8 MiB, the chunks 1 MiB
     monkeypatch.setattr(losses, "LOSS_CHUNK_ELEMENTS", 8 * 32_768)

@@ -15,10 +15,10 @@ from conftest import TOY_TRAJECTORIES, checkout_env
 from align.cli import main as align
 from align.config import RecipeError, load_recipe
 from align.data import load_trajectories
-from align.memory import (Measured, Width, allocation_trace, drafter_width, lora_parameters, measure,
+from align.memory_probe import (Measured, Width, allocation_trace, drafter_width, lora_parameters, measure,
                           micro_batch_shape, per_gpu)
-from align.preflight import MEMORY_CHECKED
-from align.train import apply_activation_checkpointing
+from align.stages.train import MEMORY_CHECKED
+from align.stages.train import apply_activation_checkpointing
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny/align.yaml"
@@ -188,7 +188,7 @@ class _FakeGpu:
 
 def _fake_cuda(monkeypatch, probes):
     """A 1 MB CUDA device; returns align memory's measurement, which records each call in `probes`."""
-    import align.memory
+    import align.memory_probe
 
     # setenv, not delenv: delenv of an unset name records nothing, so the "1" the check writes would outlive the test
     # and silence every later check in this process and its children. "" reads as unset.
@@ -196,11 +196,11 @@ def _fake_cuda(monkeypatch, probes):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _FakeGpu())
-    return lambda *a: probes.append(a) or align.memory.peak_per_gpu(*a).total  # what align/stages.py hands over
+    return lambda *a: probes.append(a) or align.memory_probe.peak_per_gpu(*a).total
 
 
 def test_train_warns_once_when_the_measured_peak_exceeds_the_gpu_and_still_starts(tmp_path, monkeypatch, capsys):
-    from align.preflight import warn_train_memory
+    from align.stages.train import warn_train_memory
 
     probes = []
     measured = _fake_cuda(monkeypatch, probes)
@@ -221,7 +221,7 @@ def test_train_warns_once_when_the_measured_peak_exceeds_the_gpu_and_still_start
 
 
 def test_train_without_cuda_runs_no_probe(tmp_path, monkeypatch, capsys):
-    from align.preflight import warn_train_memory
+    from align.stages.train import warn_train_memory
 
     probes = []
     measured = _fake_cuda(monkeypatch, probes)
@@ -240,7 +240,7 @@ class FakeGpu:
     total_memory = 1_000_000
 
 real = torch.cuda.is_available
-torch.cuda.is_available = lambda: sys._getframe(1).f_globals.get("__name__") == "align.preflight" or real()
+torch.cuda.is_available = lambda: sys._getframe(1).f_code.co_name == "warn_train_memory" or real()
 torch.cuda.get_device_properties = lambda device: FakeGpu()
 from align.cli import main
 raise SystemExit(main(["train", *sys.argv[1:]]))

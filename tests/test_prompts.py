@@ -1,4 +1,4 @@
-"""`align prompts` (Magpie, align/prompts.py) on the tiny verifier: the filters, resuming, the refusals. The real
+"""`align prompts` (Magpie, align/stages/prompts.py) on the tiny verifier: the filters, resuming, the refusals. The real
 verifier's prompts are tested in test_smollm2.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from align.chat import end_of_turn_ids, user_turn
 from align.cli import main
 from align.config import PromptsSection
 from align.models import load_tokenizer
-from align.prompts import Filter
+from align.stages.prompts import Filter
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "checkpoints" / "tiny" / "verifier"
@@ -57,7 +57,7 @@ def test_a_system_prompt_steers_its_chunks_only(chat_verifier, tmp_path, capsys)
 
     from align.config import load_recipe
     from align.models import load_verifier
-    from align.prompts import plan, sample_chunk
+    from align.stages.prompts import plan, sample_chunk
 
     args = [f"verifier.path={chat_verifier}", f"prompts.out={tmp_path / 'prompts'}", "prompts.batch_size=2",
             "prompts.max_new_tokens=6", "prompts.system_prompts=[null, You help with arithmetic.]"]

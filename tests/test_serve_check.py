@@ -113,13 +113,13 @@ def test_served_drafter_decodes_identically_with_acceptance_within_10_percent(pr
 
 @pytest.mark.slow
 def test_refusals_are_one_line_before_any_work(prompt_file, tmp_path, capsys, monkeypatch):
-    import align.serve_check
+    import align.stages.serve_check
 
     checkpoint = dflash_checkpoint(tmp_path / "step_0", 0)
     capsys.readouterr()  # the loading bars of making it
 
     started = []
-    monkeypatch.setattr(align.serve_check, "main", lambda *_: started.append(1))
+    monkeypatch.setattr(align.stages.serve_check, "main", lambda *_: started.append(1))
     import align.vllm_engine
 
     monkeypatch.setenv("ALIGN_VLLM_PYTHON", str(Path(__import__("sys").executable)))  # any python: never started
@@ -143,7 +143,7 @@ def test_refusals_are_one_line_before_any_work(prompt_file, tmp_path, capsys, mo
 
 
 def test_differing_outputs_fail_in_float32_and_are_noted_in_bf16():
-    from align.serve_check import identity_problems
+    from align.stages.serve_check import identity_problems
 
     same = {"align specdiff": True, "vLLM": True, "vLLM with the drafter": True}
     assert identity_problems(same, "float32") == ([], None) and identity_problems(same, "bfloat16") == ([], None)

@@ -341,7 +341,7 @@ def test_trajectories_windows_and_eval_read_the_same_token_ids(smollm2, tokenize
 # align prompts (Magpie) with the real verifier
 # --------------------------------------------------------------------------------------------------------------------
 def test_magpie_prompts_from_the_real_verifier(smollm2, tokenizer, tmp_path, capsys):
-    from align.prompts import plan
+    from align.stages.prompts import plan
 
     out = tmp_path / "prompts"
     args = ["prompts", "recipes/smollm2/prompts.yaml", f"verifier.path={smollm2}", f"prompts.out={out}",

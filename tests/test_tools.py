@@ -4,7 +4,7 @@
 import json
 
 from align.cli import main as align
-from align.evaluate import before_after_table
+from align.stages.evaluate.speculative import before_after_table
 
 
 def test_validate_get_prints_the_resolved_value(capsys):

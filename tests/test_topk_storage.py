@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from align.config import load_recipe
 from align.models import DrafterSpec
-from align.trajectories import sample_chunk, write_chunk
+from align.stages.trajectories import sample_chunk, write_chunk
 from align.windows import WINDOW_BUILDERS, topk_window_logits
 
 from conftest import checkout_env
@@ -126,7 +126,7 @@ import json, resource, sys
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from align.config import load_recipe
-from align.trajectories import sample_chunk
+from align.stages.trajectories import sample_chunk
 
 vocab, steps = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)

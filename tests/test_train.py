@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from conftest import TOY_TRAJECTORIES, checkout_env
 
 from align.cli import main as align
-from align.train import rank_share, warn_stale_build_locks
+from align.stages.train import rank_share, warn_stale_build_locks
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 
@@ -109,7 +109,7 @@ def test_sigkill_after_a_checkpoint_resumes_with_the_same_losses(trajectories, t
 POISON = """
 import sys
 from align.config import load_recipe
-from align.train import main
+from align.stages.train import main
 recipe = load_recipe(sys.argv[1], sys.argv[2:])
 recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": float("inf")})})
 sys.exit(main(recipe, "poison"))

@@ -24,8 +24,8 @@ from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gem
 from align.config import load_recipe
 from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
 from align.models import load_tokenizer
-from align.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
-from align.trajectories import settings_of, write_chunk
+from align.stages.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
+from align.stages.trajectories import settings_of, write_chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -174,7 +174,7 @@ def test_a_lora_run_under_zero3_saves_its_trained_adapter(toy_trajectories, tmp_
     (["train.zero_stage=3", "train.bf16=false"], None),  # fp32 weights: fp32 gradients
 ])
 def test_gradients_accumulate_in_fp32_under_bf16_with_zero(overrides, expected):
-    from align.train import deepspeed_config
+    from align.stages.train import deepspeed_config
 
     config = deepspeed_config(load_recipe("recipes/tiny/align.yaml", ["train.bf16=true", *overrides]))
     assert config.get("data_types") == expected
@@ -196,7 +196,7 @@ def test_bad_values_of_the_new_keys_are_refused_in_one_line(overrides, says, cap
 
 
 def test_keep_last_prunes_older_checkpoints_never_the_latest(tmp_path):
-    from align.train import prune_checkpoints
+    from align.stages.train import prune_checkpoints
 
     for step in range(1, 6):
         (tmp_path / f"step_{step}").mkdir()
@@ -210,7 +210,7 @@ def test_keep_last_prunes_older_checkpoints_never_the_latest(tmp_path):
 
 
 def test_the_held_out_metric_reads_a_fixed_sample_of_capped_size():
-    from align.train import held_out_sample
+    from align.stages.train import held_out_sample
 
     held_out = list(range(0, 4000 * 20, 20))
     sample = held_out_sample(held_out, 256, seed=0)
@@ -232,7 +232,7 @@ from safetensors.torch import load_file
 from align.config import load_recipe
 from align.models import check_masks_are_read, is_partitioned, load_drafter, load_tokenizer, partitioned_loading
 from align.remote_code import masks_ignored
-from align.train import deepspeed_config, init_distributed
+from align.stages.train import deepspeed_config, init_distributed
 
 folder, remote, report = sys.argv[-3:]  # (the launcher puts --local_rank=N first)
 recipe = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={folder}", f"drafter.trust_remote_code={remote}",

@@ -26,7 +26,7 @@ from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, loa
                         render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate
 from align.models import load_tokenizer, load_verifier, resolve_device, resolve_dtype
-from align.preflight import check_context, check_inputs, model_context
+from align.preflight import check_context, check_inputs, check_new_tokens, model_context
 from align.vllm_engine import VllmRunner, vllm_dtype, vllm_python
 
 
@@ -194,6 +194,22 @@ def chunk_done(folder: Path, settings_hash: str) -> bool:
         return json.loads((folder / "chunk.json").read_text())["settings"] == settings_hash
     except (OSError, json.JSONDecodeError, KeyError):
         return False
+
+
+def models(recipe: Recipe) -> tuple[str, ...]:
+    return ("verifier.path",)
+
+
+def prompts(recipe: Recipe) -> tuple[tuple[str, str], ...]:
+    return (("data.train_prompts", "verifier.path"),)
+
+
+def check(recipe: Recipe) -> None:
+    """`align trajectories`'s checks beyond its models': room for a prompt in the verifier's context, and with
+    backend vllm, vLLM's environment."""
+    check_new_tokens(recipe, "trajectories.max_new_tokens", ("verifier.path",))
+    if recipe.trajectories.backend == "vllm":
+        vllm_python()
 
 
 def main(recipe: Recipe, command: str) -> None:

@@ -15,7 +15,21 @@ from align.decoding.dllm import BlockTrace, dllm_generate
 from align.draft_graph import POSITION_ORDERS, calibrate
 from align.methods import eos_token_ids
 from align.models import load_drafter, load_tokenizer
-from align.preflight import fits_context, model_context
+from align.preflight import check_new_tokens, fits_context, model_context
+
+
+def models(recipe: Recipe) -> tuple[str, ...]:
+    return ("drafter.path",)
+
+
+def prompts(recipe: Recipe) -> tuple[tuple[str, str], ...]:
+    return (("calibrate.prompts", "drafter.path"),)
+
+
+def check(recipe: Recipe) -> None:
+    """`align calibrate`'s checks beyond its models': the new tokens leave room for a prompt in the drafter's
+    context (each prompt is checked by the stage, before the drafter's weights load)."""
+    check_new_tokens(recipe, "decode.max_new_tokens", ("drafter.path",))
 
 
 def main(recipe: Recipe, command: str) -> None:

@@ -24,7 +24,7 @@ from align.checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, CHEC
                               atomic_folder, is_adapter_folder, non_finite_weights)
 from align.config import Recipe, RecipeError
 from align.hub import hub_offline
-from align.preflight import check_file, check_inputs
+from align.preflight import check_file, check_inputs, drafter_kind, read_eval
 from align.provenance import Origin, origin, scrub, scrub_folder
 
 EXIT_UPLOAD_FAILED = 1
@@ -148,7 +148,7 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
     if ships_custom_generate(config):
         # transformers' Hub mechanism for decoding loops: SpecDiff from this folder with transformers alone.
         (tmp / "custom_generate").mkdir()
-        shutil.copy2(Path(__file__).with_name("custom_generate.py"), tmp / "custom_generate" / "generate.py")
+        shutil.copy2(Path(__file__).parents[1] / "custom_generate.py", tmp / "custom_generate" / "generate.py")
     evaluation, meta = copy_run_records(recipe, source, tmp)
     base_model = meta.get("drafter_base") or recipe.drafter.path
     (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
@@ -176,6 +176,35 @@ def push(folder: Path, recipe: Recipe) -> None:
     # The marker says the local folder is an export align may replace; it means nothing on the Hub.
     api.upload_folder(folder_path=str(folder), repo_id=e.push_to_hub, revision=e.revision,
                       commit_message=e.commit_message, ignore_patterns=[MARKER])
+
+
+def models(recipe: Recipe) -> tuple[str, ...]:
+    return ("drafter.path", *(("verifier.path",) if recipe.export.format == "speculators" else ()))
+
+
+def check(recipe: Recipe) -> None:
+    """`align export`'s checks beyond its models' (only configs and the files named are read): a speculators export
+    takes a DFlash drafter; export.eval is an eval.json of speculative methods (the card's table reads τ and speedup);
+    the checkpoint's meta.json, when there, is readable; calibrate.graph is a draft graph."""
+    if recipe.export.format == "speculators" and drafter_kind(recipe) != "dflash":
+        raise RecipeError(f"export.format: speculators takes a DFlash drafter; {recipe.drafter.path} is a standalone "
+                          "diffusion drafter (export.format=align)")
+    if recipe.export.eval is not None:
+        read_eval(recipe.export.eval, "export.eval", ("tau", "speedup"))
+    # The training run's records beside a checkpoint go into the card (its recipe, base model, final τ).
+    meta = Path(recipe.drafter.path) / "meta.json"
+    if meta.is_file():
+        try:
+            readable = isinstance(json.loads(meta.read_text(encoding="utf-8")), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            readable = False
+        if not readable:
+            raise RecipeError(f"drafter.path: {meta} is not a JSON object (align train writes it with each "
+                              "checkpoint); restore it, or delete it to export without the run's records")
+    if recipe.calibrate.graph is not None:
+        from align.draft_graph import DraftGraph
+
+        DraftGraph.load(Path(recipe.calibrate.graph))
 
 
 def main(recipe: Recipe, command: str) -> None:

@@ -1,4 +1,5 @@
-"""`align eval`: every decoding method on the same prompts, in one process, interleaved, after warm-up.
+"""`align eval` with eval.mode=speculative: every decoding method on the same prompts, in one process, interleaved,
+after warm-up.
 
 Writes `eval.json`, `report.md` and PNG plots to `eval.out`. Speedups are against the faster of our AR loop and HF
 `generate()`: a slow baseline would inflate every number.
@@ -30,7 +31,6 @@ from align.machine import machine, versions
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
 from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
-from align.preflight import eval_models
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -327,12 +327,12 @@ def write_report(result: dict[str, Any], recipe: Recipe, command: str, out: Path
 # --------------------------------------------------------------------------------------------------------------------
 # the stage
 # --------------------------------------------------------------------------------------------------------------------
-def main(recipe: Recipe, command: str) -> None:
+def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
+    """Run the methods on the prompts; `needed`: the model keys the stage loads (align.stages.evaluate.models)."""
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
     # The models loaded here are those cli checked before the stage (preflight.check_models: paths, weights files,
     # drafter specs, one vocabulary).
-    needed = eval_models(recipe)
     uses_drafter, uses_ar_drafter = "drafter.path" in needed, "ar_drafter.path" in needed
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)

@@ -36,7 +36,7 @@ from align.families import drafter_spec_from_config
 from align.machine import cpu_model
 from align.methods import eos_token_ids
 from align.models import load_drafter, load_tokenizer, load_verifier
-from align.preflight import model_context
+from align.preflight import check_new_tokens, model_context
 from align.vllm_engine import ServeResult, serve, served_drafter_kind, vllm_dtype
 
 EXIT_MISMATCH = 3  # the check ran and failed: outputs differ, or acceptance is off by more than allowed
@@ -132,6 +132,20 @@ def by_concurrency(plain: ServeResult, drafted: ServeResult, reference: list[lis
                      ngram_mean_acceptance_length=ngram.mean_acceptance_length,
                      ngram_identical=ngram.outputs == reference)
     return level
+
+
+def models(recipe: Recipe) -> tuple[str, ...]:
+    return ("verifier.path",)
+
+
+def prompts(recipe: Recipe) -> tuple[tuple[str, str], ...]:
+    return (("eval.prompts", "verifier.path"),)
+
+
+def check(recipe: Recipe) -> None:
+    """vLLM's environment, serve_check.drafter and decode.gamma (served_drafter_kind), and room for the new tokens."""
+    check_new_tokens(recipe, "decode.max_new_tokens", ("verifier.path",))
+    served_drafter_kind(recipe)
 
 
 def main(recipe: Recipe, command: str) -> Optional[int]:

@@ -1,6 +1,6 @@
 """`align gkd`: the DistillSpec baseline, the AR drafter distilled from the verifier with TRL's GKD trainer.
 
-It reads the same trajectories as `align/train.py`, so that an aligned diffusion drafter and an aligned AR drafter
+It reads the same trajectories as `align/stages/train.py`, so that an aligned diffusion drafter and an aligned AR drafter
 are compared on equal data. TRL's trainer owns the loop (generalised JSD, on-policy samples with probability lmbda);
 this module only adapts the trajectories to it and saves the result as a plain HF folder.
 """
@@ -16,8 +16,8 @@ import torch
 from align.checkpoint import mark_folder, save_merged
 from align.config import Recipe, get_key
 from align.models import load_tokenizer
-from align.preflight import check_inputs
-from align.tracking import open_trackers, resolve
+from align.preflight import check_inputs, check_new_tokens
+from align.tracking import check_trackers, open_trackers, resolve
 
 
 class TrajectoryCollator:
@@ -42,6 +42,16 @@ class TrajectoryCollator:
             prompts[b, prompt_width - p :] = torch.tensor(row["prompt_ids"])  # left-padded: generation appends
             prompt_mask[b, prompt_width - p :] = 1
         return {**batch, "prompts": prompts, "prompt_attention_mask": prompt_mask}
+
+
+def models(recipe: Recipe) -> tuple[str, ...]:
+    return ("verifier.path", "ar_drafter.path")
+
+
+def check(recipe: Recipe) -> None:
+    """`align gkd`'s checks beyond its models' (the trajectories are checked by the stage, before any model loads)."""
+    check_new_tokens(recipe, "gkd.max_new_tokens", ("verifier.path", "ar_drafter.path"))
+    check_trackers("gkd.report_to", recipe.gkd.report_to, recipe.gkd.project)
 
 
 def main(recipe: Recipe, command: str) -> None:

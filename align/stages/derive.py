@@ -126,8 +126,12 @@ def plan(recipe: Recipe) -> Plan:
     return Plan(layers, int(config.num_hidden_layers), spec, how, made, config_hash, cached)
 
 
+def models(recipe: Recipe) -> tuple[str, ...]:
+    return ("verifier.path",)
+
+
 def check(recipe: Recipe) -> None:
-    """align derive's checks before any work (stages.py's Stage.check)."""
+    """align derive's checks before any work (the CLI runs it, align/stages/__init__.py)."""
     plan(recipe)
 
 

@@ -64,7 +64,7 @@ def outputs_claim(attention: str, tokens: dict[str, list[list[int]]], references
             f"token (the exact_match column); expected but not bitwise by construction: {why}")
 
 
-def main(recipe: Recipe, command: str) -> None:
+def evaluate(recipe: Recipe, command: str) -> None:
     c, e = recipe.calibrate, recipe.eval
     if c.graph is None:
         raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align calibrate)")

@@ -182,6 +182,10 @@ def plan(recipe: Recipe) -> Plan:
     return Plan(tokenizer, template, prefixes, prefix_ids, stop_ids, settings, digest)
 
 
+def models(recipe: Recipe) -> tuple[str, ...]:
+    return ("verifier.path",)
+
+
 def check(recipe: Recipe) -> None:
     plan(recipe)
 

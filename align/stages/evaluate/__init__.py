@@ -1,0 +1,59 @@
+"""`align eval`: decoding methods compared on the same prompts, in one process, interleaved, after warm-up; by
+eval.mode, speculative decoding methods against the verifier's AR decoding (speculative.py), or the drafter decoded
+alone as a diffusion LM (dllm.py). Writes `eval.json`, `report.md` and plots to `eval.out`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from align.config import METHOD_MODELS, NOT_DFLASH_METHODS, Recipe, RecipeError
+from align.draft_graph import DraftGraph
+from align.methods import DFLASH_METHODS
+from align.preflight import check_new_tokens, check_tiny_default, drafter_kind
+from align.stages.evaluate import dllm, speculative
+
+
+def models(recipe: Recipe) -> tuple[str, ...]:
+    """The models `align eval` loads: the drafter alone in dllm mode; else the verifier and what the methods need,
+    with eval.compare_drafters when a drafter is used."""
+    if recipe.eval.mode == "dllm":
+        return ("drafter.path",)
+    keys = ["verifier.path", *(key for name in recipe.eval.methods for key in METHOD_MODELS.get(name, ()))]
+    if "drafter.path" in keys:
+        keys += [f"eval.compare_drafters.{label}" for label in recipe.eval.compare_drafters]
+    return tuple(dict.fromkeys(keys))
+
+
+def prompts(recipe: Recipe) -> tuple[tuple[str, str], ...]:
+    # in dllm mode the drafter decodes alone, with its own tokenizer
+    return (("eval.prompts", "drafter.path" if recipe.eval.mode == "dllm" else "verifier.path"),)
+
+
+def check(recipe: Recipe) -> None:
+    """`align eval`'s checks beyond its models', from configs and the files named: the drafter can run the methods,
+    the draft graph is one (dllm mode decodes with it, at the recipe's block length and tokens per step), and the new
+    tokens leave room for a prompt in the models' context."""
+    e, c = recipe.eval, recipe.calibrate
+    check_new_tokens(recipe, "decode.max_new_tokens", models(recipe))
+    if e.mode == "speculative" and any("cps" in name for name in e.methods):
+        check_tiny_default(recipe, "decode.cps_proxy_corpus", "verifier.path")
+    if e.mode == "speculative" and "drafter.path" in models(recipe):
+        bad = [m for m in e.methods if m in NOT_DFLASH_METHODS]
+        if bad and drafter_kind(recipe) == "dflash":
+            raise RecipeError(f"eval.methods: {bad[0]} does not run a DFlash drafter ({recipe.drafter.path}); its "
+                              f"methods are {', '.join(DFLASH_METHODS)}")
+    if e.mode == "dllm":
+        if c.graph is None:
+            raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align "
+                              "calibrate)")
+        graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)
+        for budget in e.spiffy_budgets:
+            graph.prefix(budget)
+
+
+def main(recipe: Recipe, command: str) -> None:
+    if recipe.eval.mode == "dllm":
+        dllm.evaluate(recipe, command)
+    else:
+        speculative.evaluate(recipe, command, models(recipe))

@@ -1,0 +1,73 @@
+"""`align memory <recipe>`: the recipe's training peak per GPU, measured (align/memory_probe.py) and printed as a
+table; written to memory.out as JSON when set.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from align.config import Recipe, RecipeError
+from align.memory_probe import (Measured, PerGpu, Shape, Width, drafter_width, lora_parameters, measure,
+                                micro_batch_shape, per_gpu)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:8.2f} GB"
+
+
+def report(recipe: Recipe, width: Width, shape: Shape, measured: Measured, gpu: PerGpu) -> str:
+    t = recipe.train
+    tokens = shape.rows * shape.tokens
+    lines = [
+        f"align memory: {recipe.name}: drafter {recipe.drafter.path} ({width.source})",
+        f"  width: hidden {width.hidden_size}, MLP {width.intermediate_size}, {width.num_hidden_layers} layers, "
+        f"{width.num_attention_heads}/{width.num_key_value_heads} heads, vocabulary {width.vocab_size:,}, "
+        f"{width.parameters / 1e9:.2f}B parameters"
+        + (f", LoRA r={t.lora_r} ({lora_parameters(width, t.lora_r) / 1e6:.1f}M trainable)" if t.lora_r else ""),
+        f"  micro-batch ({width.attention}): {shape.rows} rows x {shape.tokens} tokens ({shape.trajectory_tokens} "
+        f"trajectory tokens{', capped by train.max_sequence_length' if t.max_sequence_length else ''}), "
+        f"{shape.windows} windows x gamma {shape.gamma}; {'bf16' if t.bf16 else 'fp32'}, activation checkpointing "
+        f"{'on' if t.activation_checkpointing else 'off'}, losses {', '.join(t.losses)}",
+        ("  measured on the CPU (one layer, forward + backward):" if recipe.memory.device == "cpu" else
+         "  measured on cuda, torch.cuda.max_memory_allocated (one layer, forward + backward):"),
+        f"    kept per layer          {_gb(measured.layer_kept)}  ({measured.layer_kept / tokens / 1024:.1f} KiB per "
+        f"token)",
+        f"    layer forward+backward  {_gb(measured.layer_peak)}",
+        f"    LM head + losses        {_gb(measured.head_and_losses_peak)}",
+        f"  per GPU, ZeRO-{t.zero_stage} over {recipe.memory.world_size} ranks:",
+        f"    weights                 {_gb(gpu.weights)}",
+        f"    gradients               {_gb(gpu.gradients)}",
+        f"    optimizer (AdamW)       {_gb(gpu.optimizer)}",
+        *([f"    ZeRO-3 gathered layer   {_gb(gpu.gathered)}"] if t.zero_stage == 3 else []),
+        f"    activations             {_gb(gpu.activations)}  ({width.num_hidden_layers} layers)",
+        f"    peak                    {_gb(gpu.total)}",
+    ]
+    return "\n".join(lines)
+
+
+def check(recipe: Recipe) -> None:
+    """What `align memory` reads, refused before it builds anything: the drafter's sizes, and a GPU to measure on
+    where memory.device is cuda."""
+    drafter_width(recipe)
+    if recipe.memory.device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("memory.device: cuda was asked for, but no CUDA device is visible (use cpu)")
+
+
+def main(recipe: Recipe, command: str) -> int:
+    width = drafter_width(recipe)
+    shape = micro_batch_shape(recipe, width)
+    measured = measure(recipe, width, shape)
+    gpu = per_gpu(recipe, width, measured)
+    print(report(recipe, width, shape, measured, gpu))
+    if recipe.memory.out is not None:
+        out = Path(recipe.memory.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": command, "width": asdict(width), "shape": asdict(shape),
+                                   "measured_bytes": asdict(measured), "per_gpu_bytes": asdict(gpu)}, indent=2))
+        print(f"align memory: wrote {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,776 @@
+"""`align train`: align a diffusion drafter to a verifier under DeepSpeed, readable top to bottom. Also run by the
+script the DeepSpeed launcher runs on every rank (align/train.py):
+
+    align train recipes/tiny/align.yaml [key=value ...] [--num_gpus 2]
+    deepspeed --num_gpus 2 align/train.py recipes/tiny/align.yaml [key=value ...]     # the same, launched by hand
+    python align/train.py recipes/tiny/align.yaml                                      # 1 process, no launcher
+
+Reads trajectories written by `align trajectories`, trains on windows with the recipe's weighted losses, and writes
+`<train.out>/step_<N>/` (a merged HF folder loadable by transformers alone, with meta.json; a LoRA run's holds the
+adapter and a checked pointer to its base drafter, merged when read and by `align export`), `ds_state/` (DeepSpeed
+state for exact resume) and `metrics.jsonl`, and sends the metrics to the trackers of `train.report_to` (TensorBoard
+events in `<train.out>/tensorboard` by default). A re-run resumes from the last checkpoint and reproduces the losses
+an uninterrupted run would have had: every batch is a function of (seed, step, rank).
+A checkpoint is only ever written from finite weights, so `latest` never points at a poisoned state.
+A run resumes only with the settings it was started with (`<train.out>/run.json`; MAY_CHANGE_ON_RESUME lists what may
+differ), a finished run says so and does nothing, and the run folder is locked while a run writes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_folder, is_adapter_folder, mark_folder,
+                              merged_model, naming_path, read_log, record_checksums, save_adapter, save_merged,
+                              state_to_resume, step_folders, write_text_atomic)
+from align.config import Recipe, RecipeError, first_line
+from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
+from align.decoding.specdiff import specdiff_generate
+from align.drafters import drafter_for
+from align.families import CANVAS_DECODER_FAMILIES
+from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise
+from align.mask_token import dflash_mask_token
+from align.memory_probe import peak_per_gpu
+from align.models import (DrafterSpec, check_masks_are_read, is_partitioned, load_drafter, load_tokenizer,
+                          load_verifier, new_dflash_drafter, partitioned_loading)
+from align.preflight import load_model_config
+from align.tracking import check_trackers, open_trackers
+from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,
+                           verifier_window_logits, window_forwards, window_logits)
+
+EXIT_NOT_FINITE = 3
+# The recipe sections that define a run, and what in them may change when it resumes: how far it runs (the cosine
+# schedule is recomputed for the new length), how often it saves, evaluates and reports, where its run folder is, and
+# the devices. Every other key, and the trajectories it reads (their settings hash), would make the resumed run
+# continue another run's weights and optimiser state: `align train` refuses it and names the keys.
+RUN_SECTIONS = ("drafter", "dflash", "verifier", "train")
+MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_every", "train.eval_every",
+                                  "train.final_eval_prompts", "train.report_to", "train.project", "train.run_name",
+                                  "train.keep_last", "train.held_out_max_rows", "train.activation_checkpointing",
+                                  "drafter.device", "verifier.device"})
+RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
+
+
+@dataclass
+class TrainData:
+    """The trajectories and how they are split; everything the loop reads besides the models."""
+
+    rows: Any  # datasets.Dataset of trajectories
+    train_rows: list[int]
+    held_out: list[int]
+    online: bool  # the verifier runs in the step (its distributions or labels), rather than reading stored top-k
+
+
+@dataclass
+class Trainer:
+    """The DeepSpeed engine and what a step needs beside it."""
+
+    engine: Any
+    schedule: Any
+    spec: DrafterSpec
+    tokenizer: Any
+    verifier: Optional[torch.nn.Module]
+    build: Callable[..., WindowBatch]
+    pad_id: int
+    rank: int
+    world: int
+    device: torch.device  # this rank's (cuda:LOCAL_RANK on GPUs): batches and collective tensors live there
+    mask_token: Optional[str] = None  # how a new DFlash drafter's mask token was chosen (kept in each meta.json)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# setup
+# --------------------------------------------------------------------------------------------------------------------
+def check_data(recipe: Recipe) -> TrainData:
+    """Load the trajectories and refuse, before any model is loaded, what cannot train as the recipe says."""
+    t = recipe.train
+    needs_verifier = any(needs_verifier_distributions(name) for name in t.losses)
+    online = t.labels_online()
+    rows = load_checked_trajectories(recipe)
+    if needs_verifier and not online and "topk_ids" not in rows.column_names:
+        raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "
+                          "trajectories.store_topk > 0 when making the trajectories")
+    longest = max(len(c) for c in rows["completion_ids"])
+    if t.gamma > longest:
+        raise RecipeError(f"train.gamma: {t.gamma} is longer than every completion in {recipe.trajectories.out} "
+                          f"(longest {longest} tokens): no window could be filled; use train.gamma <= {longest}")
+    # A window drawn at the last completion token reads the n - 1 tokens before it and drafts γ positions after them,
+    # in the drafter (a DFlash drafter: the verifier it is built on) and in a verifier that labels it in the step.
+    readers = ("verifier.path",) if recipe.dflash is not None else (
+        "drafter.path", *(("verifier.path",) if online else ()))
+    cap = t.max_sequence_length or math.inf  # windows are drawn from the first max_sequence_length tokens only
+    check_rows_fit(recipe, [min(len(p) + len(c), cap) - 1 for p, c in zip(rows["prompt_ids"], rows["completion_ids"])],
+                   "train.gamma", t.gamma, readers)
+    if t.max_sequence_length is not None:
+        capped_out = sum(len(p) >= t.max_sequence_length for p in rows["prompt_ids"])
+        if capped_out == len(rows):
+            raise RecipeError(f"train.max_sequence_length: {t.max_sequence_length} tokens hold no completion token "
+                              f"of any trajectory in {recipe.trajectories.out} (shortest prompt "
+                              f"{min(len(p) for p in rows['prompt_ids'])} tokens): no window could be drawn")
+        if capped_out and int(os.environ.get("RANK", 0)) == 0:
+            print(f"align train: warning: train.max_sequence_length={t.max_sequence_length} leaves {capped_out} of "
+                  f"{len(rows)} trajectories no window (their prompts fill it)", file=sys.stderr)
+    median = statistics.median(len(c) for c in rows["completion_ids"])
+    if t.gamma > median and int(os.environ.get("RANK", 0)) == 0:
+        print(f"align train: warning: train.gamma={t.gamma} is longer than half the completions (median {median:g} "
+              "tokens): their windows are cut short and train fewer positions", file=sys.stderr)
+    held_out = [i for i, p in enumerate(rows["prompt_index"]) if p % HELD_OUT_EVERY == 0]
+    train_rows = [i for i, p in enumerate(rows["prompt_index"]) if p % HELD_OUT_EVERY != 0]
+    if not train_rows:
+        raise RecipeError(f"trajectories.out: {recipe.trajectories.out} holds only held-out prompts (one in "
+                          f"{HELD_OUT_EVERY} is held out, the first among them); make trajectories of more prompts")
+    return TrainData(rows, train_rows, held_out, online)
+
+
+def run_settings(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The keys that define a run (section.key -> value; dflash whole, since its presence decides the drafter), from
+    a resolved recipe (Recipe.to_dict(), or the one a checkpoint's meta.json holds). Model paths that exist are made
+    absolute: the same folder named from elsewhere is the same run."""
+    flat: dict[str, Any] = {}
+    for section in RUN_SECTIONS:
+        value = recipe.get(section)
+        if section == "dflash" or not isinstance(value, dict):
+            flat[section] = value
+        else:
+            flat.update({f"{section}.{key}": v for key, v in value.items()})
+    for key in ("drafter.path", "verifier.path"):
+        if isinstance(flat.get(key), str) and Path(flat[key]).exists():
+            flat[key] = str(Path(flat[key]).resolve())
+    return {key: value for key, value in flat.items() if key not in MAY_CHANGE_ON_RESUME}
+
+
+def trajectory_settings_hash(recipe: Recipe) -> Optional[str]:
+    try:
+        return json.loads((Path(recipe.trajectories.out) / TRAJECTORY_MANIFEST).read_text()).get("settings_hash")
+    except (OSError, ValueError, AttributeError):
+        return None  # check_data names a missing or unreadable manifest
+
+
+def recorded_run(out: Path) -> Optional[dict[str, Any]]:
+    """The settings the run in `out` was started with: its run.json, or, for a run from before run.json, the recipe
+    in its newest checkpoint's meta.json; None for a new run."""
+    try:
+        return json.loads((out / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        pass
+    folders = step_folders(out)
+    try:
+        return {"settings": run_settings(json.loads((folders[-1][1] / "meta.json").read_text())["recipe"])}
+    except (IndexError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def resume_step(out: Path) -> int:
+    """The step of the DeepSpeed state a rerun resumes from, 0 without one: the tag resume will load
+    (checkpoint.state_to_resume, so that an empty or dangling `latest` is read here as it will be there, and a damaged
+    state is refused before any launcher starts)."""
+    tag = state_to_resume(out / "ds_state", warn=False)
+    return int(STEP_FOLDER.match(tag).group(1)) if tag else 0
+
+
+def models(recipe: Recipe) -> tuple[str, ...]:
+    """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
+    on-policy) and for the final real τ."""
+    t = recipe.train
+    if recipe.dflash is not None:  # a new DFlash drafter is built on the verifier, which it reads in every step
+        return ("verifier.path",)
+    return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
+
+
+def check(recipe: Recipe) -> None:
+    """`align train`'s checks before any launcher starts, beyond its models': the configs (check_train), then the run
+    folder's settings (check_resume: a changed recipe is refused before launching), then the memory warning (last:
+    after every refusal, since it measures; only with CUDA)."""
+    check_train(recipe)
+    check_resume(recipe)
+    warn_train_memory(recipe, lambda r, world_size: peak_per_gpu(r, world_size).total)
+
+
+def check_train(recipe: Recipe) -> None:
+    """`align train`'s checks beyond its models' (only configs are read)."""
+    if recipe.train.lora_r and recipe.dflash is None:
+        model_type = getattr(load_model_config("drafter.path", recipe.drafter), "model_type", None)
+        if model_type in CANVAS_DECODER_FAMILIES:
+            # peft would give the encoder and the decoder each its own adapter on the weights they share (the context
+            # and the canvas would drift apart), and merging would add both adapters to those weights.
+            raise RecipeError(f"train.lora_r: {recipe.drafter.path} is a {model_type} model, whose encoder and "
+                              "decoder share their weights; LoRA would adapt them apart. Train it fully "
+                              "(train.lora_r=0)")
+    if recipe.dflash is not None:  # the mask token: chosen (or the recipe's checked) before any launcher starts
+        dflash_mask_token(recipe)
+    check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
+
+
+# Set in the environment once `align train`'s memory warning has been considered, so that the ranks a launch starts
+# (which inherit it, and run the same checks) do not measure again.
+MEMORY_CHECKED = "ALIGN_TRAIN_MEMORY_CHECKED"
+
+
+def warn_train_memory(recipe: Recipe, peak_per_gpu: Callable[[Recipe, int], int]) -> None:
+    """Warn (one line on stderr, never a refusal) when `align memory`'s measured peak per GPU for this recipe exceeds
+    the memory of the GPU this process trains on. peak_per_gpu(recipe, world_size): bytes, `align memory`'s
+    measurement (align.memory_probe.peak_per_gpu, in bytes). Only where CUDA is
+    available: it measures one layer at the real width on the CPU (seconds to minutes), not worth paying on a
+    CPU-only host. Runs once per launch: in the process the user started (its ranks inherit MEMORY_CHECKED) or,
+    under a hand-started launcher, on rank 0."""
+    if os.environ.get(MEMORY_CHECKED) or os.environ.get("RANK", "0") != "0" or recipe.dflash is not None:
+        return  # a DFlash drafter is not modelled by align memory
+    if not torch.cuda.is_available():
+        return
+    os.environ[MEMORY_CHECKED] = "1"
+    # Under a launcher the world is known; in the process that starts one it is the recipe's (memory.world_size).
+    world = int(os.environ.get("WORLD_SIZE", recipe.memory.world_size))
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        need = peak_per_gpu(recipe, world)
+    except RecipeError:  # sizes align memory does not know: nothing measured, nothing to say
+        return
+    gpu = torch.cuda.get_device_properties(device)
+    if need <= gpu.total_memory:
+        return
+    t = recipe.train
+    changes = ([f"train.zero_stage={t.zero_stage + 1}"] if t.zero_stage < 3 else []) + \
+        (["train.activation_checkpointing=true"] if not t.activation_checkpointing else []) + \
+        ([f"a smaller train.micro_batch_size (now {t.micro_batch_size})"] if t.micro_batch_size > 1 else []) + \
+        [f"a lower train.max_sequence_length (now {t.max_sequence_length})" if t.max_sequence_length else
+         "a train.max_sequence_length cap"]
+    print(f"align train: warning: align memory measures a peak of {need / 1e9:.1f} GB per GPU (ZeRO-{t.zero_stage} "
+          f"over {world} ranks) but cuda:{device} ({gpu.name}) has {gpu.total_memory / 1e9:.1f} GB; it may run out "
+          f"of memory: try {', '.join(changes)}", file=sys.stderr, flush=True)
+
+
+def check_resume(recipe: Recipe) -> int:
+    """The step the run in train.out resumes from (0: a new run), once the recipe is known to continue it: refused
+    (RecipeError), before any model is loaded, when the run was made with other settings (run_settings, or other
+    trajectories) or is already past train.max_steps."""
+    out = Path(recipe.train.out)
+    recorded = recorded_run(out)
+    if recorded is not None:
+        now = {**run_settings(recipe.to_dict()), "trajectories": trajectory_settings_hash(recipe)}
+        then = {**recorded.get("settings", {}), "trajectories": recorded.get("trajectories")}
+        # A key only one side has is a schema change between align versions; an unknown trajectories hash (a record
+        # from before run.json, or a missing manifest, which check_data names) is not compared.
+        differ = [key for key, value in now.items() if key in then and then[key] != value
+                  and not (key == "trajectories" and None in (value, then[key]))]
+        if differ:
+            shown = "; ".join(f"{key} {then[key]!r}, now {now[key]!r}" if key != "trajectories" else
+                              f"the trajectories in {recipe.trajectories.out} (another settings hash)" for key in differ)
+            raise RecipeError(f"train.out: {out} holds a run made with other settings ({shown}); resume it with "
+                              "the settings it was started with, or choose another train.out")
+    step = resume_step(out)
+    if step > recipe.train.max_steps:
+        raise RecipeError(f"train.max_steps: {recipe.train.max_steps} is below step {step}, where the run in {out} "
+                          f"already is; use train.max_steps >= {step}, or choose another train.out")
+    return step
+
+
+def finished(recipe: Recipe, step: int) -> bool:
+    """Whether the run resumed at `step` has nothing left to do: every step, and the final τ when asked for."""
+    t = recipe.train
+    if step < t.max_steps:
+        return False
+    try:
+        meta = json.loads((Path(t.out) / f"step_{step}" / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return t.final_eval_prompts == 0 or "final_tau" in meta
+
+
+def record_run(recipe: Recipe) -> None:
+    """Mark train.out as a training run and keep the settings it starts with (kept as they are on a resume)."""
+    out = mark_folder(recipe.train.out, "train")
+    if not (out / RUN_RECORD).is_file():
+        write_text_atomic(out / RUN_RECORD, json.dumps({
+            "settings": run_settings(recipe.to_dict()), "trajectories": trajectory_settings_hash(recipe),
+            "may_change_on_resume": sorted(MAY_CHANGE_ON_RESUME)}, indent=2))
+
+
+def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
+    """Warn (one line each) about torch extension builds whose lock file is older than any build takes; returns them.
+
+    DeepSpeed compiles its CPU ops (deepspeed_shm_comm) on first use under torch's extension folder, holding a `lock`
+    file meanwhile. A build that was killed (Ctrl-C during a first run) leaves the file, and every later run then
+    waits on it forever without a word (torch's FileBaton): better said before that wait."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # <root>/<extension>/lock; by default one folder per Python/build
+    locks = Path(root).glob("*/lock") if root else Path(get_default_build_root()).glob("*/*/lock")
+    ages = {lock: time.time() - lock.stat().st_mtime for lock in locks}
+    stale = [lock for lock, age in ages.items() if age > max_age_s]
+    for lock in stale:
+        print(f"align train: warning: {lock} is {ages[lock] / 60:.0f} min old, left by a killed build; DeepSpeed will "
+              f"wait on it forever: delete {lock.parent} if nothing is building it", file=sys.stderr, flush=True)
+    return stale
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI)."""
+    import deepspeed
+
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        warn_stale_build_locks()
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if torch.cuda.is_available():  # each rank owns its GPU before any model is built
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
+    """The DeepSpeed config, derived from the recipe (never hand-maintained beside it)."""
+    t = recipe.train
+    # bf16 gradients summed over many micro-batches lose the small ones: fp32 where DeepSpeed accumulates so (ZeRO
+    # stages 1-3; at stage 0 it has no such mode for bf16 weights and accumulates in their dtype).
+    accumulate = t.grad_accum_dtype or ("fp32" if t.zero_stage > 0 else None)
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.bf16},
+        **({"data_types": {"grad_accum_dtype": accumulate}} if t.bf16 and accumulate else {}),
+        "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with the progress bar
+        "wall_clock_breakdown": False,
+    }
+
+
+def apply_activation_checkpointing(model: Any, enabled: bool) -> None:
+    """train.activation_checkpointing: each layer's activations are recomputed in the backward instead of kept
+    (non-reentrant, which needs no input that requires grad, so it works under LoRA's frozen embeddings)."""
+    if not enabled:
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise RecipeError(f"train.activation_checkpointing: the drafter ({type(model).__name__}) does not support "
+                          "gradient checkpointing; set train.activation_checkpointing=false")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Trainer:
+    """Drafter (LoRA or full), optional online verifier, AdamW with warm-up and cosine decay, DeepSpeed engine."""
+    import deepspeed
+
+    t = recipe.train
+    torch.manual_seed(t.seed)
+    if recipe.dflash is not None:  # a new DFlash drafter, shaped to the verifier whose tokenizer it shares
+        tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+        mask_token_id, mask_token = dflash_mask_token(recipe)
+        if rank == 0:
+            print(f"align train: the drafter marks masked positions with {mask_token}")
+        model, spec = new_dflash_drafter(recipe.verifier, recipe.dflash, recipe.drafter, mask_token_id, t.gamma)
+    else:
+        tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
+        # Under ZeRO-3 each rank loads only its partition of the drafter (a 26B one is 52 GB whole in bf16). A LoRA
+        # step_<N>/ as the drafter is merged into its base in memory, which needs the whole base: loaded whole.
+        partition = t.zero_stage == 3 and world > 1 and not is_adapter_folder(recipe.drafter.path)
+        with partitioned_loading(deepspeed_config(recipe) if partition else None):
+            model, spec = load_drafter(recipe.drafter, tokenizer)
+        mask_token = None
+    model.train()
+    apply_activation_checkpointing(model, t.activation_checkpointing)
+    if t.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=t.lora_r, lora_alpha=t.lora_alpha, target_modules="all-linear"))
+    else:
+        model.requires_grad_(True)
+    # A torch AdamW rather than a DeepSpeed-config optimizer: no fused-Adam JIT build, and the same on CPU and GPU.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
+                                  weight_decay=t.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, t.warmup_steps)) * (
+        0.5 * (1 + math.cos(math.pi * min(1.0, s / t.max_steps)))))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           config=deepspeed_config(recipe))
+    if recipe.dflash is None and is_partitioned(model) and recipe.drafter.trust_remote_code:
+        # load_drafter's check, now that the engine's hooks gather the weights; the mark goes on the drafter itself
+        # (a peft wrapper passes reads of it through), as load_drafter puts it.
+        check_masks_are_read(model.get_base_model() if t.lora_r else model, spec)
+    # A DFlash drafter reads the verifier's hidden states in every step.
+    reads_verifier = drafter_for(model, spec).verifier_states is not None
+    verifier = load_verifier(recipe.verifier) if data.online or reads_verifier else None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
+                   engine.device, mask_token)
+
+
+def resume(trainer: Trainer, out: Path) -> int:
+    """Load the last complete DeepSpeed state under out/ds_state (0 without one), and drop metrics of later steps,
+    which the resumed run will log again. A damaged state or metrics file is refused naming the file (RecipeError)."""
+    state_dir = out / "ds_state"
+    tag = state_on_every_rank(state_dir, trainer)
+    start = 0
+    if tag is not None:
+        try:
+            loaded, client = trainer.engine.load_checkpoint(str(state_dir), tag=tag)
+        except Exception as e:  # torch's zip reader, DeepSpeed's asserts: neither names the file
+            raise RecipeError(f"train.out: {state_dir / tag} cannot be loaded ({first_line(e)}): it is damaged; "
+                              f"delete it to resume from an earlier complete state (or write an earlier tag into "
+                              f"{state_dir / 'latest'})") from None
+        if loaded is None or not client or "step" not in client:
+            raise RecipeError(f"train.out: {state_dir / tag} holds no loadable DeepSpeed state (files missing); "
+                              "delete it to resume from an earlier state")
+        start = client["step"]
+    metrics = out / "metrics.jsonl"
+    if trainer.rank == 0 and metrics.is_file():  # read tolerantly: a cut last line is dropped (and said)
+        kept = [r for r in read_log(metrics, "align train") if r.get("step", 0) <= start and "final_tau" not in r]
+        write_text_atomic(metrics, "".join(json.dumps(r) + "\n" for r in kept))
+    if trainer.rank == 0 and start:
+        print(f"align train: resuming from step {start}")
+    return start
+
+
+def state_on_every_rank(state_dir: Path, trainer: Trainer) -> Optional[str]:
+    """The tag to resume (checkpoint.state_to_resume), decided on rank 0, which hashes the files once, and told to
+    every rank, so that all load the same state or all refuse with the same reason."""
+    decision: list[Any] = [None]
+    if trainer.rank == 0:
+        try:
+            decision = [("tag", state_to_resume(state_dir))]
+        except RecipeError as e:
+            decision = [("error", str(e))]
+    if trainer.world > 1:
+        dist.broadcast_object_list(decision, src=0)
+    kind, value = decision[0]
+    if kind == "error":
+        raise RecipeError(value)
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# batches
+# --------------------------------------------------------------------------------------------------------------------
+def stream_position(step: int, micro: int, rank: int, world: int, recipe: Recipe) -> int:
+    """Where a micro-batch starts in the stream of training rows. Steps, micro-batches and ranks interleave so that
+    the same global batch holds the same rows whatever the split into processes and accumulation steps."""
+    t = recipe.train
+    return ((step * t.gradient_accumulation_steps + micro) * world + rank) * t.micro_batch_size
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+
+
+def rows_at(position: int, count: int, seed: int, n_rows: int) -> list[int]:
+    """`count` row indices from `position` on; each epoch is a fresh permutation of the rows."""
+    return [int(epoch_order(seed, pos // n_rows, n_rows)[pos % n_rows]) for pos in range(position, position + count)]
+
+
+def rank_share(indices: list[int], rank: int, world: int) -> tuple[list[int], list[float]]:
+    """This rank's share of `indices` and a weight per row (0 for padding). Every rank gets the same number of rows,
+    so that under ZeRO-3, where each forward is a collective, all ranks make the same number of forwards."""
+    per_rank = -(-len(indices) // world)
+    mine = indices[rank::world]
+    padding = per_rank - len(mine)
+    return mine + indices[:1] * padding, [1.0] * len(mine) + [0.0] * padding
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the step
+# --------------------------------------------------------------------------------------------------------------------
+def agreed_forwards(trainer: Trainer, batch: WindowBatch, recipe: Recipe) -> int:
+    """How many drafter forwards every rank makes for its micro-batch: under ZeRO-3 each forward (and backward)
+    gathers parameters from every rank, so all make the most any rank's batch needs (`window_forwards`; a canvas
+    decoder's grows with its rows' windows), the others padding forwards. 0 (no padding) outside ZeRO-3."""
+    if recipe.train.zero_stage != 3 or trainer.world == 1:
+        return 0
+    count = torch.tensor([window_forwards(trainer.engine.module, trainer.spec, batch)], device=trainer.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recipe: Recipe, num_windows: int,
+                   num_tokens: int) -> dict[str, torch.Tensor]:
+    """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
+    targets, mask = batch.targets.flatten(0, 1), batch.target_mask.flatten(0, 1)
+    # A DFlash drafter's verifier forward also gives KD losses their distributions (exact, not the stored top-k).
+    draft_logits, verifier_logits = drafter_for(trainer.engine.module, trainer.spec).window_logits(
+        batch, trainer.verifier, forwards=agreed_forwards(trainer, batch, recipe))
+    draft_logits = draft_logits.float().flatten(0, 1)  # (B·W, γ, V)
+    if verifier_logits is not None:
+        verifier_logits = verifier_logits.float().flatten(0, 1)
+    if recipe.train.data_mode == "on_policy":
+        # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
+        # tokens there (what greedy verification would accept), distributions its distributions there.
+        with torch.no_grad():
+            drafts = draft_logits.argmax(-1).view(batch.targets.shape)
+            verifier_logits = verifier_path_logits(trainer.verifier, batch, drafts, trainer.pad_id)
+            verifier_logits = verifier_logits.float().flatten(0, 1)
+        targets = verifier_logits.argmax(-1)
+    parts = {}
+    for name, weight in recipe.train.losses.items():
+        fn = WINDOW_LOSSES[name][0]
+        if not needs_verifier_distributions(name):
+            parts[name] = weight * fn(draft_logits, targets, mask, num_windows=num_windows)
+            continue
+        if verifier_logits is None:
+            with torch.no_grad():
+                verifier_logits = (verifier_window_logits(trainer.verifier, batch) if trainer.verifier is not None
+                                   else topk_window_logits(rows, batch, draft_logits.shape[-1]))
+                verifier_logits = verifier_logits.float().flatten(0, 1)
+        if name == "streak_tv":
+            parts[name] = weight * fn(draft_logits, verifier_logits, mask, num_windows=num_windows)
+        else:
+            parts[name] = weight * fn(draft_logits, verifier_logits, mask, num_tokens=num_tokens)
+    return parts
+
+
+def all_ranks(flag: bool, world: int, device: torch.device) -> bool:
+    """True when `flag` holds on every rank (every rank must take the same branch after a collective decision)."""
+    value = torch.tensor([float(flag)], device=device)  # NCCL reduces GPU tensors only
+    if world > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def weights_finite(engine: Any, world: int) -> bool:
+    """Every trainable weight finite, on every rank. Under ZeRO-3 a rank holds a partition (`ds_tensor`) of each
+    parameter, and the partitions together are the whole."""
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters()
+                 if p.requires_grad)
+    return all_ranks(finite, world, engine.device)
+
+
+def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> Optional[dict[str, Any]]:
+    """One optimiser step (with accumulation); its metrics, or None when a loss or the updated weights are not
+    finite (the update is then not to be kept)."""
+    t, rank, world = recipe.train, trainer.rank, trainer.world
+    lr = trainer.schedule.get_last_lr()[0]  # the rate this step's update uses; engine.step() moves the schedule on
+    t0 = time.perf_counter()
+    positions = [stream_position(step, m, rank, world, recipe) for m in range(t.gradient_accumulation_steps)]
+    micro_rows = [[data.rows[data.train_rows[i]] for i in rows_at(p, t.micro_batch_size, t.seed, len(data.train_rows))]
+                  for p in positions]
+    # Windows are drawn by stream position too: a row gets the same windows in any process layout.
+    batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
+                             np.random.default_rng([t.seed, p]), max_len=t.max_sequence_length).to(trainer.device)
+               for p, rows in zip(positions, micro_rows)]
+    # Normalise by the whole step's counts over every rank, so accumulation and data parallelism change nothing.
+    counts = torch.tensor([sum(b.num_windows for b in batches), sum(int(b.target_mask.sum()) for b in batches)],
+                          dtype=torch.float64, device=trainer.device)
+    if world > 1:
+        dist.all_reduce(counts)
+    scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
+    totals: dict[str, float] = {}
+    for rows, batch in zip(micro_rows, batches):
+        # max(1, ·): a step may draw no window at all (train.max_sequence_length filled by its prompts); its losses
+        # are then 0 rather than 0 / 0
+        parts = compute_losses(trainer, batch, rows, recipe, max(1, int(counts[0])), max(1, int(counts[1])))
+        loss = sum(parts.values())
+        if not all_ranks(bool(torch.isfinite(loss)), world, trainer.device):
+            return None
+        trainer.engine.backward(loss * scale)
+        trainer.engine.step()
+        for name, value in parts.items():
+            totals[name] = totals.get(name, 0.0) + value.item()
+    if not weights_finite(trainer.engine, world):
+        return None
+    summed = torch.tensor(list(totals.values()), dtype=torch.float64, device=trainer.device)
+    if world > 1:
+        dist.all_reduce(summed)
+    return {"step": step + 1, "loss": float(summed.sum()), **dict(zip(totals, summed.tolist())),
+            "lr": lr, "windows": int(counts[0]),
+            "tokens_per_s_per_rank": float(sum(b.target_mask.sum() for b in batches)) / (time.perf_counter() - t0)}
+
+
+def held_out_sample(held_out: list[int], max_rows: Optional[int], seed: int) -> list[int]:
+    """At most `max_rows` of the held-out rows (all when None): a seeded sample, the same at every eval and in any
+    process layout, so that the metric compares like with like across a run and costs a bounded time."""
+    if max_rows is None or len(held_out) <= max_rows:
+        return held_out
+    chosen = np.random.default_rng([seed, len(held_out)]).choice(len(held_out), size=max_rows, replace=False)
+    return [held_out[i] for i in sorted(chosen)]
+
+
+def window_streaks(logits: torch.Tensor, targets: torch.Tensor, target_mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, W, γ, V) in any float dtype, targets (B, W, γ), target_mask (B, W, γ) bool -> (B, W) expected
+    streak Σ_j Π_{i≤j} q(x_i) and (B, W) greedy streak (argmax hits before the first miss), both fp32.
+
+    log q(x) is computed in chunks of positions (losses.rowwise): over a 150k–262k vocabulary an fp32 log_softmax of
+    every window position at once would be the largest tensor of the metric. The argmax reads the logits as they are
+    (widening to fp32 is exact, so it picks the same token)."""
+    log_q = rowwise(_row_target_log_prob, logits, targets).masked_fill(~target_mask, float("-inf"))
+    hits = (logits.argmax(-1) == targets) & target_mask
+    return torch.exp(torch.cumsum(log_q, -1)).sum(-1), hits.int().cumprod(-1).sum(-1).float()
+
+
+@torch.no_grad()
+def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[str, float]:
+    """Simulated accepted length on held-out trajectories: the expected streak Σ_j Π_{i≤j} q(x_i), and the greedy
+    streak (draft tokens matching x before the first miss), per window, averaged over every rank's share."""
+    t = recipe.train
+    totals = torch.zeros(3, dtype=torch.float64, device=trainer.device)
+    mine, weights = rank_share(held_out_sample(data.held_out, t.held_out_max_rows, t.seed), trainer.rank,
+                               trainer.world)
+    for start in range(0, len(mine), t.micro_batch_size):
+        rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
+        batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
+                              np.random.default_rng([t.seed, start]), max_len=t.max_sequence_length).to(trainer.device)
+        # In the drafter's own dtype: window_streaks reads it in fp32 chunk by chunk, never as one fp32 copy.
+        logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier,
+                               forwards=agreed_forwards(trainer, batch, recipe))
+        expected, greedy = window_streaks(logits, batch.targets, batch.target_mask)
+        # Per trajectory; a bidirectional batch has a row per window, each naming its trajectory in source_rows.
+        weight = torch.tensor(weights[start : start + t.micro_batch_size], dtype=torch.float64,
+                              device=trainer.device)[batch.source_rows][:, None]
+        valid = batch.target_mask[..., 0] * weight  # (B, W): padding rows count 0
+        totals += torch.stack([(expected * valid).sum(), (greedy * valid).sum(), valid.sum()])
+    if trainer.world > 1:
+        dist.all_reduce(totals)
+    return {"expected_streak": totals[0].item() / max(totals[2].item(), 1),
+            "greedy_streak": totals[1].item() / max(totals[2].item(), 1)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# saving and the final check
+# --------------------------------------------------------------------------------------------------------------------
+def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
+    """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
+    atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
+    module = trainer.engine.module
+    if recipe.train.zero_stage == 3:
+        # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
+        # at a time and copies them to rank 0's host memory only: no rank holds the whole model on its device (a
+        # gather of every parameter at once would add the full 16-bit model to each GPU).
+        state = trainer.engine._zero3_consolidated_16bit_state_dict()
+        if state is not None and trainer.device.type == "cpu":
+            state = {k: v.clone() for k, v in state.items()}  # on a CPU `.cpu()` copies nothing: own the weights
+    else:
+        state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
+                 else None)
+    if trainer.rank == 0:
+        files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
+        if hasattr(module, "peft_config") and recipe.dflash is None:
+            # The adapter only, with a checked pointer to the base drafter: readers merge it, export writes it merged.
+            save_adapter(module, state, trainer.tokenizer, recipe.drafter.path, out / f"step_{step}", files)
+        else:
+            save_merged(merged_model(module, state), trainer.tokenizer, out / f"step_{step}", files)
+    # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
+    with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
+        trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},
+                                       save_latest=False)
+    if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
+        commit_state(out / "ds_state", f"step_{step}")
+        if recipe.train.keep_last is not None:
+            prune_checkpoints(out, recipe.train.keep_last)
+
+
+def prune_checkpoints(out: Path, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` newest step_<N> folders and ds_state tags (never the tag `latest` names, nor
+    its step folder); returns what was deleted. Called on rank 0 after a save is committed. Each is first renamed out
+    of the step_<N> pattern, so that an interrupted delete leaves no half folder that a resume or an export would
+    take for a checkpoint."""
+    state_dir = out / "ds_state"
+    latest = (state_dir / "latest").read_text().strip() if (state_dir / "latest").is_file() else None
+    deleted = []
+    for folder in (out, state_dir):
+        steps = step_folders(folder)
+        for _, path in steps[: max(0, len(steps) - keep_last)]:
+            if path.name == latest:
+                continue
+            discard_folder(path)
+            deleted.append(path)
+    return deleted
+
+
+def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> dict[str, float]:
+    """τ of SpecDiff greedy decoding (γ = train.gamma, 64 new tokens) with the saved checkpoint on held-out prompts."""
+    verifier = load_verifier(recipe.verifier)
+    section = recipe.drafter.model_copy(update={"path": str(checkpoint)})
+    drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint), section.trust_remote_code))
+    prompts, seen = [], set()
+    for i in data.held_out:
+        if data.rows[i]["prompt_index"] not in seen and len(prompts) < count:
+            seen.add(data.rows[i]["prompt_index"])
+            prompts.append(torch.tensor([data.rows[i]["prompt_ids"]], device=verifier.device))
+    counts = []
+    for ids in prompts:
+        counts += specdiff_generate(verifier, drafter, spec, ids, recipe.train.gamma, 64)[1].accept_counts
+    return {"final_tau": sum(n + 1 for n in counts) / max(len(counts), 1), "final_tau_prompts": len(prompts)}
+
+
+def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> dict[str, float]:
+    step = recipe.train.max_steps
+    record = final_tau(recipe, out / f"step_{step}", data, recipe.train.final_eval_prompts)
+    append_log(out / "metrics.jsonl", {"step": step, **record})
+    meta_path = out / f"step_{step}" / "meta.json"
+    write_text_atomic(meta_path, json.dumps({**json.loads(meta_path.read_text()), **record}, indent=2))
+    record_checksums(meta_path.parent, ["meta.json"])
+    print(f"align train: real τ on {record['final_tau_prompts']} held-out prompts: {record['final_tau']:.3f}")
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------------------------------
+def main(recipe: Recipe, command: str) -> int:
+    t, out = recipe.train, Path(recipe.train.out)
+    data = check_data(recipe)
+    # Every rank reads the same files, so all take the same branch here, before any collective.
+    start = check_resume(recipe)
+    if finished(recipe, start):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"align train: {out} is complete ({start} of {t.max_steps} steps); nothing to do (a higher "
+                  "train.max_steps trains it further)")
+        return 0
+    if int(os.environ.get("RANK", 0)) == 0:
+        record_run(recipe)
+    rank, world = init_distributed()
+    trainer = build_trainer(recipe, data, rank, world)
+    start = resume(trainer, out)
+    # The experiment trackers (train.report_to) live on rank 0, which holds every metric after the step's reductions.
+    trackers = open_trackers(t.report_to, out, t.project, t.run_name, recipe.to_dict(), start) if rank == 0 else None
+    meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path, "verifier": recipe.verifier.path,
+            "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
+            "command": command, **({"mask_token": trainer.mask_token} if trainer.mask_token else {})}
+    status = 0
+    # A `with`: a failure mid-run (a full disk) closes the bar first, so the one line that says it starts a line.
+    with tqdm(total=t.max_steps, initial=start, desc="align", unit="step", disable=rank != 0,
+              dynamic_ncols=True) as bar:
+        for step in range(start, t.max_steps):
+            record = train_step(trainer, data, recipe, step)
+            if record is None:
+                last = step_folders(out)
+                if rank == 0:
+                    bar.write(f"align train: step {step + 1} gave a non-finite loss or non-finite weights (learning "
+                              f"rate {t.lr:g} too high?); stopping with the last good checkpoint intact: "
+                              f"{last[-1][1] if last else 'none saved'}", file=sys.stderr)
+                status = EXIT_NOT_FINITE
+                break
+            if (step + 1) % t.eval_every == 0 or step + 1 == t.max_steps:
+                trainer.engine.eval()
+                record.update(held_out_streak(trainer, data, recipe))
+                trainer.engine.train()
+            if rank == 0:
+                append_log(out / "metrics.jsonl", record)
+                trackers.log({k: v for k, v in record.items() if k != "step"}, step + 1)
+                bar.update()
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+            if (step + 1) % t.save_every == 0 or step + 1 == t.max_steps:
+                save_checkpoint(trainer, recipe, out, step + 1, {**meta, "metrics": record})
+    # Real τ with the runtime (training accuracy alone misleads), from the final merged checkpoint.
+    if rank == 0 and status == 0 and t.final_eval_prompts:
+        trackers.log(record_final_tau(recipe, out, data), t.max_steps)
+    if trackers is not None:
+        trackers.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
