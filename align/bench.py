@@ -18,8 +18,9 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from align.checkpoint import latest_step, read_log
+from align.checkpoint import latest_step
 from align.decoding.timers import synchronize
+from align.disk import read_log
 from align.machine import machine
 
 

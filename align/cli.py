@@ -85,7 +85,7 @@ def show_verify_costs(args: argparse.Namespace) -> int:
     import torch
 
     from align.bench import model_configs, verify_cost_curves
-    from align.checkpoint import check_output_file
+    from align.disk import check_output_file
     from align.models import DTYPES, context_length
 
     def refuse(message: str) -> int:
@@ -124,7 +124,7 @@ def show_verify_costs(args: argparse.Namespace) -> int:
               + ", ".join(f"{n}: {costs[n - 1] * 1e3:.2f}" for n in shown)
               + f"; n = {shown[-1]} costs {costs[shown[-1] - 1] / costs[0]:.2f}× n = 1")
     if args.out:
-        from align.checkpoint import write_text_atomic
+        from align.disk import write_text_atomic
 
         write_text_atomic(Path(args.out), json.dumps(report, indent=2))
     return 0
@@ -240,7 +240,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def main(argv: Optional[list[str]] = None) -> int:
     import signal
 
-    from align.checkpoint import EXIT_DISK_FAULT, disk_fault
+    from align.disk import EXIT_DISK_FAULT, disk_fault
     from align.launch import handle_interrupts, interrupt_signal, stop_children, strip_launcher_args
 
     if argv is None:  # the `align` command itself (tests call main with arguments, in pytest's own process)
@@ -280,7 +280,7 @@ def check_stage(stage: Stage, recipe: Recipe) -> None:
     check_inputs(recipe, file_keys=stage.file_keys)
     module = importlib.import_module(stage.module) if stage.module is not None else None
     check_models(recipe, getattr(module, "models", _nothing)(recipe))
-    from align.checkpoint import check_output_owner
+    from align.disk import check_output_owner
 
     written = {key: Path(str(get_key(recipe, key))) for key in (*stage.outputs, *stage.folders)}
     for key, folder in written.items():
@@ -304,7 +304,7 @@ def hold_outputs(stage: Stage, recipe: Recipe, args: argparse.Namespace) -> Exit
     """The locks of the stage's output folders (RecipeError when another run holds one), held until the returned
     stack closes. Ranks spread over hosts by a launcher lock for themselves (rank 0), since they cannot see this
     process's locks."""
-    from align.checkpoint import folder_lock
+    from align.disk import folder_lock
 
     held = ExitStack()
     if stage.launcher and not (args.hostfile is None and args.num_nodes in (None, 1)):

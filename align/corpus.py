@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 from typing import Iterator
 
-from align.checkpoint import atomic_file, mark_folder, write_text_atomic
+from align.disk import atomic_file, mark_folder, write_text_atomic
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 # Folders of the stdlib that are not "the library": its own tests (near-duplicates of library code, and the test

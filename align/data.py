@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
-from align.checkpoint import file_sha256
 from align.config import Recipe, RecipeError, first_line, get_key
 from align.corpus import ensure_data
+from align.disk import file_sha256
 from align.hub import hub_offline, is_hub_id
 from align.preflight import check_context, check_tiny_default, fits_context, model_context, model_section
 

@@ -31,9 +31,9 @@ from typing import Any, Iterable, Literal, Optional
 
 import torch
 
-from align.checkpoint import write_text_atomic
 from align.config import RecipeError
 from align.decoding.dllm import BlockTrace, StepRanks
+from align.disk import write_text_atomic
 
 Pair = tuple[int, int]
 Formula = frozenset  # of Pair

@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from align.checkpoint import atomic_folder, mark_folder
 from align.config import DecodeSection, Recipe, RecipeError
 from align.corpus import ensure_data
 from align.data import eos_token_ids, load_trajectories  # eos_token_ids: the end-token rule, for the callers here
@@ -30,9 +29,10 @@ from align.decoding.sd_ar import ARDraftStep
 from align.decoding.self_selection import SelectionStep
 from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import PathStep, draft_choice
-from align.decoding.timers import count_forwards
 from align.decoding.speculative import Decoding, Step, speculative_generate
+from align.decoding.timers import count_forwards
 from align.decoding.tree import TreeStep
+from align.disk import atomic_folder, mark_folder
 from align.models import DrafterSpec
 
 

@@ -37,8 +37,9 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 from transformers.masking_utils import (find_first_full_attention_index, sliding_window_bidirectional_overlay,
                                        sliding_window_overlay)
 
-from align.checkpoint import adapter_base, is_adapter_folder, merge_adapter, verify_checksums
+from align.checkpoint import adapter_base, is_adapter_folder, merge_adapter
 from align.config import ModelSection, RecipeError
+from align.disk import verify_checksums
 # Remote code written for transformers 4 (Dream, DiffuCoder, LLaDA) goes through named compatibility shims as it loads.
 from align.remote_code import MASKS_IGNORED, honours_attention_masks, masks_ignored
 from align.remote_code import install as install_remote_code_shims

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from align.checkpoint import atomic_file
+from align.disk import atomic_file
 from align.losses import mdlm, next_token
 from align.models import attention_masks, block_diffusion_allowed
 

@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from align.checkpoint import write_text_atomic
 from align.config import TRACKER_NAMES, RecipeError, first_line
+from align.disk import write_text_atomic
 
 INSTALL_TRACKERS = "pip install 'align-drafters[trackers]'"
 # What the run folder remembers about its trackers between a run and its resumption (the wandb run's id).

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from align.config import HUB_LICENSES, ConvertSection, RecipeError, first_line
-from align.checkpoint import file_sha256
+from align.disk import file_sha256
 
 PACKAGE_PREFIX = "pip:"
 GGUF_MAGIC = b"GGUF"

@@ -213,7 +213,7 @@ def test_data_dir_that_is_a_file(capsys, started, tmp_path, stage, recipe):
     assert line.startswith(f"align {stage}: error: data.dir: ") and "is an existing file" in line
     # A complete data.dir need not be writable; a folder align did not write (here one even root cannot write) is
     # refused whatever its permissions, since the stage would build the tiny data into it.
-    from align.checkpoint import mark_folder
+    from align.disk import mark_folder
 
     ready = mark_folder(tmp_path / "ready", "data")
     (ready / "manifest.json").write_text('{"corpus_hash": "..."}')

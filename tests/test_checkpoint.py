@@ -1,4 +1,4 @@
-"""align/checkpoint.py: what is published is whole, what was there survives a failure, merged weights keep the run's
+"""align/disk.py and align/checkpoint.py: what is published is whole, what was there survives a failure, merged weights keep the run's
 dtype and the drafter's own class."""
 
 import os
@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from align.checkpoint import atomic_file, atomic_folder, latest_step, merged_model, save_merged, write_text_atomic
+from align.checkpoint import latest_step, merged_model, save_merged
+from align.disk import atomic_file, atomic_folder, write_text_atomic
 
 
 def test_a_failed_folder_write_leaves_the_old_folder(tmp_path):

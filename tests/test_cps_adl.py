@@ -52,7 +52,7 @@ def test_a_proxy_cached_in_a_data_dir_of_its_own_leaves_it_usable_by_the_next_st
     import json
     from pathlib import Path
 
-    from align.checkpoint import check_output_owner
+    from align.disk import check_output_owner
     from align.methods import trigram_proxy
     from align.models import load_tokenizer
 

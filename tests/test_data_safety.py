@@ -18,10 +18,9 @@ import pytest
 
 from conftest import TOY_TRAJECTORIES, checkout_env
 
-from align.checkpoint import (HELD_LOCKS, MARKER, atomic_folder, check_output_owner, folder_kind, folder_lock,
-                              mark_folder)
 from align.cli import main
 from align.config import RecipeError, get_key, load_recipe
+from align.disk import HELD_LOCKS, MARKER, atomic_folder, check_output_owner, folder_kind, folder_lock, mark_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "checkpoints" / "tiny"
@@ -272,7 +271,7 @@ def test_a_folder_lock_refuses_a_second_holder_and_never_outlives_its_process(tm
 
 HOLD = """
 import sys
-from align.checkpoint import folder_lock
+from align.disk import folder_lock
 with folder_lock("out", sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()

@@ -13,9 +13,9 @@ import torch
 from huggingface_hub import metadata_load
 from transformers import AutoModelForCausalLM
 
-from align.checkpoint import record_checksums
 from align.cli import main
 from align.decoding.specdiff import specdiff_generate
+from align.disk import record_checksums
 from align.models import DrafterSpec
 from hub_server import FakeHub
 

@@ -19,10 +19,10 @@ import pytest
 
 from conftest import TOY_TRAJECTORIES, checkout_env
 
-from align.checkpoint import (CHECKSUMS, append_log, commit_state, disk_fault, naming_path, read_log,
-                              record_checksums, state_to_resume, verify_checksums)
+from align.checkpoint import commit_state, state_to_resume
 from align.cli import main as align
 from align.config import RecipeError
+from align.disk import CHECKSUMS, append_log, disk_fault, naming_path, read_log, record_checksums, verify_checksums
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 

@@ -24,7 +24,7 @@ ENTRY_POINTS = {"align.cli", "align.stages", "align.stages.__init__", "align.__m
 TRAINING_CODE = {"deepspeed", "align.stages.train", "align.windows", "align.losses", "peft", "trl"}
 # What preflight (the torch-free checks every stage's refusals are built from) may import from align: the schema, the
 # model families, the Hub's address book and the checksums of folders align wrote.
-BELOW_PREFLIGHT = {"align.config", "align.families", "align.hub", "align.checkpoint"}
+BELOW_PREFLIGHT = {"align.config", "align.families", "align.hub", "align.disk"}
 
 
 def modules() -> dict[str, Path]:
@@ -175,11 +175,11 @@ def renames(path: Path) -> list[int]:
     return lines
 
 
-def test_only_checkpoint_renames_into_place():
-    offenders = {name: renames(path) for name, path in modules().items() if name != "align.checkpoint"}
+def test_only_disk_renames_into_place():
+    offenders = {name: renames(path) for name, path in modules().items() if name != "align.disk"}
     assert not {name: lines for name, lines in offenders.items() if lines}, \
-        "write through align.checkpoint (atomic_file, atomic_folder, publish_folder)"
-    assert renames(PACKAGE / "checkpoint.py")  # the scan does see renames
+        "write through align.disk (atomic_file, atomic_folder, publish_folder)"
+    assert renames(PACKAGE / "disk.py")  # the scan does see renames
 
 
 # Python given inline (-c, a heredoc or stdin) or YAML read by hand: logic that belongs in an align command.

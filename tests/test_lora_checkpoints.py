@@ -11,9 +11,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import align
-from align.checkpoint import BASE_RECORD, record_checksums
+from align.checkpoint import BASE_RECORD
 from align.cli import main
 from align.config import RecipeError
+from align.disk import record_checksums
 from conftest import TOY_TRAJECTORIES
 from test_train import launch, overrides
 

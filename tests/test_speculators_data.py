@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.checkpoint import file_sha256
+from align.disk import file_sha256
 from align.speculators_data import convert, main, speculators_rows
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from align import __version__
-from align.checkpoint import atomic_folder, mark_folder, save_merged
+from align.checkpoint import save_merged
 from align.config import PretrainSection, Recipe, RecipeError
 from align.corpus import SPLITS, build_data, prompt_sets, read_corpus, read_manifest
+from align.disk import atomic_folder, mark_folder
 from align.models import DrafterSpec
 from align.pretraining import (Schedule, leading_windows, mdlm_step, mean_loss, next_token_step, random_windows,
                                train_loop, use_bf16)

@@ -7,11 +7,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from align.checkpoint import mark_folder
 from align.config import Recipe, RecipeError
 from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_prompt, template_sha256,
                         tiny_prompts_path)
 from align.decoding.dllm import BlockTrace, dllm_generate
+from align.disk import mark_folder
 from align.draft_graph import POSITION_ORDERS, calibrate
 from align.methods import eos_token_ids
 from align.models import load_drafter, load_tokenizer

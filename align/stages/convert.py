@@ -226,8 +226,8 @@ def main(recipe: Recipe, command: str) -> int:
     if p.cached:  # said before torch is imported: a cached run takes a second
         print(f"convert: {out} is up to date: converted from {what}, sha256 {p.sha256[:12]}…, {c.dtype}; nothing to do")
         return 0
-    from align.checkpoint import atomic_folder
-    from align.checkpoint import file_sha256
+    from align.disk import atomic_folder
+    from align.disk import file_sha256
     from align.data import template_sha256
     from align.models import DTYPES
 

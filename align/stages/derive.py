@@ -189,7 +189,8 @@ def main(recipe: Recipe, command: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from align.checkpoint import mark_folder, save_merged, verify_checksums
+    from align.checkpoint import save_merged
+    from align.disk import mark_folder, verify_checksums
     from align.data import load_checked_trajectories
     from align.models import load_tokenizer
     from align.pretraining import (Schedule, leading_windows, mdlm_step, mean_loss, next_token_step, random_windows,

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from align.cards import check_eval_rows, licence, model_card, ships_custom_generate, speculators_card
-from align.checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, CHECKSUMS, MARKER, adapter_base,
-                              atomic_folder, is_adapter_folder, non_finite_weights)
+from align.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, adapter_base, is_adapter_folder
 from align.config import Recipe, RecipeError
+from align.disk import CHECKSUMS, MARKER, atomic_folder, non_finite_weights
 from align.hub import hub_offline
 from align.preflight import check_file, check_inputs, drafter_kind, read_eval
 from align.provenance import Origin, origin, scrub, scrub_folder

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from align.checkpoint import mark_folder, save_merged
+from align.checkpoint import save_merged
 from align.config import Recipe, get_key
+from align.disk import mark_folder
 from align.models import load_tokenizer
 from align.preflight import check_inputs, check_new_tokens
 from align.tracking import check_trackers, open_trackers, resolve

@@ -221,7 +221,7 @@ def main(recipe: Recipe, command: str) -> int:
     from tqdm.auto import tqdm
 
     from align.chat import special_ids
-    from align.checkpoint import mark_folder, write_text_atomic
+    from align.disk import mark_folder, write_text_atomic
     from align.models import load_verifier
 
     p = recipe.prompts

@@ -24,13 +24,13 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
-from align.checkpoint import mark_folder, write_result, write_text_atomic
 from align.config import Recipe, RecipeError
 from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_sha256
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.dflash import load_speculators_dflash, write_speculators_folder
+from align.disk import mark_folder, write_result, write_text_atomic
 from align.drafters import ConditionedDrafter, drafter_for
 from align.families import drafter_spec_from_config
 from align.machine import cpu_model

@@ -35,12 +35,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from align.checkpoint import (STEP_FOLDER, append_log, commit_state, discard_folder, is_adapter_folder, mark_folder,
-                              merged_model, naming_path, read_log, record_checksums, save_adapter, save_merged,
-                              state_to_resume, step_folders, write_text_atomic)
+from align.checkpoint import (commit_state, is_adapter_folder, merged_model, save_adapter, save_merged, state_to_resume,
+                              step_folders)
 from align.config import Recipe, RecipeError, first_line
 from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
+from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
+                        write_text_atomic)
 from align.drafters import drafter_for
 from align.families import CANVAS_DECODER_FAMILIES
 from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise

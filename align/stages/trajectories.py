@@ -20,11 +20,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from align.checkpoint import atomic_folder, file_sha256, mark_folder, write_text_atomic
 from align.config import Recipe, RecipeError, get_key
 from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, load_prompts, prompt_ids_sha256,
                         render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate
+from align.disk import atomic_folder, file_sha256, mark_folder, write_text_atomic
 from align.models import load_tokenizer, load_verifier, resolve_device, resolve_dtype
 from align.preflight import check_context, check_inputs, check_new_tokens, model_context
 from align.vllm_engine import VllmRunner, vllm_dtype, vllm_python

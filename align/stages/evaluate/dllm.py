@@ -14,12 +14,12 @@ from typing import Any, Callable
 import torch
 
 from align.bench import interleaved, report_json
-from align.checkpoint import mark_folder, write_result, write_text_atomic
 from align.config import Recipe, RecipeError
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.dllm import DllmStats, dllm_generate
 from align.decoding.spiffy import spiffy_generate
+from align.disk import mark_folder, write_result, write_text_atomic
 from align.draft_graph import DraftGraph
 from align.drafters import BATCHED_ROWS_MATCH
 from align.machine import machine, versions

@@ -20,12 +20,13 @@ import torch
 from transformers import AutoConfig
 
 from align.bench import Run, interleaved, report_json
-from align.checkpoint import drafter_identity, mark_folder, naming_path, write_result, write_text_atomic
+from align.checkpoint import drafter_identity
 from align.config import Recipe, RecipeError
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
 from align.decoding.timers import verifier_latency
+from align.disk import mark_folder, naming_path, write_result, write_text_atomic
 from align.drafters import drafter_for
 from align.machine import machine, versions
 from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
