@@ -33,11 +33,12 @@ from align.data import chat_template as template_for, conversation, render_promp
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.options import method_name
 from align.decoding.path_search import TrigramModel
-from align.drafters import drafter_for
-from align.methods import (DFLASH_METHODS, METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
+from align.drafters.loading import load_drafter
+from align.families import method_refusal
+from align.methods import (METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
                            trigram_proxy)
-from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
-from align.preflight import check_context, check_models
+from align.models import load_ar_drafter, load_tokenizer, load_verifier
+from align.preflight import context_length, check_context, check_models
 
 # A model: a local folder or Hub id, or a mapping of its section's fields ({"path": ..., "trust_remote_code": True,
 # "logits_shift": 1, ...}) for settings that differ between models.
@@ -123,9 +124,9 @@ class Pair:
             what, argument = ROLES[missing]
             raise RecipeError(f"method {method!r} needs {what}: pass align.load(..., {argument}=<folder or Hub id>) "
                               f"(methods the loaded models run: {', '.join(self.methods)})")
-        if self.spec is not None and method in drafter_for(self.drafter, self.spec).refused_methods:
-            raise RecipeError(f"method {method!r} does not run a DFlash drafter ({self.recipe.drafter.path}); its "
-                              f"methods are {', '.join(DFLASH_METHODS)}")
+        why = method_refusal(self.spec.kind, method, self.recipe.drafter.path) if self.spec else None
+        if why:
+            raise RecipeError(f"method {method!r} {why}")
         decode = _validate({"decode": {**self.recipe.decode.model_dump(), **_settings(settings, DECODE_SETTINGS)}}
                            ).decode
         eos_ids = self.eos_token_ids if eos_token_id is None else _eos(eos_token_id, "eos_token_id")

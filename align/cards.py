@@ -335,7 +335,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              "the PyPI package named `align` is an unrelated project):", "",
              "```python", "import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer"
              + (f", {auto_class}" if auto_class != "AutoModelForCausalLM" else ""),
-             *(["import align.dflash  # registers the DFlash drafter with AutoModel"] if kind == "dflash" else []),
+             *(["import align.drafters.dflash  # registers the DFlash drafter with AutoModel"] if kind == "dflash" else []),
              "from align.decoding.specdiff import specdiff_generate", "from align.models import DrafterSpec", "",
              f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote}, dtype=torch.float32)",
              "spec = DrafterSpec(**drafter.config.drafter_spec)",
@@ -499,7 +499,7 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
              "              # start when less is free (on a GPU, drop it to let vLLM size the cache)",
              "              kv_cache_memory_bytes=1 << 30)",
              "    print(llm.generate([\"def add(a, b):\"], SamplingParams(temperature=0, max_tokens=64)))", "```", "",
-             "With align's lossless runtime instead: `align.dflash.load_speculators_dflash(folder)` gives the drafter "
+             "With align's lossless runtime instead: `align.drafters.dflash.load_speculators_dflash(folder)` gives the drafter "
              "back, and `align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes "
              "with it.", "", "## Reproduce", "", "```bash", *([meta["command"]] if meta.get("command") else []),
              command, "```", ""]

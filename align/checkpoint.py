@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from align.config import RecipeError
-from align.disk import (CHECKSUMS, STEP_FOLDER, _stat, atomic_folder, file_sha256, record_checksums, verify_checksums, write_text_atomic)
+from align.disk import (CHECKSUMS, STEP_FOLDER, _stat, atomic_folder, file_sha256, record_checksums, verify_checksums,
+                        write_text_atomic)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ def show_verify_costs(args: argparse.Namespace) -> int:
 
     from align.bench import model_configs, verify_cost_curves
     from align.disk import check_output_file
-    from align.models import DTYPES, context_length
+    from align.models import DTYPES
+    from align.preflight import context_length
 
     def refuse(message: str) -> int:
         print(f"align verify-costs: error: {message}", file=sys.stderr)

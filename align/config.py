@@ -22,7 +22,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from align.decoding.options import METHOD_NAMES, method_name, parse_method
+from align.decoding.options import METHOD_NAMES, method_name
 
 
 class RecipeError(ValueError):
@@ -160,8 +160,8 @@ class DrafterSection(ModelSection):
 
 
 class DFlashSection(Section):
-    """A new DFlash drafter (target-conditioned block diffusion, align/dflash.py) shaped to the verifier: `align train`
-    starts from it, with random weights, instead of loading drafter.path."""
+    """A new DFlash drafter (target-conditioned block diffusion, align/drafters/dflash.py) shaped to the verifier:
+    `align train` starts from it, with random weights, instead of loading drafter.path."""
 
     #: draft decoder layers
     num_layers: int = Field(default=1, ge=1)
@@ -995,13 +995,10 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
 
 
-# The models each evaluation method decodes with besides the verifier (align/stages/evaluate.py reads this too).
+# The models each evaluation method decodes with besides the verifier (align/stages/evaluate/ reads this too).
 METHOD_MODELS: dict[str, tuple[str, ...]] = {
     "sd_ar": ("ar_drafter.path",), "hf_assisted": ("ar_drafter.path",),
     **{name: ("drafter.path",) for name in METHOD_NAMES if name.startswith("specdiff")},
 }
 
 
-# What a DFlash drafter cannot run (align/methods.py's DFLASH_METHODS are the others of METHOD_MODELS' drafter
-# methods; a test checks it): self-selection samples several drafts from one standalone drafter pass.
-NOT_DFLASH_METHODS: tuple[str, ...] = tuple(name for name in METHOD_NAMES if "select" in parse_method(name))

@@ -21,7 +21,7 @@ The drafter's `config.drafter_spec` says how to read it: `mask_token_id`, `logit
 is at logits[t]; 1: at logits[t-1]) and `attention` (`block_causal`: the context is causal, so its KV cache is exact
 and only grows; `bidirectional`: the context is re-encoded for every draft). A block-causal drafter's forwards take
 an explicit block mask, per layer type and through each sliding layer's window as the model's own masks would be
-(`block_masks`, models.py `attention_masks` restated): its sliding cache layers hand back only the window's keys.
+(`block_masks`, masks.py `attention_masks` restated): its sliding cache layers hand back only the window's keys.
 """
 
 from __future__ import annotations

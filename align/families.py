@@ -1,6 +1,6 @@
-"""The model families align knows, and the DrafterSpec: how to read a diffusion drafter (align/models.py says why each
-field matters). Plain Python, without torch, so that a drafter is checked from its config before any weights load
-(align/preflight.py); align/models.py re-exports the DrafterSpec.
+"""The model families align knows, the DrafterSpec (how to read a diffusion drafter: align/drafters/loading.py says
+why each field matters) and the methods each drafter kind runs. Plain Python, without torch, so that a drafter is
+checked from its config before any weights load (align/preflight.py).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Optional
 
 from align.config import RecipeError
+from align.decoding.options import METHOD_NAMES, parse_method
 
 Attention = Literal["bidirectional", "block_causal"]
 ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal")
@@ -18,7 +19,7 @@ ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal")
 # - "uniform": with a token drawn uniformly from the vocabulary (DiffusionGemma: its generate() starts every canvas
 #   from torch.randint and renoises rejected positions the same way; it has no mask token). align keeps
 #   `mask_token_id` as its own marker of a noised position everywhere (runtime, Spiffy, windows) and swaps in the
-#   family's fill only where the model reads the block (align/models.py `noise_fill`).
+#   family's fill only where the model reads the block (align/drafters/noise.py `noise_fill`).
 NOISE_KINDS: tuple[str, ...] = ("mask", "uniform")
 
 # Verifiers drafters are paired with: name -> (model_type, the sizes of their Hub config.json), written out so that
@@ -47,8 +48,31 @@ KNOWN_DLLM_NOISE: dict[str, str] = {"diffusion_gemma": "uniform"}
 CANVAS_DECODER_FAMILIES: frozenset[str] = frozenset({"diffusion_gemma"})
 SPEC_FIELDS: tuple[str, ...] = ("mask_token_id", "logits_shift", "attention")
 # standalone: a diffusion LM reading the context tokens (SpecDiff-2); dflash: a block-diffusion drafter conditioned on
-# the verifier's hidden states, sharing its embeddings and LM head (align/dflash.py)
+# the verifier's hidden states, sharing its embeddings and LM head (align/drafters/dflash.py)
 DRAFTER_KINDS: tuple[str, ...] = ("standalone", "dflash")
+# The methods each kind cannot run: the one table, read by `align eval`'s check (from the drafter's config), the
+# runtime's adapters (Drafter.refused_methods) and the Python API. A DFlash drafter drafts one block per pass: several
+# candidates from one pass (self-selection) would need the block batched over its context K/V (not done yet); a
+# draft tree needs one block (the accepted path's verifier states join the drafter's context).
+REFUSED_METHODS: dict[str, tuple[str, ...]] = {
+    "standalone": (),
+    "dflash": tuple(name for name in METHOD_NAMES if "select" in parse_method(name)),
+}
+KIND_NAMES: dict[str, str] = {"standalone": "standalone diffusion", "dflash": "DFlash"}
+
+
+def kind_methods(kind: str) -> tuple[str, ...]:
+    """The methods that decode with a diffusion drafter of `kind` (those of the specdiff family it does not refuse)."""
+    return tuple(name for name in METHOD_NAMES
+                 if parse_method(name).base == "specdiff" and name not in REFUSED_METHODS[kind])
+
+
+def method_refusal(kind: str, method: str, drafter: str) -> Optional[str]:
+    """Why `method` (a method name, or `name@label` for eval.compare_drafters) cannot run a drafter of `kind` at
+    `drafter`, as the end of a one-line refusal that names the method first; None when it can."""
+    if method.split("@", 1)[0] not in REFUSED_METHODS[kind]:
+        return None
+    return f"does not run a {KIND_NAMES[kind]} drafter ({drafter}); its methods are {', '.join(kind_methods(kind))}"
 
 
 @dataclass(frozen=True)

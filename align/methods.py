@@ -33,7 +33,7 @@ from align.decoding.speculative import Decoding, Step, speculative_generate
 from align.decoding.timers import count_forwards
 from align.decoding.tree import TreeStep
 from align.disk import atomic_folder, mark_folder
-from align.models import DrafterSpec
+from align.families import DrafterSpec, kind_methods
 
 
 @dataclass
@@ -154,11 +154,8 @@ def base_method(name: str) -> str:
     return name.split("@", 1)[0]
 
 
-# What a DFlash drafter runs: one block per draft (SpecDiff), with path search and adaptive length on top. Several
-# candidates from one pass (specdiff2_select) would need the block batched over its context K/V: not done yet. A draft
-# tree (specdiff_tree) needs one block: the accepted path's verifier states join the drafter's context.
-DFLASH_METHODS = tuple(name for name in METHOD_NAMES
-                       if parse_method(name).base == "specdiff" and "select" not in parse_method(name))
+# What a DFlash drafter runs (align/families.py's REFUSED_METHODS says what it does not, and why).
+DFLASH_METHODS = kind_methods("dflash")
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.
 OPAQUE = ("hf_generate", "hf_assisted", "prompt_lookup")

@@ -5,7 +5,6 @@ check raises RecipeError with one line; the CLI (align/cli.py) runs them before 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from pathlib import Path
@@ -140,7 +139,7 @@ def load_model_config(key: str, section: ModelSection) -> Any:
         check_weights(key, Path(section.path))
     from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
 
-    importlib.import_module("align.dflash")  # registers the DFlash drafter's config with AutoConfig
+    import align.drafters.dflash  # noqa: F401 - registers the DFlash drafter's config with AutoConfig
 
     try:
         return AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)

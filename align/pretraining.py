@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from align.disk import atomic_file
 from align.losses import mdlm, next_token
-from align.models import attention_masks, block_diffusion_allowed
+from align.masks import attention_masks, block_diffusion_allowed
 
 # The small epsilon keeps 1/t finite; MDLM samples t in [eps, 1].
 MIN_MASK_RATIO = 1e-3
@@ -63,7 +63,7 @@ def mdlm_step(model: torch.nn.Module, window: torch.Tensor, gen: torch.Generator
     logits_shift 0: noised position t is predicted at its own output. 1 (a drafter cut from an AR model, as Dream and
     DiffuCoder are): at t-1's, so a block's first position is predicted by the last clean token before the block
     (what the cached context's last logits give when drafting) and the others by the noised block's previous position
-    (align/models.py block_logits reads a drafter the same way).
+    (align/drafters/masked.py reads a drafter the same way).
     """
     clean = window[:, :-1]
     batch, seq_len = clean.shape

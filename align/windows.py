@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from align.drafters import drafter_for
-from align.models import DrafterSpec, additive_mask
+from align.families import DrafterSpec
+from align.masks import additive_mask
 
 
 @dataclass

@@ -330,7 +330,8 @@ def dflash_drafter(verifier: Path, folder: Path) -> None:
 
     from align.checkpoint import save_merged
     from align.config import DFlashSection, VerifierSection
-    from align.models import load_tokenizer, new_dflash_drafter
+    from align.models import load_tokenizer
+    from align.drafters.loading import new_dflash_drafter
 
     section = VerifierSection(path=str(verifier), device="cpu", dtype="float32")
     tokenizer = load_tokenizer(str(verifier))

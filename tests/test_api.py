@@ -214,7 +214,8 @@ def dflash_drafter(tmp_path_factory) -> str:
     """A DFlash drafter with random weights, shaped to the tiny verifier and saved as training saves one."""
     from align.checkpoint import save_merged
     from align.config import DFlashSection, VerifierSection
-    from align.models import load_tokenizer, new_dflash_drafter
+    from align.models import load_tokenizer
+    from align.drafters.loading import new_dflash_drafter
 
     folder = tmp_path_factory.mktemp("dflash") / "drafter"
     tokenizer = load_tokenizer(VERIFIER)

@@ -494,7 +494,8 @@ def dflash_drafter(tmp_path_factory) -> Path:
 
     from align.checkpoint import save_merged
     from align.config import DFlashSection, VerifierSection
-    from align.models import load_tokenizer, new_dflash_drafter
+    from align.models import load_tokenizer
+    from align.drafters.loading import new_dflash_drafter
 
     section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")
     tokenizer = load_tokenizer(str(VERIFIER))
@@ -608,12 +609,17 @@ def test_self_selection_with_a_dflash_drafter_is_refused_from_its_config(capsys,
                f"eval.out={tmp_path / 'eval'}") == 0 and started == ["eval"]
 
 
-def test_not_dflash_methods_are_the_drafter_methods_dflash_cannot_run():
-    from align.config import METHOD_MODELS, NOT_DFLASH_METHODS
-    from align.methods import DFLASH_METHODS
+def test_each_drafter_kind_runs_or_refuses_every_drafter_method():
+    # align/families.py's one table: what a kind runs and what it refuses cover the methods that read drafter.path.
+    from align.config import METHOD_MODELS
+    from align.families import DRAFTER_KINDS, REFUSED_METHODS, kind_methods
 
     drafted = {m for m, keys in METHOD_MODELS.items() if "drafter.path" in keys}
-    assert set(NOT_DFLASH_METHODS) == drafted - set(DFLASH_METHODS)
+    assert set(REFUSED_METHODS) == set(DRAFTER_KINDS)
+    for kind in DRAFTER_KINDS:
+        assert set(kind_methods(kind)) | set(REFUSED_METHODS[kind]) == drafted, kind
+        assert not set(kind_methods(kind)) & set(REFUSED_METHODS[kind]), kind
+    assert "specdiff2_select" in REFUSED_METHODS["dflash"] and "specdiff_tree" in kind_methods("dflash")
 
 
 @pytest.mark.parametrize("stage, recipe, key", [

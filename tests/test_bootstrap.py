@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from align.stages.bootstrap import ar_step, build_model, pretrain, use_bf16
 from align.cli import main
 from align.config import load_recipe
-from align.models import DrafterSpec
+from align.families import DrafterSpec
+from align.stages.bootstrap import ar_step, build_model, pretrain, use_bf16
 
 from conftest import TOY
 

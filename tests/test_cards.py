@@ -440,7 +440,8 @@ def speculators_export(folder: Path, gamma: int = 8) -> Path:
     from align.checkpoint import save_merged
     from align.cli import main as align
     from align.config import DFlashSection, VerifierSection
-    from align.models import load_tokenizer, new_dflash_drafter
+    from align.models import load_tokenizer
+    from align.drafters.loading import new_dflash_drafter
     from test_vllm import VERIFIER
 
     tokenizer = load_tokenizer(str(VERIFIER))

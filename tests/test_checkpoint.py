@@ -1,5 +1,5 @@
-"""align/disk.py and align/checkpoint.py: what is published is whole, what was there survives a failure, merged weights keep the run's
-dtype and the drafter's own class."""
+"""align/disk.py and align/checkpoint.py: what is published is whole, what was there survives a failure, merged
+weights keep the run's dtype and the drafter's own class."""
 
 import os
 from pathlib import Path

@@ -21,10 +21,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
+from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
-from align.models import DrafterSpec
-from align.decoding.ar import ar_generate
+from align.families import DrafterSpec
 from test_sampling_lossless import (ALPHA, DECODES, NEW_TOKENS, PROMPT, SEED, TABLE_PROMPT, TEMPERATURE, VERIFIER_KINDS,
                                     exact_joint, lossless_pvalue, peaky, transformer_setup)
 from test_verifier_families import FAMILIES, MASK as FAMILY_MASK, SLIDING_WINDOW, peaky as family_model
@@ -212,7 +212,7 @@ def test_a_sliding_window_drafter_decodes_as_align_does(family, shift):
     # #22 defect 4 in this file: a block-causal drafter whose layers slide (Mistral: `sliding_window` alone; Qwen2:
     # `layer_types`) gets only the window's keys from its context cache once the context passes the window, and its
     # block mask, sized cached + rows, crashed there (size mismatch). Sized and windowed as align's runtime masks it
-    # (models.attention_masks, which tests/test_models.py checks against the model's own forward), it drafts what
+    # (masks.attention_masks, which tests/test_models.py checks against the model's own forward), it drafts what
     # align drafts: the same tokens and the same accepted lengths, iteration by iteration. The drafter is the
     # verifier's own weights (so the verifier slides too), so that drafts read right are often accepted.
     from align.custom_generate import generate

@@ -20,10 +20,11 @@ from align.config import ArDrafterSection, DecodeSection, DrafterSection, load_r
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
-from align.stages.derive import build_drafter, kept_layers
+from align.drafters.loading import load_drafter
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
-from align.models import load_ar_drafter, load_drafter
+from align.models import load_ar_drafter
+from align.stages.derive import build_drafter, kept_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2" / "diffusion.yaml"

@@ -16,9 +16,9 @@ from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.methods import METHODS, Setup
+from align.families import DrafterSpec
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions
-from align.models import DrafterSpec
+from align.methods import METHODS, Setup
 from align.windows import (WINDOW_BUILDERS, topk_window_logits, verifier_path_logits, verifier_window_logits,
                            window_logits)
 
@@ -160,7 +160,7 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_dflash_drafting_and_training_windows_create_their_tensors_on_the_models_device(temperature):
     from align.decoding.specdiff import specdiff_generate
-    from align.dflash import DFlashDrafter, config_for_verifier, dflash_window_logits
+    from align.drafters.dflash import DFlashDrafter, config_for_verifier, dflash_window_logits
 
     torch.manual_seed(0)
     verifier = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,

@@ -1,5 +1,5 @@
-"""The DFlash drafter kind (align/dflash.py): lossless in the runtime, trainable with every window loss, exported in
-the speculators format that vLLM's qwen3_dflash loads."""
+"""The DFlash drafter kind (align/drafters/dflash.py): lossless in the runtime, trainable with every window loss,
+exported in the speculators format that vLLM's qwen3_dflash loads."""
 
 import numpy as np
 import pytest
@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
-from align.dflash import DFlashDrafter, config_for_verifier
+from align.drafters.dflash import DFlashDrafter, config_for_verifier
+from align.families import drafter_spec_from_config
 from align.losses import WINDOW_LOSSES
-from align.models import drafter_spec_from_config
 
 VOCAB, MASK = 32, 31
 
@@ -51,7 +51,8 @@ def test_greedy_specdiff_with_a_dflash_drafter_is_token_identical_to_ar_greedy()
 def test_training_windows_see_what_the_runtime_shows_the_drafter():
     """A training window at start s must give the logits the runtime gets when it drafts after position s-1 with the
     context grown token by token: same context (positions before the anchor), same anchor, same positions."""
-    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits, dflash_window_logits
+    from align.drafters.dflash import DFlashContext, dflash_block_logits, dflash_window_logits
+    from align.drafters.base import aux_hidden
 
     verifier = tiny_verifier()
     drafter = tiny_dflash(verifier)
@@ -167,8 +168,10 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
     from align.checkpoint import save_merged
     from align.cli import main as align
     from align.config import DFlashSection, VerifierSection
-    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits, load_speculators_dflash
-    from align.models import load_tokenizer, load_verifier, new_dflash_drafter
+    from align.drafters.dflash import DFlashContext, dflash_block_logits, load_speculators_dflash
+    from align.drafters.base import aux_hidden
+    from align.models import load_tokenizer, load_verifier
+    from align.drafters.loading import new_dflash_drafter
 
     root, _ = toy_family
     verifier_path = str(root / "ck" / "verifier")
@@ -214,7 +217,8 @@ def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, tempe
     """Every draft the runtime makes must equal a draft made from scratch: the verifier's states of all tokens before
     the anchor (recomputed in one forward over the final sequence) and the anchor at that position. Catches a context
     that lags or runs ahead of the verifier, which stays lossless but silently costs acceptance."""
-    from align.dflash import DFlashContext, aux_hidden, dflash_block_logits
+    from align.drafters.dflash import DFlashContext, dflash_block_logits
+    from align.drafters.base import aux_hidden
     from align.drafters import conditioned
 
     verifier = tiny_verifier()

@@ -33,11 +33,13 @@ from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.families import drafter_spec_from_config
+from align.drafters.canvas import canvas_context, canvas_logits
+from align.drafters.loading import load_drafter
+from align.drafters.noise import noise_fill
+from align.families import drafter_spec_from_config, DrafterSpec
 from align.losses import streak
 from align.methods import METHODS, Setup
-from align.drafters.canvas import canvas_context, canvas_logits
-from align.models import DrafterSpec, load_drafter, load_tokenizer, noise_fill
+from align.models import load_tokenizer
 from align.windows import WINDOW_BUILDERS, window_logits
 
 ROOT = Path(__file__).resolve().parents[1]

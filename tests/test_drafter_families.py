@@ -28,9 +28,11 @@ from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.methods import METHODS, Setup
+from align.drafters.loading import load_drafter
 from align.drafters.masked import block_logits
-from align.models import DrafterSpec, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
+from align.families import DrafterSpec
+from align.methods import METHODS, Setup
+from align.models import load_ar_drafter, load_tokenizer, load_verifier
 from remote_code_families import write_family, write_prompts, write_qwen2
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it

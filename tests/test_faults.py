@@ -166,7 +166,7 @@ def test_a_step_folder_carries_checksums_and_a_flipped_bit_is_named_by_every_rea
         assert len(said) == 1 and f"{drafter / 'model.safetensors'} is corrupted" in said[0], said
     assert not any((tmp_path / name).exists() for name in ("eval", "export", "graph.json", "run"))
     from align.config import DrafterSection
-    from align.models import load_drafter
+    from align.drafters.loading import load_drafter
 
     with pytest.raises(RecipeError, match="model.safetensors is corrupted"):  # the Python API's way in
         load_drafter(DrafterSection(path=str(drafter)))

@@ -15,16 +15,17 @@ from align.stages import stage_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "align"
-# Modules with a main(recipe, command) that `align <stage>` runs, from the one list of stages (align/stages/__init__.py):
-# align.stages.<name>, a module or a package whose own modules are parts of that one stage.
+# Modules with a main(recipe, command) that `align <stage>` runs, from the one list of stages
+# (align/stages/__init__.py): align.stages.<name>, a module or a package whose own modules are parts of that one stage.
 STAGES = stage_modules()
 # cli.py dispatches to the stages, align/stages/__init__.py names them, __main__.py runs the CLI, and align/train.py is
 # the script `deepspeed align/train.py` runs (the CLI again): they sit above the stages.
 ENTRY_POINTS = {"align.cli", "align.stages", "align.stages.__init__", "align.__main__", "align.train"}
 TRAINING_CODE = {"deepspeed", "align.stages.train", "align.windows", "align.losses", "peft", "trl"}
-# What preflight (the torch-free checks every stage's refusals are built from) may import from align: the schema, the
-# model families, the Hub's address book and the checksums of folders align wrote.
-BELOW_PREFLIGHT = {"align.config", "align.families", "align.hub", "align.disk"}
+# What preflight (the checks every stage's refusals are built from) may import from align: the schema, the model
+# families, the Hub's address book, the nothing-is-lost layer (checksums of folders align wrote), and the DFlash
+# drafter's module, whose import registers its config with transformers' AutoConfig (reading a DFlash config.json).
+BELOW_PREFLIGHT = {"align.config", "align.families", "align.hub", "align.disk", "align.drafters.dflash"}
 
 
 def modules() -> dict[str, Path]:
@@ -86,6 +87,18 @@ def test_preflight_imports_nothing_above_it():
 def test_the_runtime_never_imports_training_code(name):
     found = {m for m in imports(modules()[name]) if m.split(".")[0] in TRAINING_CODE or m in TRAINING_CODE}
     assert not found, f"{name} imports {sorted(found)}"
+
+
+# The drafter kinds' own modules: the DFlash model, the three adapters, loading and noise. The runtime reaches a drafter
+# through align.drafters (drafter_for) and its interface (align.drafters.base) only.
+DRAFTER_KIND_MODULES = {"align.drafters.dflash", "align.drafters.masked", "align.drafters.canvas",
+                        "align.drafters.conditioned", "align.drafters.loading", "align.drafters.noise"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in modules() if n.startswith("align.decoding")))
+def test_the_runtime_imports_no_drafter_kind(name):
+    found = {m for m in imports(modules()[name]) if any(m == k or m.startswith(k + ".") for k in DRAFTER_KIND_MODULES)}
+    assert not found, f"{name} imports {sorted(found)}: ask the Drafter (align.drafters.drafter_for) instead"
 
 
 def import_graph() -> dict[str, set[tuple[str, bool]]]:
@@ -207,11 +220,12 @@ def test_only_the_vllm_worker_imports_vllm():
 
 # Reads of the drafter's kind (issue 23): its spec's kind or attention, the canvas-decoder test, the DFlash tap. They
 # belong in align/drafters/, whose `drafter_for` picks an implementation once; convert.py and weights.py read a GGUF
-# tensor's `source.kind`, no drafter's. What is left outside: models.py's loading (a bidirectional drafter's config,
-# the masks a drafter reads, checked at load), serve_check's refusal message, and the memory probe's window shapes (a
-# block-causal drafter reads all of a row's windows in one sequence, as the window builders lay them out).
+# tensor's `source.kind`, no drafter's. What is left outside: the kind handed to families.method_refusal (the one
+# refusal of a method a kind does not run) by the eval stage and the Python API, serve_check's refusal message, and
+# the memory probe's window shapes (a block-causal drafter reads all of a row's windows in one sequence, as the window
+# builders lay them out).
 KIND_READS = re.compile(r"spec\.kind|\.kind ==|\.kind in|attention ==|is_canvas_decoder|dflash_tap|\.tap\b")
-MOST_KIND_READS_OUTSIDE_DRAFTERS = 7
+MOST_KIND_READS_OUTSIDE_DRAFTERS = 4
 
 
 def kind_reads(path: Path) -> list[int]:

@@ -240,7 +240,7 @@ def test_real_vocabulary_chunked_equals_whole(gemma_lm_head):
         torch.testing.assert_close(d_chunked.grad, d_whole.grad, rtol=1e-4, atol=1e-7)
 
 
-# ---- the held-out metric (align/stages/train.py held_out_streak) reads log q(x) through the same chunks ----------------
+# ---- the held-out metric (align/stages/train.py held_out_streak) reads log q(x) through the same chunks ---------
 def _old_held_out_streaks(logits, targets, target_mask):
     """held_out_streak's computation before chunking: one fp32 log_softmax over every window position at once."""
     logits = logits.float()

@@ -15,8 +15,8 @@ from align.cli import main
 from align.config import RecipeError, load_recipe
 from align.decoding.ar import ar_generate
 from align.decoding.specdiff import specdiff_generate
+from align.drafters.loading import new_dflash_drafter
 from align.mask_token import choose_mask_token, dflash_mask_token
-from align.models import new_dflash_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "checkpoints" / "tiny" / "verifier"

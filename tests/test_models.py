@@ -1,4 +1,4 @@
-"""Tests of align/models.py on real tiny transformers models (Llama, Qwen2, Mistral; fp32, CPU).
+"""Tests of align/models.py and align/masks.py on real tiny transformers models (Llama, Qwen2, Mistral; fp32, CPU).
 
 The central claim of the model layer is that `block_logits` reads the right logits for every DrafterSpec. It is tested
 semantically: tiny drafters are trained on a counting task with their targets placed as each spec says, and then the
@@ -22,19 +22,12 @@ from align.config import DrafterSection, RecipeError, VerifierSection
 from align.decoding.dllm import dllm_generate
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.models import (
-    KNOWN_DLLMS,
-    DrafterSpec,
-    additive_mask,
-    attention_masks,
-    block_causal_allowed,
-    block_diffusion_allowed,
-    check_vocab_compatible,
-    drafter_spec_from_config,
-    load_drafter,
-    load_verifier,
-)
+from align.drafters.loading import load_drafter
 from align.drafters.masked import block_logits, crop_context, encode_context, shared_context_block_logits
+from align.families import KNOWN_DLLMS, DrafterSpec, drafter_spec_from_config
+from align.masks import additive_mask, attention_masks, block_causal_allowed, block_diffusion_allowed
+from align.models import load_verifier
+from align.preflight import check_vocab_compatible
 
 VOCAB = 40
 MASK = VOCAB - 1  # the mask token: the last id of the vocabulary

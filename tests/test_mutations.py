@@ -73,7 +73,7 @@ MUTATIONS = (
     # Issue 22 defect 4 and the sliding verifiers: a sliding layer's window left out of a mask align builds. The
     # sampled test sees it on the verifier whose every layer slides (p ≈ 1e-34); on Qwen2's, one sliding layer of two,
     # it moves the distribution less (p ≈ 0.05 at 1,000 decodes), and the node-by-node tree check catches it.
-    Mutation("a verifier's tree mask (and a cached drafter's block mask) without its sliding window", "models.py",
+    Mutation("a verifier's tree mask (and a cached drafter's block mask) without its sliding window", "masks.py",
              "sees = sees & in_window(None, None, positions[:, :, None], key_positions[:, None, :])", "None",
              (SLIDING + "[mistral_sliding-specdiff_tree]",
               "tests/test_tree.py::test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path[qwen2_sliding]")),

@@ -19,8 +19,10 @@ import torch
 
 import align.remote_code as remote_code
 from align.config import DrafterSection, RecipeError
+from align.drafters.loading import load_drafter
 from align.drafters.masked import block_logits
-from align.models import full_mask_kwargs, load_drafter, load_tokenizer
+from align.masks import full_mask_kwargs
+from align.models import load_tokenizer
 from align.remote_code import masks_ignored, shims_applied
 from align.windows import bidirectional_windows, window_logits
 from conftest import checkout_env
@@ -62,7 +64,8 @@ import json, os, sys, traceback
 import torch
 import align.remote_code as remote_code
 from align.config import DrafterSection
-from align.models import load_drafter, load_tokenizer
+from align.drafters.loading import load_drafter
+from align.models import load_tokenizer
 for folder, shim in zip(sys.argv[1::2], sys.argv[2::2]):
     pid = os.fork()
     if pid:

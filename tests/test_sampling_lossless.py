@@ -44,8 +44,8 @@ from align.config import DecodeSection
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
+from align.families import DrafterSpec
 from align.methods import METHODS, Setup
-from align.models import DrafterSpec
 
 pytestmark = [pytest.mark.slow,  # the fast tier (-m 'not slow') leaves this file out; CI runs it
               pytest.mark.usefixtures("one_thread")]

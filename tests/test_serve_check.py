@@ -42,8 +42,9 @@ def dflash_checkpoint(folder: Path, train_steps: int) -> Path:
     from align.checkpoint import save_merged
     from align.config import DFlashSection, VerifierSection
     from align.decoding.ar import ar_generate
-    from align.dflash import dflash_window_logits
-    from align.models import load_tokenizer, load_verifier, new_dflash_drafter
+    from align.drafters.dflash import dflash_window_logits
+    from align.models import load_tokenizer, load_verifier
+    from align.drafters.loading import new_dflash_drafter
 
     tokenizer = load_tokenizer(str(VERIFIER))
     section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")

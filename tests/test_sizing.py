@@ -14,8 +14,8 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.sizing import CostAwareSize, measure_verify_costs, non_decreasing
+from align.families import DrafterSpec
 from align.methods import METHODS, Setup
-from align.models import DrafterSpec
 
 VOCAB, MASK = 16, 15
 COST_METHODS = ["specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost"]

@@ -21,8 +21,8 @@ from align.data import chat_template, load_trajectories, prompt_ids_sha256, rend
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
+from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
-from align.models import DrafterSpec
 from align.weights import locate
 from align.windows import block_causal_windows
 
@@ -250,9 +250,9 @@ def test_the_mask_token_chosen_for_the_real_verifier(smollm2):
 
 
 def test_a_dflash_drafter_on_the_real_verifier_is_greedy_identical_to_ar(verifier, tokenizer):
-    from align.dflash import DFlashDrafter, config_for_verifier
+    from align.drafters.dflash import DFlashDrafter, config_for_verifier
     from align.decoding.specdiff import specdiff_generate
-    from align.models import drafter_spec_from_config
+    from align.families import drafter_spec_from_config
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(config_for_verifier(verifier.config, tokenizer.unk_token_id, num_layers=1,
@@ -276,7 +276,7 @@ def test_a_dflash_drafter_trains_two_steps_on_two_ranks_against_the_real_verifie
     from conftest import checkout_env
 
     from align.decoding.specdiff import specdiff_generate
-    from align.models import load_drafter
+    from align.drafters.loading import load_drafter
     from align.config import DrafterSection
 
     prompts = tmp_path / "prompts.jsonl"

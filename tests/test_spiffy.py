@@ -8,13 +8,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from align.config import RecipeError
-from align.decoding.dllm import dllm_generate, unmask
+from align.decoding.dllm import dllm_generate, unmask, BlockTrace, StepRanks
 from align.decoding.spiffy import spiffy_generate
-from align.decoding.dllm import BlockTrace, StepRanks
 from align.draft_graph import (DraftGraph, apply_formula, calibrate, count_formulas, exhaustive_select,
                                formula_between, objective, prune, ranked_positions, replayed_forwards,
                                select_nodes, trace_chains)
-from align.models import DrafterSpec
+from align.families import DrafterSpec
 
 VOCAB, MASK = 40, 39
 F = lambda *pairs: frozenset(pairs)  # noqa: E731

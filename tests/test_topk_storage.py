@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from align.config import load_recipe
-from align.models import DrafterSpec
+from align.families import DrafterSpec
 from align.stages.trajectories import sample_chunk, write_chunk
 from align.windows import WINDOW_BUILDERS, topk_window_logits
 

@@ -15,8 +15,10 @@ from align.decoding.ar import ar_generate
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.tree import (DraftTree, build_consistent_draft_tree, build_draft_tree, keep_path,
                                  specdiff_tree_generate, tree_forward)
-from align.dflash import DFlashDrafter, config_for_verifier
-from align.models import DrafterSpec, drafter_spec_from_config, load_drafter, load_tokenizer, load_verifier, rollback_cache
+from align.drafters.dflash import DFlashDrafter, config_for_verifier
+from align.drafters.loading import load_drafter
+from align.families import DrafterSpec, drafter_spec_from_config
+from align.models import load_tokenizer, load_verifier, rollback_cache
 from test_sampling_lossless import (ALPHA, DECODES, NEW_TOKENS, SEED, TABLE_PROMPT, TEMPERATURE, exact_joint,
                                     first_tokens, lossless_pvalue, transformer_setup)
 from test_diffusion_gemma import SLIDING_WINDOW as GEMMA_WINDOW, tiny_diffusion_gemma, tiny_gemma4_verifier

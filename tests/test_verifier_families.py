@@ -19,8 +19,9 @@ from align.config import DecodeSection
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
+from align.families import DrafterSpec
 from align.methods import METHODS, Setup
-from align.models import DrafterSpec, load_tokenizer
+from align.models import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, MASK, NEW_TOKENS, SLIDING_WINDOW = 64, 63, 40, 16

@@ -230,7 +230,8 @@ import json, sys
 import deepspeed, torch
 from safetensors.torch import load_file
 from align.config import load_recipe
-from align.models import check_masks_are_read, is_partitioned, load_drafter, load_tokenizer, partitioned_loading
+from align.drafters.loading import check_masks_are_read, load_drafter
+from align.models import is_partitioned, load_tokenizer, partitioned_loading
 from align.remote_code import masks_ignored
 from align.stages.train import deepspeed_config, init_distributed
 
@@ -273,7 +274,7 @@ def test_zero3_loads_each_ranks_partition_only_and_the_gathered_weights_are_the_
     through the engine gives the whole model's logits."""
     from remote_code_families import write_family
 
-    from align.models import load_drafter as load_whole
+    from align.drafters.loading import load_drafter as load_whole
     from align.remote_code import masks_ignored
 
     remote = family != "tiny"

@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from align.decoding.sampling import logits_to_probs, sample
-from align.dflash import HiddenTap, aux_hidden
+from align.drafters.base import HiddenTap, aux_hidden
 from align.models import rollback_cache
 
 

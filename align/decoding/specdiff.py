@@ -14,7 +14,7 @@ from align.decoding.path_search import PathSearch, TrigramModel, causal_path_sea
 from align.decoding.sizing import CostAwareSize
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate, verify_path
 from align.drafters import drafter_for
-from align.models import DrafterSpec
+from align.families import DrafterSpec
 
 
 # --------------------------------------------------------------------------------------------------------------------

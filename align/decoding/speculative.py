@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from align.decoding.acceptance import accept_draft
 from align.decoding.generation import GenerationStats, Sampling, finish, finished, start, verifier_forward
-from align.dflash import HiddenTap
+from align.drafters.base import HiddenTap
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sizing import CostAwareSize
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
-from align.dflash import HiddenTap, aux_hidden
 from align.drafters import drafter_for
-from align.models import DrafterSpec, attention_masks, check_mask_layer_types
+from align.drafters.base import HiddenTap, aux_hidden
+from align.families import DrafterSpec
+from align.masks import attention_masks, check_mask_layer_types
 
 
 @dataclass(frozen=True)

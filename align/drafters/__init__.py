@@ -8,9 +8,9 @@ from transformers import PreTrainedModel
 from align.drafters.base import BATCHED_ROWS_MATCH, Drafter, VerifiedRows, Windows
 from align.drafters.canvas import CanvasDecoder
 from align.drafters.conditioned import ConditionedDrafter
+from align.drafters.loading import is_canvas_decoder
 from align.drafters.masked import DrafterContext, MaskedDrafter
 from align.families import DrafterSpec
-from align.models import is_canvas_decoder
 
 __all__ = ["BATCHED_ROWS_MATCH", "CanvasDecoder", "ConditionedDrafter", "Drafter", "DrafterContext", "MaskedDrafter",
            "VerifiedRows", "Windows", "drafter_for"]

@@ -9,12 +9,12 @@ drafter (`MaskedDrafter`: Dream, LLaDA, the tiny drafters; bidirectional or bloc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 import torch
 from transformers import PreTrainedModel
 
-from align.dflash import HiddenTap
 from align.families import Attention, DrafterSpec
 
 # Why the rows of a batched forward over several blocks after one context (Spiffy's draft states) give what a forward
@@ -25,6 +25,25 @@ BATCHED_ROWS_MATCH: dict[Attention, str] = {
     "bidirectional": "bidirectional model: drafts are batched rows of the same computation; float differences between "
                      "batched and single forwards could flip a near-tie",
 }
+
+# --------------------------------------------------------------------------------------------------------------------
+# the verifier's side: which of its hidden states a drafter reads (a DFlash drafter's), filled by the runtime's
+# verifier forwards
+# --------------------------------------------------------------------------------------------------------------------
+def aux_hidden(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """transformers' `hidden_states` (embeddings, then each layer's output) -> (B, T, n_aux·H): the residual stream
+    entering each of `layer_ids`, concatenated in that order (vLLM's aux hidden states)."""
+    return torch.cat([hidden_states[k] for k in layer_ids], dim=-1)
+
+
+@dataclass
+class HiddenTap:
+    """Asks the runtime's verifier forwards for the drafter's hidden states: after each forward over k tokens,
+    `last` holds their (1, k, n_aux·H). No extra verifier pass: the same forward gives logits and these."""
+
+    layer_ids: list[int]
+    last: Optional[torch.Tensor] = None
+
 
 # Rows of the verifier's last forward (its input positions) that the verifier kept: the newest token and the
 # accepted drafts, as a slice of a path forward or as the row indices of a tree forward.

@@ -12,11 +12,11 @@ from typing import Any, Optional
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from align.dflash import HiddenTap
-from align.drafters.base import VerifiedRows, Windows
+from align.drafters.base import HiddenTap, VerifiedRows, Windows
 from align.drafters.masked import DrafterContext
-from align.families import DrafterSpec
-from align.models import config_vocab_size, model_input
+from align.drafters.noise import model_input
+from align.families import REFUSED_METHODS, DrafterSpec
+from align.models import config_vocab_size
 
 
 def canvas_context(model: PreTrainedModel) -> DrafterContext:
@@ -117,7 +117,7 @@ class CanvasDecoder:
     (drafts never enter it), and each draft is one decoder forward over a canvas."""
 
     verifier_states: Optional[HiddenTap] = None
-    refused_methods: tuple[str, ...] = ()
+    refused_methods: tuple[str, ...] = REFUSED_METHODS["standalone"]
 
     def __init__(self, model: PreTrainedModel, spec: DrafterSpec) -> None:
         self.model, self.spec = model, spec

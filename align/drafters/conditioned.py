@@ -1,6 +1,6 @@
-"""The target-conditioned DFlash drafter (align/dflash.py) as a `Drafter`: it reads the verifier's hidden states,
-which every runtime verifier forward hands over through `verifier_states`, and its context is those states for the
-tokens the verifier has kept (all but the newest, the anchor of the next block)."""
+"""The target-conditioned DFlash drafter (align/drafters/dflash.py) as a `Drafter`: it reads the verifier's hidden
+states, which every runtime verifier forward hands over through `verifier_states`, and its context is those states for
+the tokens the verifier has kept (all but the newest, the anchor of the next block)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from typing import Any, Optional
 import torch
 from transformers import PreTrainedModel
 
-from align.config import NOT_DFLASH_METHODS, RecipeError
-from align.dflash import DFlashContext, HiddenTap, dflash_block_logits, dflash_window_logits
-from align.drafters.base import VerifiedRows, Windows
-from align.families import DrafterSpec
+from align.config import RecipeError
+from align.drafters.base import HiddenTap, VerifiedRows, Windows
+from align.drafters.dflash import DFlashContext, dflash_block_logits, dflash_window_logits
+from align.families import REFUSED_METHODS, DrafterSpec
 
 
 class ConditionedDrafter:
     """A DFlash drafter (the `Drafter` interface). Its context only ever grows by the states of verified rows, so it
     is exact and never cropped."""
 
-    refused_methods: tuple[str, ...] = NOT_DFLASH_METHODS  # several candidates would need the block batched over K/V
+    refused_methods: tuple[str, ...] = REFUSED_METHODS["dflash"]
 
     def __init__(self, model: PreTrainedModel, spec: DrafterSpec) -> None:
         self.model, self.spec = model, spec

@@ -16,11 +16,11 @@ from typing import Any, Optional
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from align.dflash import HiddenTap
-from align.drafters.base import VerifiedRows, Windows
-from align.families import DrafterSpec
-from align.models import (attention_masks, block_causal_allowed, forward_parameters, full_mask_kwargs, model_input,
-                          rollback_cache)
+from align.drafters.base import HiddenTap, VerifiedRows, Windows
+from align.drafters.noise import model_input
+from align.families import REFUSED_METHODS, DrafterSpec
+from align.masks import attention_masks, block_causal_allowed, full_mask_kwargs
+from align.models import forward_parameters, rollback_cache
 from align.remote_code import masks_ignored
 
 
@@ -261,7 +261,7 @@ class MaskedDrafter:
     a generation, which only ever grows (drafts never enter it); a bidirectional one re-reads its context each time."""
 
     verifier_states: Optional[HiddenTap] = None
-    refused_methods: tuple[str, ...] = ()
+    refused_methods: tuple[str, ...] = REFUSED_METHODS["standalone"]
 
     def __init__(self, model: PreTrainedModel, spec: DrafterSpec) -> None:
         self.model, self.spec = model, spec

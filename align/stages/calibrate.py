@@ -13,8 +13,9 @@ from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_p
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.disk import mark_folder
 from align.draft_graph import POSITION_ORDERS, calibrate
+from align.drafters.loading import load_drafter
 from align.methods import eos_token_ids
-from align.models import load_drafter, load_tokenizer
+from align.models import load_tokenizer
 from align.preflight import check_new_tokens, fits_context, model_context
 
 

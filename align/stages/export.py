@@ -94,8 +94,10 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     """A DFlash drafter as speculators saves one: config.json (speculators_config, aux_hidden_state_layer_ids,
     mask_token_id, block_size), model.safetensors under vLLM's qwen3_dflash weight names with the verifier's
     embeddings and LM head copied in, the tokenizer, and a card that says how to serve it."""
-    from align.dflash import write_speculators_folder
-    from align.models import is_dflash, load_drafter, load_tokenizer, load_verifier
+    from align.drafters.dflash import write_speculators_folder
+    from align.drafters.dflash import is_dflash
+    from align.drafters.loading import load_drafter
+    from align.models import load_tokenizer, load_verifier
 
     tokenizer = load_tokenizer(str(source))
     drafter, _ = load_drafter(recipe.drafter, tokenizer)
@@ -124,7 +126,8 @@ def write_merged_weights(recipe: Recipe, source: Path, tmp: Path) -> None:
 
 
 def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
-    from align.models import drafter_spec_from_config, load_tokenizer
+    from align.families import drafter_spec_from_config
+    from align.models import load_tokenizer
 
     # meta.json becomes the card; the checksums (checked when read) would no longer match the files written here
     adapter = is_adapter_folder(source)

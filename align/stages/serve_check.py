@@ -29,13 +29,14 @@ from align.data import chat_template, encode_prompts, eval_prompts, prompt_ids_s
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
-from align.dflash import load_speculators_dflash, write_speculators_folder
 from align.disk import mark_folder, write_result, write_text_atomic
 from align.drafters import ConditionedDrafter, drafter_for
+from align.drafters.dflash import load_speculators_dflash, write_speculators_folder
+from align.drafters.loading import load_drafter
 from align.families import drafter_spec_from_config
 from align.machine import cpu_model
 from align.methods import eos_token_ids
-from align.models import load_drafter, load_tokenizer, load_verifier
+from align.models import load_tokenizer, load_verifier
 from align.preflight import check_new_tokens, model_context
 from align.vllm_engine import ServeResult, serve, served_drafter_kind, vllm_dtype
 

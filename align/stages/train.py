@@ -43,12 +43,12 @@ from align.decoding.specdiff import specdiff_generate
 from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
-from align.families import CANVAS_DECODER_FAMILIES
+from align.drafters.loading import check_masks_are_read, load_drafter, new_dflash_drafter
+from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise
 from align.mask_token import dflash_mask_token
 from align.memory_probe import peak_per_gpu
-from align.models import (DrafterSpec, check_masks_are_read, is_partitioned, load_drafter, load_tokenizer,
-                          load_verifier, new_dflash_drafter, partitioned_loading)
+from align.models import is_partitioned, load_tokenizer, load_verifier, partitioned_loading
 from align.preflight import load_model_config
 from align.tracking import check_trackers, open_trackers
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,

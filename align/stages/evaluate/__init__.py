@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from align.config import METHOD_MODELS, NOT_DFLASH_METHODS, Recipe, RecipeError
+from align.config import METHOD_MODELS, Recipe, RecipeError
 from align.draft_graph import DraftGraph
-from align.methods import DFLASH_METHODS
+from align.families import method_refusal
 from align.preflight import check_new_tokens, check_tiny_default, drafter_kind
 from align.stages.evaluate import dllm, speculative
 
@@ -39,10 +39,10 @@ def check(recipe: Recipe) -> None:
     if e.mode == "speculative" and any("cps" in name for name in e.methods):
         check_tiny_default(recipe, "decode.cps_proxy_corpus", "verifier.path")
     if e.mode == "speculative" and "drafter.path" in models(recipe):
-        bad = [m for m in e.methods if m in NOT_DFLASH_METHODS]
-        if bad and drafter_kind(recipe) == "dflash":
-            raise RecipeError(f"eval.methods: {bad[0]} does not run a DFlash drafter ({recipe.drafter.path}); its "
-                              f"methods are {', '.join(DFLASH_METHODS)}")
+        kind = drafter_kind(recipe)
+        refusals = [f"{m} {why}" for m in e.methods if (why := method_refusal(kind, m, recipe.drafter.path))]
+        if refusals:
+            raise RecipeError(f"eval.methods: {refusals[0]}")
     if e.mode == "dllm":
         if c.graph is None:
             raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align "

@@ -22,9 +22,10 @@ from align.decoding.spiffy import spiffy_generate
 from align.disk import mark_folder, write_result, write_text_atomic
 from align.draft_graph import DraftGraph
 from align.drafters import BATCHED_ROWS_MATCH
+from align.drafters.loading import load_drafter
 from align.machine import machine, versions
 from align.methods import eos_token_ids
-from align.models import load_drafter, load_tokenizer
+from align.models import load_tokenizer
 from align.preflight import model_context
 
 

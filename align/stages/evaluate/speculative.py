@@ -28,10 +28,13 @@ from align.decoding.generation import GenerationStats, Sampling, mean_accepted_l
 from align.decoding.timers import verifier_latency
 from align.disk import mark_folder, naming_path, write_result, write_text_atomic
 from align.drafters import drafter_for
+from align.drafters.loading import load_drafter
+from align.families import method_refusal
 from align.machine import machine, versions
-from align.methods import (BASELINES, DFLASH_METHODS, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
+from align.methods import (BASELINES, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, trigram_proxy)
-from align.models import context_length, load_ar_drafter, load_drafter, load_tokenizer, load_verifier
+from align.models import load_ar_drafter, load_tokenizer, load_verifier
+from align.preflight import context_length
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -356,10 +359,10 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
     if any(base_method(n).endswith("_cost") for n in names):  # one cost curve for every drafter compared
         setup.measured_costs(prompts[len(prompts) // 2])
     setups = {name: setup for name in names}
-    refused = [name for name in names if spec is not None and name in drafter_for(drafter, spec).refused_methods]
-    if refused:
-        raise RecipeError(f"eval.methods: {refused[0]} does not run a DFlash drafter (drafter.path); "
-                          f"its methods are {', '.join(DFLASH_METHODS)}")
+    refusals = [f"{name} {why}" for name in names
+                if spec is not None and (why := method_refusal(spec.kind, name, "drafter.path"))]
+    if refusals:
+        raise RecipeError(f"eval.methods: {refusals[0]}")
     for label, section in compared.items():
         other, other_spec = load_drafter(section, tokenizer)
         for name in names:

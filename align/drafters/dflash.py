@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
+from align.drafters.base import aux_hidden
+
 MODEL_TYPE = "align_dflash"
 
 
@@ -223,24 +225,6 @@ AutoModel.register(DFlashConfig, DFlashDrafter)
 
 def is_dflash(model: Any) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) == MODEL_TYPE
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# the verifier's side: which hidden states the drafter reads
-# --------------------------------------------------------------------------------------------------------------------
-def aux_hidden(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """transformers' `hidden_states` (embeddings, then each layer's output) -> (B, T, n_aux·H): the residual stream
-    entering each of `layer_ids`, concatenated in that order (vLLM's aux hidden states)."""
-    return torch.cat([hidden_states[k] for k in layer_ids], dim=-1)
-
-
-@dataclass
-class HiddenTap:
-    """Asks the runtime's verifier forwards for the drafter's hidden states: after each forward over k tokens,
-    `last` holds their (1, k, n_aux·H). No extra verifier pass: the same forward gives logits and these."""
-
-    layer_ids: list[int]
-    last: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -1,0 +1,106 @@
+"""Loading a diffusion drafter with its DrafterSpec, and building a new DFlash drafter on a verifier.
+
+A diffusion drafter is a masked discrete-diffusion LM: given `context ⊕ [MASK]×γ` it returns a distribution for every
+masked position in one forward pass. Three facts describe how to read it, and getting any of them wrong silently
+destroys acceptance, so they live in one place (`DrafterSpec`, align/families.py, torch-free so that the CLI checks
+a drafter's config before loading anything) and one package reads logits for all of them (align/drafters,
+`drafter_for`):
+
+- `mask_token_id`: the token that marks a masked position (from the tokenizer, never a literal);
+- `logits_shift`: 0 when the prediction for position t is at logits[t] (LLaDA); 1 when it is at logits[t-1] (Dream,
+  DiffuCoder and other models adapted from AR checkpoints);
+- `attention`: `bidirectional` (every position sees every other: the context is re-encoded for each draft) or
+  `block_causal` (the context is causal and the block attends to the context and to itself: the context KV cache is
+  exact, so a draft costs O(γ) rather than O(context));
+- `noise`: what the model reads at a noised position (align/drafters/noise.py).
+
+DiffusionGemma (`DiffusionGemmaForBlockDiffusion`) is block-causal in two modules that share their weights: a causal
+encoder writes the context KV cache and a bidirectional decoder denoises a canvas reading that cache without writing
+it (the CANVAS_DECODER_FAMILIES; align/drafters/canvas.py reads it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from align.config import ModelSection, RecipeError
+# Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
+from align.drafters.dflash import DFlashDrafter, config_for_verifier, is_dflash
+from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec, drafter_spec_from_config
+from align.masks import check_mask_layer_types, full_mask_kwargs
+from align.models import _load, is_partitioned, resolve_device, resolve_dtype, vocab_size
+from align.remote_code import MASKS_IGNORED, honours_attention_masks
+
+
+def load_drafter(
+    section: Any, tokenizer: Optional[PreTrainedTokenizerBase] = None
+) -> tuple[PreTrainedModel, DrafterSpec]:
+    """The diffusion drafter and its spec. `section` is a DrafterSection (its spec fields override the config's).
+    Inside `partitioned_loading` the weights come partitioned, and the check that remote code reads its masks (a
+    forward, which needs whole weights) is left to `check_masks_are_read` once DeepSpeed's engine gathers them."""
+    config = AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
+    spec = drafter_spec_from_config(
+        config, tokenizer, section.mask_token_id, section.logits_shift, section.attention
+    )
+    # A bidirectional drafter must never get transformers' default causal mask; a block-causal one keeps the causal
+    # default for its context and receives an explicit block mask where it is read (align/drafters/masked.py). The flag
+    # is set on the config object rather than passed as a `from_pretrained` kwarg: configs without an `is_causal`
+    # attribute (Llama, Qwen2) would hand the kwarg to the model's __init__, which rejects it.
+    overrides = {}
+    if spec.attention == "bidirectional":
+        config.is_causal = False
+        overrides["config"] = config
+    model = _load(section, **overrides)
+    if spec.mask_token_id >= vocab_size(model):
+        raise RecipeError(f"drafter.mask_token_id: {spec.mask_token_id} is outside the vocabulary ({vocab_size(model)})")
+    # A canvas decoder and a DFlash drafter build their own masks; every other drafter reads the masks align builds.
+    reads_align_masks = not is_canvas_decoder(model) and not is_dflash(model)
+    if spec.attention == "block_causal" and reads_align_masks:
+        check_mask_layer_types(model, "drafter")  # its block mask is align's: refused now, not at the first draft
+    if section.trust_remote_code and reads_align_masks and not is_partitioned(model):
+        check_masks_are_read(model, spec)
+    return model, spec
+
+
+def check_masks_are_read(model: PreTrainedModel, spec: DrafterSpec) -> None:
+    """Remote code may drop the masks it is handed (LLaDA's attention hard-codes `attn_mask=None`). Such a drafter is
+    marked (`MASKS_IGNORED`) so that no padded batch relies on one (`full_mask_kwargs` refuses, the training windows
+    run row by row unpadded); a block-causal drafter, whose every forward needs its block mask, is refused. Two
+    forwards in eval mode (dropout would tell the two apart): under ZeRO-3 every rank must make them (collectives)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        honoured = honours_attention_masks(model, full_mask_kwargs, vocab_size(model))
+    model.train(was_training)
+    if honoured:
+        return
+    if spec.attention == "block_causal":
+        raise RecipeError(f"drafter.attention: {type(model).__name__} ignores attention masks, and block_causal "
+                          "drafting needs one; use drafter.attention=bidirectional")
+    setattr(model, MASKS_IGNORED, True)
+
+
+def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSection, mask_token_id: int,
+                       gamma: int) -> tuple[PreTrainedModel, DrafterSpec]:
+    """A DFlash drafter with random weights, shaped to the verifier at `verifier.path` (settings: a DFlashSection),
+    on `drafter`'s device and dtype, marking masked positions with `mask_token_id` (mask_token.dflash_mask_token)."""
+    verifier_config = AutoConfig.from_pretrained(verifier.path, trust_remote_code=verifier.trust_remote_code)
+    num_layers = verifier_config.get_text_config().num_hidden_layers
+    if settings.aux_layer_ids and max(settings.aux_layer_ids) >= num_layers:
+        raise RecipeError(f"dflash.aux_layer_ids: {settings.aux_layer_ids} must be below the verifier's {num_layers} "
+                          "layers (id k is the input of layer k)")
+    config = config_for_verifier(verifier_config, mask_token_id, settings.num_layers,
+                                 settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1)
+    device = resolve_device(drafter.device)
+    model = DFlashDrafter(config).to(device=device, dtype=resolve_dtype(drafter.dtype, device))
+    return model, drafter_spec_from_config(config)
+
+
+def is_canvas_decoder(model: PreTrainedModel) -> bool:
+    """DiffusionGemma-style (config.CANVAS_DECODER_FAMILIES): a causal encoder writes the context cache
+    (`model.get_encoder()`), a bidirectional decoder reads it to denoise the canvas (`model(decoder_input_ids=...,
+    cache=...)`)."""
+    return getattr(model.config, "model_type", None) in CANVAS_DECODER_FAMILIES
