@@ -21,17 +21,20 @@ it (the CANVAS_DECODER_FAMILIES; align/drafters/canvas.py reads it).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from align.config import ModelSection, RecipeError
+from align.config import ModelSection, Recipe, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
 from align.drafters.dflash import DFlashDrafter, config_for_verifier, is_dflash
 from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec, drafter_spec_from_config
 from align.masks import check_mask_layer_types, full_mask_kwargs
-from align.models import _load, is_partitioned, resolve_device, resolve_dtype, vocab_size
+from align.mask_token import dflash_mask_token
+from align.models import (_load, is_partitioned, load_tokenizer, partitioned_loading, resolve_device, resolve_dtype,
+                          vocab_size)
 from align.remote_code import MASKS_IGNORED, honours_attention_masks
 
 
@@ -104,3 +107,29 @@ def is_canvas_decoder(model: PreTrainedModel) -> bool:
     (`model.get_encoder()`), a bidirectional decoder reads it to denoise the canvas (`model(decoder_input_ids=...,
     cache=...)`)."""
     return getattr(model.config, "model_type", None) in CANVAS_DECODER_FAMILIES
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the drafter a training run starts from
+# --------------------------------------------------------------------------------------------------------------------
+def drafter_reads(recipe: Recipe) -> tuple[str, ...]:
+    """The model keys whose weights the drafter `align train` starts from is: drafter.path, or, for a new DFlash
+    drafter (a recipe with a dflash section), the verifier it is built on and reads in every step."""
+    return ("verifier.path",) if recipe.dflash is not None else ("drafter.path",)
+
+
+def build_drafter(recipe: Recipe, partition: Optional[dict[str, Any]] = None
+                  ) -> tuple[PreTrainedModel, DrafterSpec, PreTrainedTokenizerBase, Optional[str]]:
+    """The drafter `align train` starts from, its spec and tokenizer, and the mask token chosen for it (None when the
+    drafter brings its own): a new DFlash drafter shaped to the verifier, whose tokenizer it shares, or drafter.path
+    loaded, by ZeRO-3 partitions when `partition` (a DeepSpeed config) is given."""
+    if recipe.dflash is not None:
+        tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
+        mask_token_id, mask_token = dflash_mask_token(recipe)
+        model, spec = new_dflash_drafter(recipe.verifier, recipe.dflash, recipe.drafter, mask_token_id,
+                                         recipe.train.gamma)
+        return model, spec, tokenizer, mask_token
+    tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
+    with partitioned_loading(partition) if partition is not None else contextlib.nullcontext():
+        model, spec = load_drafter(recipe.drafter, tokenizer)
+    return model, spec, tokenizer, None

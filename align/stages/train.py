@@ -43,12 +43,12 @@ from align.decoding.specdiff import specdiff_generate
 from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
-from align.drafters.loading import check_masks_are_read, load_drafter, new_dflash_drafter
+from align.drafters.loading import build_drafter, check_masks_are_read, drafter_reads, load_drafter
 from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise
 from align.mask_token import dflash_mask_token
 from align.memory_probe import peak_per_gpu
-from align.models import is_partitioned, load_tokenizer, load_verifier, partitioned_loading
+from align.models import is_partitioned, load_tokenizer, load_verifier
 from align.preflight import load_model_config
 from align.tracking import check_trackers, open_trackers
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,
@@ -112,8 +112,7 @@ def check_data(recipe: Recipe) -> TrainData:
                           f"(longest {longest} tokens): no window could be filled; use train.gamma <= {longest}")
     # A window drawn at the last completion token reads the n - 1 tokens before it and drafts γ positions after them,
     # in the drafter (a DFlash drafter: the verifier it is built on) and in a verifier that labels it in the step.
-    readers = ("verifier.path",) if recipe.dflash is not None else (
-        "drafter.path", *(("verifier.path",) if online else ()))
+    readers = drafter_reads(recipe) + (("verifier.path",) if online and recipe.dflash is None else ())
     cap = t.max_sequence_length or math.inf  # windows are drawn from the first max_sequence_length tokens only
     check_rows_fit(recipe, [min(len(p) + len(c), cap) - 1 for p, c in zip(rows["prompt_ids"], rows["completion_ids"])],
                    "train.gamma", t.gamma, readers)
@@ -188,9 +187,9 @@ def models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
     on-policy) and for the final real τ."""
     t = recipe.train
-    if recipe.dflash is not None:  # a new DFlash drafter is built on the verifier, which it reads in every step
-        return ("verifier.path",)
-    return ("drafter.path", *(("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()))
+    reads = drafter_reads(recipe)
+    return (*reads, *(("verifier.path",) if (t.labels_online() or t.final_eval_prompts) and "verifier.path" not in reads
+                      else ()))
 
 
 def check(recipe: Recipe) -> None:
@@ -371,20 +370,12 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
 
     t = recipe.train
     torch.manual_seed(t.seed)
-    if recipe.dflash is not None:  # a new DFlash drafter, shaped to the verifier whose tokenizer it shares
-        tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
-        mask_token_id, mask_token = dflash_mask_token(recipe)
-        if rank == 0:
-            print(f"align train: the drafter marks masked positions with {mask_token}")
-        model, spec = new_dflash_drafter(recipe.verifier, recipe.dflash, recipe.drafter, mask_token_id, t.gamma)
-    else:
-        tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
-        # Under ZeRO-3 each rank loads only its partition of the drafter (a 26B one is 52 GB whole in bf16). A LoRA
-        # step_<N>/ as the drafter is merged into its base in memory, which needs the whole base: loaded whole.
-        partition = t.zero_stage == 3 and world > 1 and not is_adapter_folder(recipe.drafter.path)
-        with partitioned_loading(deepspeed_config(recipe) if partition else None):
-            model, spec = load_drafter(recipe.drafter, tokenizer)
-        mask_token = None
+    # Under ZeRO-3 each rank loads only its partition of the drafter (a 26B one is 52 GB whole in bf16). A LoRA
+    # step_<N>/ as the drafter is merged into its base in memory, which needs the whole base: loaded whole.
+    partition = t.zero_stage == 3 and world > 1 and not is_adapter_folder(recipe.drafter.path)
+    model, spec, tokenizer, mask_token = build_drafter(recipe, deepspeed_config(recipe) if partition else None)
+    if mask_token is not None and rank == 0:
+        print(f"align train: the drafter marks masked positions with {mask_token}")
     model.train()
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.lora_r:
