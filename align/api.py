@@ -27,11 +27,10 @@ from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
 import torch
 from pydantic import ValidationError
 
-from align.config import (METHOD_MODELS, METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe, RecipeError,
-                          one_line)
+from align.config import METHOD_NAMES, DecodeSection, DrafterSection, ModelSection, Recipe, RecipeError
 from align.data import chat_template as template_for, conversation, render_prompt
 from align.decoding.generation import GenerationStats, Sampling
-from align.decoding.options import method_name
+from align.decoding.options import METHOD_MODELS, method_name
 from align.decoding.path_search import TrigramModel
 from align.drafters.loading import load_drafter
 from align.families import method_refusal
@@ -39,6 +38,7 @@ from align.methods import (METHODS, Setup, eos_token_ids, prompt_generator, prox
                            trigram_proxy)
 from align.models import load_ar_drafter, load_tokenizer, load_verifier
 from align.preflight import context_length, check_context, check_models
+from align.recipe_files import one_line
 
 # A model: a local folder or Hub id, or a mapping of its section's fields ({"path": ..., "trust_remote_code": True,
 # "logits_shift": 1, ...}) for settings that differ between models.

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from align.config import HUB_LICENSES, Recipe, RecipeError
+from align.config import Recipe, RecipeError
 from align.families import CANVAS_DECODER_FAMILIES
-from align.hub import hub_offline, is_hub_id
+from align.hub import HUB_LICENSES, hub_offline, is_hub_id
 from align.provenance import HUB, Origin, origin
 
 # --------------------------------------------------------------------------------------------------------------------

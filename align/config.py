@@ -6,23 +6,21 @@ and a command-line value go through exactly the same checks. Anything wrong (unk
 missing input) raises `RecipeError` with one line naming the key and what is allowed; the CLI turns that into exit
 code 2 before any work starts.
 
-Each field is documented once, in the comment above it. What a recipe names (models, files, output folders, the
-context rule) is checked in align/preflight.py; the model families and the DrafterSpec are in align/families.py.
+Each field is documented once, in the comment above it. Reading a recipe file and its overrides is
+align/recipe_files.py's; what a recipe names (models, files, output folders, the context rule) is checked in
+align/preflight.py; the model families and the DrafterSpec are in align/families.py.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
-import re
-from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, NamedTuple, Optional
 
-import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from align.decoding.options import METHOD_NAMES, method_name
+from align.hub import HUB_LICENSES
 
 
 class RecipeError(ValueError):
@@ -54,17 +52,27 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # METHODS has exactly these keys). A name or a spelling (specdiff+cps+tree) is checked when the recipe loads, before
 # torch is imported, and kept as its name.
 MethodName = Annotated[str, AfterValidator(method_name)]
-# The window losses, each declared here once with what it is computed against: "targets" (the verifier's tokens) or
-# "verifier_logits" (its distributions, online or from stored top-k). Torch-free, so that a recipe's losses are checked
-# before torch is imported; align/losses.py pairs each name with its function of the same name (WINDOW_LOSSES) and
-# refuses to load when one is missing.
-LOSS_READS: dict[str, Literal["targets", "verifier_logits"]] = {
-    "streak": "targets", "ce_streak": "targets", "position_decay_ce": "targets", "dpace": "targets",
-    "positional_ce": "targets", "first_error_focal": "targets", "chain": "targets",
-    "streak_tv": "verifier_logits", "fkl": "verifier_logits", "rkl": "verifier_logits", "tvd": "verifier_logits",
-    "jsd": "verifier_logits",
+
+
+class LossDeclaration(NamedTuple):
+    #: what the loss is computed against: "targets" (the verifier's tokens) or "verifier_logits" (its distributions,
+    #: online or from stored top-k)
+    reads: Literal["targets", "verifier_logits"]
+    #: what its sum over a step is divided by: "windows" (a per-window quantity: a streak, a chain) or "tokens" (a
+    #: per-position divergence); the loss function takes num_windows or num_tokens accordingly
+    normalised_by: Literal["windows", "tokens"]
+
+
+# The window losses, each declared here once with what it reads and how it is normalised. Torch-free, so that a
+# recipe's losses are checked before torch is imported; align/losses.py pairs each name with its function of the same
+# name (WINDOW_LOSSES) and refuses to load when one is missing; training reads the rest from here, never a loss's name.
+LOSSES: dict[str, LossDeclaration] = {
+    **{name: LossDeclaration("targets", "windows") for name in (
+        "streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal", "chain")},
+    "streak_tv": LossDeclaration("verifier_logits", "windows"),
+    **{name: LossDeclaration("verifier_logits", "tokens") for name in ("fkl", "rkl", "tvd", "jsd")},
 }
-LOSS_NAMES: tuple[str, ...] = tuple(LOSS_READS)
+LOSS_NAMES: tuple[str, ...] = tuple(LOSSES)
 LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -319,9 +327,9 @@ class TrainSection(Section):
 
     def labels_online(self) -> bool:
         """Whether the verifier runs inside the training step: on-policy, or online with a loss that reads its
-        distributions (LOSS_READS says which do)."""
+        distributions (LOSSES says which do)."""
         return self.data_mode == "on_policy" or (
-            self.data_mode == "online" and any(LOSS_READS[name] == "verifier_logits" for name in self.losses))
+            self.data_mode == "online" and any(LOSSES[name].reads == "verifier_logits" for name in self.losses))
 
 
 class GkdSection(Section):
@@ -523,22 +531,6 @@ class ExportSection(Section):
         if self.license == "other" and not (self.license_name and self.license_link):
             raise ValueError("license other needs license_name and license_link (the Hub shows them in its place)")
         return self
-
-
-# The licence ids the Hub accepts in a card's `license` (https://huggingface.co/docs/hub/repositories-licenses; the
-# Hub adds ids now and then: a licence missing here is `other` with license_name and license_link).
-HUB_LICENSES = (
-    "apache-2.0", "mit", "openrail", "bigscience-openrail-m", "creativeml-openrail-m", "bigscience-bloom-rail-1.0",
-    "bigcode-openrail-m", "afl-3.0", "artistic-2.0", "bsl-1.0", "bsd", "bsd-2-clause", "bsd-3-clause",
-    "bsd-3-clause-clear", "c-uda", "cc", "cc0-1.0", "cc-by-2.0", "cc-by-2.5", "cc-by-3.0", "cc-by-4.0", "cc-by-sa-3.0",
-    "cc-by-sa-4.0", "cc-by-nc-2.0", "cc-by-nc-3.0", "cc-by-nc-4.0", "cc-by-nd-4.0", "cc-by-nc-nd-3.0",
-    "cc-by-nc-nd-4.0", "cc-by-nc-sa-2.0", "cc-by-nc-sa-3.0", "cc-by-nc-sa-4.0", "cdla-sharing-1.0",
-    "cdla-permissive-1.0", "cdla-permissive-2.0", "wtfpl", "ecl-2.0", "epl-1.0", "epl-2.0", "etalab-2.0", "eupl-1.1",
-    "agpl-3.0", "gfdl", "gpl", "gpl-2.0", "gpl-3.0", "lgpl", "lgpl-2.1", "lgpl-3.0", "isc", "lppl-1.3c", "ms-pl",
-    "mpl-2.0", "odc-by", "odbl", "openrail++", "osl-3.0", "postgresql", "ofl-1.1", "ncsa", "unlicense", "zlib",
-    "pddl", "lgpl-lr", "deepfloyd-if-license", "llama2", "llama3", "llama3.1", "llama3.2", "llama3.3", "gemma",
-    "unknown", "other",
-)
 
 
 class ServeCheckSection(Section):
@@ -848,133 +840,7 @@ SECTIONS: tuple[str, ...] = tuple(name for name in Recipe.model_fields if name !
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# loading, overrides, validation
-# --------------------------------------------------------------------------------------------------------------------
-class DuplicateKey(yaml.YAMLError):
-    """A key given twice in one YAML mapping."""
-
-    def __init__(self, key: Any, line: int, first: int) -> None:
-        super().__init__(f"line {line}: key '{key}' is given twice (first at line {first})")
-        self.key, self.line, self.first = key, line, first
-
-
-class StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader, refusing a key given twice in one mapping. YAML forbids it, but PyYAML keeps the last value:
-    a second `train:` section would silently drop the first, a repeated `lr:` the earlier rate."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key of base: an override, not a repeat
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                if key in seen:
-                    raise DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
-                seen[key] = key_node.start_mark.line + 1
-            except TypeError:  # an unhashable key: the base class says so
-                continue
-        return super().construct_mapping(node, deep=deep)
-
-
-def yaml_load(text: str) -> Any:
-    """YAML text as Python values, as yaml.safe_load reads it, but a key given twice in a mapping is an error."""
-    return yaml.load(text, Loader=StrictLoader)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.lr=3e-4` -> (["train", "lr"], 3e-4). Values are read as YAML, so `[4, 8]`, `true` and `null` work."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key):
-        raise RecipeError(f"bad override {text!r}: expected key.sub=value, e.g. decode.gamma=8")
-    try:
-        value = yaml_load(raw) if raw.strip() else None
-    except DuplicateKey as e:  # `train.losses={streak: 1, streak: 2}`
-        raise RecipeError(f"{key}: {raw}: key '{e.key}' is given twice") from None
-    except yaml.YAMLError:
-        value = raw
-    # YAML 1.1 reads 1e-4 as a string; a float is what anybody writing it means.
-    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
-        value = float(value)
-    return key.split("."), value
-
-
-def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    node = tree
-    for depth, part in enumerate(path[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise RecipeError(f"{'.'.join(path)}: {'.'.join(path[:depth + 1])} is a value, not a section")
-        node = child
-    node[path[-1]] = value
-
-
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    """Valid field names of the section at `loc` (for 'did you mean' suggestions)."""
-    model: Any = Recipe
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
-
-
-def one_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = tuple(p for p in first["loc"] if p != "[key]")  # dict keys: name the entry, not pydantic's marker
-    key = ".".join(str(p) for p in loc) or "recipe"
-    if first["type"] == "extra_forbidden":
-        valid = _fields_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else f"valid: {', '.join(valid)}"
-        return f"unknown key '{key}' ({hint})"
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "missing":
-        return f"{key}: required"
-    got = first.get("input")
-    shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"{key}: {msg}{shown}"
-
-
-def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Recipe:
-    """Read a recipe YAML (None: all defaults), apply `key.sub=value` overrides, validate. Raises RecipeError."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if path.is_dir():
-            raise RecipeError(f"{path}: is a folder, not a recipe file (e.g. recipes/tiny/eval.yaml)")
-        if not path.is_file():
-            raise RecipeError(f"recipe not found: {path}")
-        try:
-            loaded = yaml_load(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise RecipeError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
-        except OSError as e:
-            raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
-        except DuplicateKey as e:
-            raise RecipeError(f"{path}: {e}; give each key once") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise RecipeError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', None) or e}") from None
-        # An empty file is most likely the wrong file (or one cut short), not a request for every default; `{}` says
-        # that explicitly.
-        if loaded is None:
-            raise RecipeError(f"{path}: empty recipe (write `{{}}` in it to run on every default)")
-        if not isinstance(loaded, dict):
-            raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(loaded).__name__}")
-        tree = loaded
-    for text in overrides:
-        keys, value = parse_override(text)
-        apply_override(tree, keys, value)
-    try:
-        return Recipe.model_validate(tree)
-    except ValidationError as e:
-        raise RecipeError(one_line(e)) from None
-
-# --------------------------------------------------------------------------------------------------------------------
-# reading a recipe, and the tables of methods (align/preflight.py checks what a recipe names before any work)
+# reading a recipe
 # --------------------------------------------------------------------------------------------------------------------
 def get_key(recipe: Recipe, key: str) -> Any:
     """The resolved value of a dotted key (a section as a plain dict); a dict's entries are keys too
@@ -993,12 +859,3 @@ def get_key(recipe: Recipe, key: str) -> Any:
 def first_line(error: BaseException) -> str:
     text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
-
-
-# The models each evaluation method decodes with besides the verifier (align/stages/evaluate/ reads this too).
-METHOD_MODELS: dict[str, tuple[str, ...]] = {
-    "sd_ar": ("ar_drafter.path",), "hf_assisted": ("ar_drafter.path",),
-    **{name: ("drafter.path",) for name in METHOD_NAMES if name.startswith("specdiff")},
-}
-
-

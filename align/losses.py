@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from align.config import LOSS_READS
+from align.config import LOSSES
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -290,16 +290,16 @@ def jsd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.T
 
 
 def _loss_function(name: str) -> Callable[..., torch.Tensor]:
-    """The function of the loss `name` that config.LOSS_READS declares: this module's function of that name."""
+    """The function of the loss `name` that config.LOSSES declares: this module's function of that name."""
     function = globals().get(name)
     if not callable(function):
-        raise ImportError(f"config.LOSS_READS declares the loss {name!r}; align/losses.py has no function of that name")
+        raise ImportError(f"config.LOSSES declares the loss {name!r}; align/losses.py has no function of that name")
     return function
 
 
 # name -> (loss, what it is computed against), from the one declaration of each loss and what it reads
-# (config.LOSS_READS): read it through LOSS_NAMES and needs_verifier_distributions.
-WINDOW_LOSSES: dict[str, tuple] = {name: (_loss_function(name), reads) for name, reads in LOSS_READS.items()}
+# (config.LOSSES): read it through LOSS_NAMES, needs_verifier_distributions and normalisation.
+WINDOW_LOSSES: dict[str, tuple] = {name: (_loss_function(name), declared.reads) for name, declared in LOSSES.items()}
 
 LOSS_NAMES: tuple[str, ...] = tuple(WINDOW_LOSSES)
 
@@ -310,3 +310,9 @@ def needs_verifier_distributions(name: str) -> bool:
     if name not in WINDOW_LOSSES:
         raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_NAMES)}")
     return WINDOW_LOSSES[name][1] == "verifier_logits"
+
+
+def normalisation(name: str, num_windows: int, num_tokens: int) -> dict[str, int]:
+    """The keyword loss `name` is normalised by, as config.LOSSES declares it: {"num_windows": ...} or
+    {"num_tokens": ...}, from the step's counts."""
+    return {"num_windows": num_windows} if LOSSES[name].normalised_by == "windows" else {"num_tokens": num_tokens}

@@ -249,7 +249,7 @@ class Measured:
 def measure(recipe: Recipe, width: Width, shape: Shape) -> Measured:
     """One layer and the LM head with the recipe's losses at `shape`, forward and backward, measured on
     memory.device (cpu: allocation_trace; cuda: cuda_allocation_trace)."""
-    from align.losses import WINDOW_LOSSES
+    from align.losses import WINDOW_LOSSES, normalisation
 
     dtype, device = _dtype(recipe), recipe.memory.device
     trace = cuda_allocation_trace if device == "cuda" else allocation_trace
@@ -290,8 +290,7 @@ def measure(recipe: Recipe, width: Width, shape: Shape) -> Measured:
         for name, weight in recipe.train.losses.items():
             fn, against = WINDOW_LOSSES[name]
             other = targets if against == "targets" else verifier_logits
-            count = {"num_windows": shape.windows} if "num_windows" in fn.__code__.co_varnames else {
-                "num_tokens": shape.windows * shape.gamma}
+            count = normalisation(name, shape.windows, shape.windows * shape.gamma)
             total = total + weight * fn(logits, other, mask, **count)
         total.backward()
 

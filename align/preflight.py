@@ -10,8 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from align.config import (ModelSection, Recipe, RecipeError, first_line,
-                          get_key)
+from align.config import ModelSection, Recipe, RecipeError, first_line, get_key
 from align.families import (KNOWN_DLLMS, SPEC_FIELDS, DrafterSpec, _stored_spec,
                             drafter_spec_from_config)
 from align.hub import hub_offline, hub_snapshot, is_hub_id

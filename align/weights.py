@@ -21,8 +21,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from align.config import HUB_LICENSES, ConvertSection, RecipeError, first_line
+from align.config import ConvertSection, RecipeError, first_line
 from align.disk import file_sha256
+from align.hub import HUB_LICENSES
 
 PACKAGE_PREFIX = "pip:"
 GGUF_MAGIC = b"GGUF"

@@ -1165,7 +1165,7 @@ def operator_cases() -> list[Case]:
 
 def readme_scripts_agree() -> list[str]:
     """Outputs two of experiments/tiny_*.sh's recipes share (trajectories.out) must be made with the same settings."""
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
 
     recipes = {name: load_recipe(ROOT / "recipes" / "tiny" / name) for name in ("align.yaml", "dflash.yaml")}
     by_out: dict[str, list[tuple[str, Any]]] = {}

@@ -611,7 +611,7 @@ def test_self_selection_with_a_dflash_drafter_is_refused_from_its_config(capsys,
 
 def test_each_drafter_kind_runs_or_refuses_every_drafter_method():
     # align/families.py's one table: what a kind runs and what it refuses cover the methods that read drafter.path.
-    from align.config import METHOD_MODELS
+    from align.decoding.options import METHOD_MODELS
     from align.families import DRAFTER_KINDS, REFUSED_METHODS, kind_methods
 
     drafted = {m for m, keys in METHOD_MODELS.items() if "drafter.path" in keys}
@@ -703,7 +703,7 @@ def toy_args(toy: dict[str, Path], tmp_path: Path) -> list[str]:
 
 
 def test_training_windows_past_the_drafters_context_are_refused(toy, tmp_path):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.stages.train import check_data
 
     recipe = load_recipe("recipes/tiny/align.yaml", [*toy_args(toy, tmp_path), f"drafter.path={toy['drafter']}"])

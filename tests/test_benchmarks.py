@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from align.cli import main
-from align.config import RecipeError, load_recipe
+from align.config import RecipeError
 from align.data import PromptRow, eval_prompt_rows, prompt_id, prompt_ids_sha256
+from align.recipe_files import load_recipe
 
 # Three rows of each benchmark, their fields as published (long fields shortened).
 HUMANEVAL = [

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from align.cli import main
-from align.config import load_recipe
 from align.families import DrafterSpec
+from align.recipe_files import load_recipe
 from align.stages.bootstrap import ar_step, build_model, pretrain, use_bf16
 
 from conftest import TOY

@@ -155,7 +155,7 @@ def hub_family(toy_family, tmp_path_factory):
 
 def synthetic_eval(path: Path, run: Path) -> Path:
     """An eval.json as `align eval` writes it on a GPU machine, with the run's paths in its records."""
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
 
     recipe = load_recipe("recipes/tiny/eval.yaml", [f"verifier.path={run / 'ck' / 'verifier'}",
                                                      f"eval.out={run / 'eval'}"])
@@ -217,7 +217,7 @@ def test_a_drafter_exported_by_hub_id_has_a_hub_grade_card(hub_family, tmp_path,
 
 @pytest.mark.slow
 def test_a_drafter_trained_from_a_hub_model_names_it_and_its_data(hub_family, tmp_path, online):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
 
     root, home = hub_family
     step = tmp_path / "run" / "step_4"
@@ -251,7 +251,7 @@ def test_a_drafter_trained_from_a_hub_model_names_it_and_its_data(hub_family, tm
 
 
 def test_an_untrained_local_base_is_cited_by_its_manifest_and_its_licence_is_not_guessed(toy_family, tmp_path):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import model_card
 
     root, _ = toy_family
@@ -270,7 +270,7 @@ def test_an_untrained_local_base_is_cited_by_its_manifest_and_its_licence_is_not
 
 
 def test_a_speculators_card_names_the_verifier_as_its_base():
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import speculators_card
 
     recipe = load_recipe("recipes/tiny/dflash.yaml", ["verifier.path=Qwen/Qwen3-8B", "export.license=apache-2.0"])
@@ -307,7 +307,9 @@ def test_paths_of_this_machine_are_cut_to_what_a_reader_can_use(text, clean, mon
 
 
 def test_a_licence_the_hub_does_not_know_is_refused_before_any_work():
-    from align.config import HUB_LICENSES, RecipeError, load_recipe
+    from align.hub import HUB_LICENSES
+    from align.config import RecipeError
+    from align.recipe_files import load_recipe
     from hub_server import LICENSES
 
     with pytest.raises(RecipeError, match=r"export: license 'apache2' is not a Hub licence id \(did you mean apache-2.0"):
@@ -319,7 +321,7 @@ def test_a_licence_the_hub_does_not_know_is_refused_before_any_work():
 
 
 def test_a_local_base_passes_on_the_licence_of_its_own_card(tmp_path):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import licence
     from align.provenance import origin
 
@@ -335,7 +337,7 @@ def test_a_local_base_passes_on_the_licence_of_its_own_card(tmp_path):
 def test_a_hub_base_under_a_licence_align_does_not_list_keeps_it_by_name(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import licence
     from align.provenance import origin
 
@@ -355,7 +357,7 @@ def test_a_hub_base_under_a_licence_align_does_not_list_keeps_it_by_name(tmp_pat
 
 
 def test_a_local_bases_licence_file_comes_along(tmp_path):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.stages.export import copy_licence_file
     from align.provenance import origin
 
@@ -420,7 +422,7 @@ def test_an_align_cards_snippets_run_as_written(toy_family, tmp_path):
 
 
 def test_the_verifiers_hub_id_is_a_recipe_setting(tmp_path):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import model_card, speculators_card
 
     recipe = load_recipe("recipes/tiny/dflash.yaml", [f"verifier.path={tmp_path}", "export.verifier_hub_id=org/verifier"])

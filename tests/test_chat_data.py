@@ -12,11 +12,12 @@ import pytest
 from tokenizers.processors import TemplateProcessing
 
 from align.cli import main
-from align.config import RecipeError, load_recipe
+from align.config import RecipeError
 from align.data import (chat_template, check_trajectories_match, load_prompts, load_trajectories, render_prompt,
                         template_sha256)
 from align.draft_graph import DraftGraph
 from align.models import load_tokenizer
+from align.recipe_files import load_recipe
 
 from conftest import TOY_TRAJECTORIES
 

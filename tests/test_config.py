@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from align.config import Recipe, RecipeError, load_recipe, parse_override
+from align.config import Recipe, RecipeError
 from align.preflight import check_inputs
+from align.recipe_files import load_recipe, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))

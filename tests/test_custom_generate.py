@@ -172,7 +172,7 @@ def test_sampling_is_the_verifiers_distribution(tmp_path, kind):
     ({"model_type": "align_dflash", "drafter_spec": {"kind": "dflash"}}, False),
 ])
 def test_card_shows_transformers_alone_first_and_never_pip_install_align(config, ships):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import model_card
 
     card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
-from align.config import ArDrafterSection, DecodeSection, DrafterSection, load_recipe
+from align.config import ArDrafterSection, DecodeSection, DrafterSection
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
@@ -24,6 +24,7 @@ from align.drafters.loading import load_drafter
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
 from align.models import load_ar_drafter
+from align.recipe_files import load_recipe
 from align.stages.derive import build_drafter, kept_layers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -119,7 +119,7 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
     process's life)."""
     import torch.distributed as dist
 
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.stages.train import TrainData, build_trainer, held_out_streak, init_distributed, train_step
     from remote_code_families import write_family, write_qwen2
 

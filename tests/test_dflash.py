@@ -76,7 +76,7 @@ def test_training_windows_see_what_the_runtime_shows_the_drafter():
 def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(loss, data_mode):
     from types import SimpleNamespace
 
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.stages.train import compute_losses
     from align.windows import block_causal_windows
 

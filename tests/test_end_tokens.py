@@ -11,11 +11,12 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from align.cli import main
-from align.config import RecipeError, load_recipe
+from align.config import RecipeError
 from align.data import check_trajectories_match, eos_token_ids, generation_config_of, load_trajectories
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.models import load_verifier
+from align.recipe_files import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tiny" / "tokenizer"

@@ -171,7 +171,7 @@ def test_card_shows_this_drafter_beside_the_one_it_was_compared_with():
 
 
 def test_card_describes_the_training_run():
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import model_card
 
     recipe = load_recipe("recipes/tiny/align.yaml", ["train.losses={streak: 1.0}"])
@@ -194,7 +194,7 @@ def test_card_describes_the_training_run():
      "export.format=speculators"),
 ])
 def test_card_loads_each_family_with_the_class_that_has_its_lm_head(config, loader, fill):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.cards import model_card
 
     card = model_card(config, {}, None, load_recipe(None, []), "align export x", "ck/base")

@@ -243,9 +243,16 @@ def test_the_drafter_kind_is_read_in_align_drafters():
 
 
 def test_a_window_loss_without_a_function_is_refused():
-    # config.LOSS_READS declares each loss once with what it reads; losses.py finds its function by that name.
+    # config.LOSSES declares each loss once with what it reads; losses.py finds its function by that name.
     from align import losses
 
-    assert {name: reads for name, (_, reads) in losses.WINDOW_LOSSES.items()} == losses.LOSS_READS
+    assert {name: reads for name, (_, reads) in losses.WINDOW_LOSSES.items()} == \
+        {name: declared.reads for name, declared in losses.LOSSES.items()}
+    # ... and how it is normalised: the function takes that count (num_windows or num_tokens) and not the other.
+    import inspect
+
+    for name, (function, _) in losses.WINDOW_LOSSES.items():
+        keyword = next(iter(losses.normalisation(name, 1, 1)))
+        assert {keyword} == set(inspect.signature(function).parameters) & {"num_windows", "num_tokens"}, name
     with pytest.raises(ImportError, match="no function of that name"):
         losses._loss_function("a_loss_declared_without_a_function")

@@ -12,11 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from align.cli import main
-from align.config import RecipeError, load_recipe
+from align.config import RecipeError
 from align.decoding.ar import ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.drafters.loading import new_dflash_drafter
 from align.mask_token import choose_mask_token, dflash_mask_token
+from align.recipe_files import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "checkpoints" / "tiny" / "verifier"

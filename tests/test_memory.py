@@ -13,12 +13,12 @@ import torch
 from conftest import TOY_TRAJECTORIES, checkout_env
 
 from align.cli import main as align
-from align.config import RecipeError, load_recipe
+from align.config import RecipeError
 from align.data import load_trajectories
 from align.memory_probe import (Measured, Width, allocation_trace, drafter_width, lora_parameters, measure,
                           micro_batch_shape, per_gpu)
-from align.stages.train import MEMORY_CHECKED
-from align.stages.train import apply_activation_checkpointing
+from align.recipe_files import load_recipe
+from align.stages.train import MEMORY_CHECKED, apply_activation_checkpointing
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny/align.yaml"

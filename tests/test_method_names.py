@@ -3,8 +3,9 @@ spelling in the grammar (specdiff+cps+tree) names the same method, and the recip
 
 import pytest
 
-from align.config import METHOD_NAMES, RecipeError, load_recipe
+from align.config import METHOD_NAMES, RecipeError
 from align.decoding.options import MethodOptions, method_name, parse_method
+from align.recipe_files import load_recipe
 
 # The names recipes, eval.json rows and tests have used: every one must keep working.
 TODAYS_NAMES = ("ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select",

@@ -55,7 +55,7 @@ def test_the_user_turn_is_read_off_the_template(chat_verifier):
 def test_a_system_prompt_steers_its_chunks_only(chat_verifier, tmp_path, capsys):
     import torch
 
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.models import load_verifier
     from align.stages.prompts import plan, sample_chunk
 

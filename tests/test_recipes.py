@@ -12,7 +12,7 @@ import pytest
 from conftest import checkout_env
 
 from align.cli import main as align
-from align.config import load_recipe
+from align.recipe_files import load_recipe
 from remote_code_families import write_family, write_prompts, write_qwen2
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it

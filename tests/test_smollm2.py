@@ -16,13 +16,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from align.cli import main
-from align.config import DecodeSection, load_recipe
+from align.config import DecodeSection
 from align.data import chat_template, load_trajectories, prompt_ids_sha256, render_prompt
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
+from align.recipe_files import load_recipe
 from align.weights import locate
 from align.windows import block_causal_windows
 
@@ -241,7 +242,7 @@ def test_every_method_is_greedy_identical_to_ar_with_the_real_verifier(verifier,
 
 
 def test_the_mask_token_chosen_for_the_real_verifier(smollm2):
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.mask_token import dflash_mask_token
 
     # SmolLM2's tokenizer has no mask token and no embedding row past its 49,152 tokens: its last unused special token.

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from align.config import load_recipe
 from align.families import DrafterSpec
+from align.recipe_files import load_recipe
 from align.stages.trajectories import sample_chunk, write_chunk
 from align.windows import WINDOW_BUILDERS, topk_window_logits
 
@@ -125,7 +125,7 @@ PEAK = """
 import json, resource, sys
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from align.config import load_recipe
+from align.recipe_files import load_recipe
 from align.stages.trajectories import sample_chunk
 
 vocab, steps = int(sys.argv[1]), int(sys.argv[2])

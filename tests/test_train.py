@@ -108,7 +108,7 @@ def test_sigkill_after_a_checkpoint_resumes_with_the_same_losses(trajectories, t
 # non-finite, which is what the guard must catch before anything is published.
 POISON = """
 import sys
-from align.config import load_recipe
+from align.recipe_files import load_recipe
 from align.stages.train import main
 recipe = load_recipe(sys.argv[1], sys.argv[2:])
 recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": float("inf")})})

@@ -163,7 +163,7 @@ def test_vllm_trajectories_stop_where_eval_greedy_stops(prompt_file, tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
     from align.data import eos_token_ids
     from align.decoding.ar import ar_generate
     from align.decoding.generation import Sampling

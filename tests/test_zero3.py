@@ -21,9 +21,9 @@ import torch
 from conftest import checkout_env
 from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
 
-from align.config import load_recipe
 from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
 from align.models import load_tokenizer
+from align.recipe_files import load_recipe
 from align.stages.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
 from align.stages.trajectories import settings_of, write_chunk
 
@@ -229,9 +229,9 @@ PARTITIONED_LOAD = """
 import json, sys
 import deepspeed, torch
 from safetensors.torch import load_file
-from align.config import load_recipe
 from align.drafters.loading import check_masks_are_read, load_drafter
 from align.models import is_partitioned, load_tokenizer, partitioned_loading
+from align.recipe_files import load_recipe
 from align.remote_code import masks_ignored
 from align.stages.train import deepspeed_config, init_distributed
 

@@ -93,3 +93,10 @@ def parse_method(text: str) -> MethodOptions:
 def method_name(text: str) -> str:
     """A method name or spelling -> its name (what a recipe's eval.methods and the API keep). Raises ValueError."""
     return parse_method(text).name
+
+
+# The models each evaluation method decodes with besides the verifier (the eval stage checks and loads them).
+METHOD_MODELS: dict[str, tuple[str, ...]] = {
+    "sd_ar": ("ar_drafter.path",), "hf_assisted": ("ar_drafter.path",),
+    **{name: ("drafter.path",) for name in METHOD_NAMES if name.startswith("specdiff")},
+}

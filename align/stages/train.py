@@ -45,7 +45,8 @@ from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, na
 from align.drafters import drafter_for
 from align.drafters.loading import build_drafter, check_masks_are_read, drafter_reads, load_drafter
 from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
-from align.losses import WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, rowwise
+from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
+                          rowwise)
 from align.mask_token import dflash_mask_token
 from align.memory_probe import peak_per_gpu
 from align.models import is_partitioned, load_tokenizer, load_verifier
@@ -510,18 +511,16 @@ def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recip
     parts = {}
     for name, weight in recipe.train.losses.items():
         fn = WINDOW_LOSSES[name][0]
+        count = normalisation(name, num_windows, num_tokens)
         if not needs_verifier_distributions(name):
-            parts[name] = weight * fn(draft_logits, targets, mask, num_windows=num_windows)
+            parts[name] = weight * fn(draft_logits, targets, mask, **count)
             continue
         if verifier_logits is None:
             with torch.no_grad():
                 verifier_logits = (verifier_window_logits(trainer.verifier, batch) if trainer.verifier is not None
                                    else topk_window_logits(rows, batch, draft_logits.shape[-1]))
                 verifier_logits = verifier_logits.float().flatten(0, 1)
-        if name == "streak_tv":
-            parts[name] = weight * fn(draft_logits, verifier_logits, mask, num_windows=num_windows)
-        else:
-            parts[name] = weight * fn(draft_logits, verifier_logits, mask, num_tokens=num_tokens)
+        parts[name] = weight * fn(draft_logits, verifier_logits, mask, **count)
     return parts
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from align.config import METHOD_MODELS, Recipe, RecipeError
+from align.config import Recipe, RecipeError
+from align.decoding.options import METHOD_MODELS
 from align.draft_graph import DraftGraph
 from align.families import method_refusal
 from align.preflight import check_new_tokens, check_tiny_default, drafter_kind

@@ -1,0 +1,141 @@
+"""Reading a recipe file: strict YAML (a key given twice is refused), `key.sub=value` overrides applied to the parsed
+YAML before validation (so a YAML value and a command-line value go through the same checks), and pydantic's errors
+as one line naming the key. The schema itself, with every default, is align/config.py.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from align.config import Recipe, RecipeError
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one YAML mapping."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"line {line}: key '{key}' is given twice (first at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader, refusing a key given twice in one mapping. YAML forbids it, but PyYAML keeps the last value:
+    a second `train:` section would silently drop the first, a repeated `lr:` the earlier rate."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key of base: an override, not a repeat
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+                seen[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_load(text: str) -> Any:
+    """YAML text as Python values, as yaml.safe_load reads it, but a key given twice in a mapping is an error."""
+    return yaml.load(text, Loader=StrictLoader)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (["train", "lr"], 3e-4). Values are read as YAML, so `[4, 8]`, `true` and `null` work."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key):
+        raise RecipeError(f"bad override {text!r}: expected key.sub=value, e.g. decode.gamma=8")
+    try:
+        value = yaml_load(raw) if raw.strip() else None
+    except DuplicateKey as e:  # `train.losses={streak: 1, streak: 2}`
+        raise RecipeError(f"{key}: {raw}: key '{e.key}' is given twice") from None
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads 1e-4 as a string; a float is what anybody writing it means.
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        value = float(value)
+    return key.split("."), value
+
+
+def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{'.'.join(path)}: {'.'.join(path[:depth + 1])} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """Valid field names of the section at `loc` (for 'did you mean' suggestions)."""
+    model: Any = Recipe
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = tuple(p for p in first["loc"] if p != "[key]")  # dict keys: name the entry, not pydantic's marker
+    key = ".".join(str(p) for p in loc) or "recipe"
+    if first["type"] == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else f"valid: {', '.join(valid)}"
+        return f"unknown key '{key}' ({hint})"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        return f"{key}: required"
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{key}: {msg}{shown}"
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Recipe:
+    """Read a recipe YAML (None: all defaults), apply `key.sub=value` overrides, validate. Raises RecipeError."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if path.is_dir():
+            raise RecipeError(f"{path}: is a folder, not a recipe file (e.g. recipes/tiny/eval.yaml)")
+        if not path.is_file():
+            raise RecipeError(f"recipe not found: {path}")
+        try:
+            loaded = yaml_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path}: not UTF-8 text; a recipe is a YAML file") from None
+        except OSError as e:
+            raise RecipeError(f"{path}: cannot read the recipe ({e.strerror})") from None
+        except DuplicateKey as e:
+            raise RecipeError(f"{path}: {e}; give each key once") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise RecipeError(f"{path}:{where} invalid YAML: {getattr(e, 'problem', None) or e}") from None
+        # An empty file is most likely the wrong file (or one cut short), not a request for every default; `{}` says
+        # that explicitly.
+        if loaded is None:
+            raise RecipeError(f"{path}: empty recipe (write `{{}}` in it to run on every default)")
+        if not isinstance(loaded, dict):
+            raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    for text in overrides:
+        keys, value = parse_override(text)
+        apply_override(tree, keys, value)
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        raise RecipeError(one_line(e)) from None
