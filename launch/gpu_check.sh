@@ -104,8 +104,9 @@ stage spiffy_exact spiffy_eval $A exact "$out/spiffy/eval/eval.json"
 # for tiny random models of the same architectures, through their stages on the recipes' own devices (auto: this GPU).
 # On a CPU the test suite runs the same tests. They need no stage above.
 if [ "$gpus" -ge 1 ]; then
-  stage recipe_tests - "$py" -m pytest -q -p no:cacheprovider tests/test_recipes.py tests/test_diffusion_gemma.py \
-    tests/test_dflash.py -k "recipe or train_from_scratch"
+  stage recipe_tests - "$py" -m pytest -q -p no:cacheprovider tests/test_recipes.py \
+    tests/drafters/test_diffusion_gemma.py \
+    tests/drafters/test_dflash.py -k "recipe or train_from_scratch"
   # Not a check but a measurement the GPU is needed for: the verifier's cost curve, which sizes drafts and trees.
   stage verify_costs - $A verify-costs checkpoints/tiny/verifier qwen2.5-7b llama-3.1-8b --out "$out/verify_costs.json"
 fi
@@ -136,7 +137,7 @@ remote_code() {
 stage remote_code - remote_code
 
 # (2) A DiffusionGemma drafter (Gemma 4 verifier) trained under ZeRO-3 on trajectories whose completions are 40, 3 and
-# 2 tokens long (tests/test_zero3.py's): rows that use fewer windows than others, where ranks that made different
+# 2 tokens long (tests/stages/test_zero3.py's): rows that use fewer windows than others, where ranks that made different
 # numbers of collective forwards would hang. 2 ranks with 2 or more GPUs, or on the CPU (gloo, as the suite runs
 # it); 1 rank on one GPU (two ranks cannot share one GPU under NCCL). A hang is cut off after 300 s (CPU: 900 s).
 zero3_ranks=2

@@ -7,9 +7,15 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# The tests mirror the package (tests/stages/, tests/decoding/, tests/drafters/), and some import helpers from others
+# by module name (`from test_sampling_lossless import ...`): every test folder is importable whichever file runs.
+sys.path[:0] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
+                if folder.is_dir() and folder.name not in ("fixtures", "__pycache__") and str(folder) not in sys.path]
 
 
 def checkout_env(**extra: str) -> dict[str, str]:

@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLING = "tests/test_sampling_lossless.py::"
+SAMPLING = "tests/decoding/test_sampling_lossless.py::"
 EVERY_METHOD = SAMPLING + "test_every_method_samples_the_verifier_distribution"
 SLIDING = SAMPLING + "test_every_method_samples_a_sliding_window_verifiers_distribution"
 CUSTOM = "tests/test_custom_generate.py::"
@@ -58,7 +58,7 @@ MUTATIONS = (
              "decoding/specdiff.py", "scored = draft if draft_probs is None else raw_draft[:draft_len]",
              "scored = draft",
              (SAMPLING + "test_a_cost_aware_length_is_lossless_against_a_drafter_that_would_bias_it",
-              "tests/test_sizing.py::test_a_sampled_drafts_length_is_chosen_before_it_is_drawn")),
+              "tests/decoding/test_sizing.py::test_a_sampled_drafts_length_is_chosen_before_it_is_drawn")),
     Mutation("acceptance ratio inverted: q/p for p/q", "decoding/acceptance.py",
              "accepted = (u * draft_p < verifier_p)", "accepted = (u * verifier_p < draft_p)",
              (EVERY_METHOD + "[specdiff]",)),
@@ -76,7 +76,7 @@ MUTATIONS = (
     Mutation("a verifier's tree mask (and a cached drafter's block mask) without its sliding window", "masks.py",
              "sees = sees & in_window(None, None, positions[:, :, None], key_positions[:, None, :])", "None",
              (SLIDING + "[mistral_sliding-specdiff_tree]",
-              "tests/test_tree.py::test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path[qwen2_sliding]")),
+              "tests/decoding/test_tree.py::test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path[qwen2_sliding]")),
     Mutation("custom_generate: a sliding drafter's block mask without its window", "custom_generate.py",
              "sees = sees & (key_positions[None, :] > positions[:, None] - window)", "None",
              (CUSTOM + "test_a_sliding_window_drafter_decodes_as_align_does[mistral_sliding-1]",
@@ -88,7 +88,7 @@ MUTATIONS = (
     Mutation("HF's baselines without an attention mask: generate() hides every prompt token equal to the pad token",
              "methods.py", "prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens",
              "prompt_ids, max_new_tokens",
-             ("tests/test_verifier_families.py::test_greedy_hf_baselines_equal_ar_for_every_verifier_family[llama]",)),
+             ("tests/decoding/test_verifier_families.py::test_greedy_hf_baselines_equal_ar_for_every_verifier_family[llama]",)),
 )
 
 

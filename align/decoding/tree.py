@@ -5,8 +5,9 @@ one path (its argmax), a tree of the most likely continuations is drafted: best-
 log-probability, a child's score being its parent's + log q_depth(token), under a node budget. The root is the newest
 token (the verifier has not seen it yet). The verifier scores every node in one forward over its cached prefix: each
 node attends to the prefix and to its ancestors only, at position cached length + depth, so its logits are exactly
-those of a plain forward over its path (tests/test_tree.py checks this per verifier family). The longest accepted path
-is kept (`accept_tree`), the cache keeps that path's keys and values only, and the bonus token goes on as usual.
+those of a plain forward over its path (tests/decoding/test_tree.py checks this per verifier family). The longest
+accepted path is kept (`accept_tree`), the cache keeps that path's keys and values only, and the bonus token goes on as
+usual.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`align gkd`: the DistillSpec baseline, the AR drafter distilled from the verifier with TRL's GKD trainer.
 
 It reads the same trajectories as `align train` (align/stages/train.py), so that an aligned diffusion drafter and an
-aligned AR drafter are compared on equal data. TRL's trainer owns the loop (generalised JSD, on-policy samples with probability lmbda);
-this module only adapts the trajectories to it and saves the result as a plain HF folder.
+aligned AR drafter are compared on equal data. TRL's trainer owns the loop (generalised JSD, on-policy samples with
+probability lmbda); this module only adapts the trajectories to it and saves the result as a plain HF folder.
 """
 
 from __future__ import annotations

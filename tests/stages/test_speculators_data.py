@@ -12,7 +12,7 @@ import torch
 from align.disk import file_sha256
 from align.speculators_data import convert, main, speculators_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VERIFIER = ROOT / "checkpoints" / "tiny" / "verifier"
 
 

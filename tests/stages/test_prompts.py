@@ -15,7 +15,7 @@ from align.config import PromptsSection
 from align.models import load_tokenizer
 from align.stages.prompts import Filter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "checkpoints" / "tiny" / "verifier"
 # Turns closed by the tiny tokenizer's end-of-text token, as ChatML closes them with <|im_end|>.
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"

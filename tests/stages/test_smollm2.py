@@ -29,7 +29,7 @@ from align.windows import block_causal_windows
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "smollm2" / "convert.yaml"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -19,7 +19,7 @@ from align.disk import record_checksums
 from align.families import DrafterSpec
 from hub_server import FakeHub
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_a_proxy_cached_in_a_data_dir_of_its_own_leaves_it_usable_by_the_next_st
 
     source = tmp_path / "text.jsonl"
     source.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(20)))
-    tokenizer = load_tokenizer(str(Path(__file__).resolve().parents[1] / "checkpoints/tiny/tokenizer"))
+    tokenizer = load_tokenizer(str(Path(__file__).resolve().parents[2] / "checkpoints/tiny/tokenizer"))
     data_dir = tmp_path / "cache"
     fitted = trigram_proxy(source, str(data_dir), tokenizer)
     check_output_owner("data.dir", data_dir, "data")  # raised RecipeError before trigram/ was marked

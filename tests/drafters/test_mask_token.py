@@ -19,7 +19,7 @@ from align.drafters.loading import new_dflash_drafter
 from align.mask_token import choose_mask_token, dflash_mask_token
 from align.recipe_files import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "checkpoints" / "tiny" / "verifier"
 # SmolLM2's template's shape: its turn markers are special tokens the template writes.
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -27,7 +27,7 @@ from align.models import load_ar_drafter
 from align.recipe_files import load_recipe
 from align.stages.derive import build_drafter, kept_layers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "smollm2" / "diffusion.yaml"
 TOKENIZER = ROOT / "checkpoints" / "tiny" / "verifier"  # the shipped tiny family's tokenizer (it has a mask token)
 NEW_TOKENS = 12

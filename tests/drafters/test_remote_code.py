@@ -28,7 +28,7 @@ from align.windows import bidirectional_windows, window_logits
 from conftest import checkout_env
 from remote_code_families import write_family
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Which shims each family's code needs under transformers 5, and what it fails with without each.
 FAMILY_SHIMS = {"dream": {"rope_default", "generation_config_validate"},

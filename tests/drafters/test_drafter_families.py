@@ -37,7 +37,7 @@ from remote_code_families import write_family, write_prompts, write_qwen2
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # What the real configs imply (align/families.py KNOWN_DLLMS): Dream/DiffuCoder are adapted from Qwen2.5, hence shifted.
 EXPECTED = {"dream": (1, "bidirectional"), "llada": (0, "bidirectional")}
 NEW_TOKENS = 24

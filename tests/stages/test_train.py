@@ -21,7 +21,7 @@ from align.stages.train import rank_share, warn_stale_build_locks
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 
@@ -187,7 +187,8 @@ def test_lora_and_full_fine_tuning_save_loadable_folders(trajectories, tmp_path,
                                   "train.micro_batch_size=2", "train.losses={streak: 1.0, fkl: 0.5}",
                                   "train.data_mode=online", "train.eval_every=2", "train.final_eval_prompts=2"))
     assert rc == 0, log[-3000:]
-    if lora:  # the adapter, merged into its base when read (tests/test_lora_checkpoints.py: the whole round trip)
+    if lora:  # the adapter, merged into its base when read (tests/stages/test_lora_checkpoints.py: the whole round
+    trip)
         from align.config import DrafterSection
         from align.models import load_ar_drafter
 

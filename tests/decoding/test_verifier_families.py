@@ -23,7 +23,7 @@ from align.families import DrafterSpec
 from align.methods import METHODS, Setup
 from align.models import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB, MASK, NEW_TOKENS, SLIDING_WINDOW = 64, 63, 40, 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
@@ -51,8 +51,8 @@ def families(sliding_window: int) -> dict[str, Callable[[], PreTrainedModel]]:
 
 FAMILIES = families(SLIDING_WINDOW)
 # The families added for the ways a config sets a window run the second prompt only (the one on which Phi-3's tree
-# decoding went wrong): the methods' code is the other families', only the masks differ, and tests/test_tree.py checks
-# those node by node.
+# decoding went wrong): the methods' code is the other families', only the masks differ, and tests/decoding/test_tree.py
+# checks those node by node.
 WINDOW_FAMILIES = {"mistral_sliding", "phi3_sliding", "qwen2_sliding"}
 PROMPTS = (torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[7, 8, 9]]))
 SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",

@@ -27,7 +27,7 @@ from align.recipe_files import load_recipe
 from align.stages.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
 from align.stages.trajectories import settings_of, write_chunk
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 TOKENIZER = str(ROOT / "checkpoints/tiny/tokenizer")
 # Completion lengths, one per prompt: long ones (every window used) and ones shorter than the windows asked for.

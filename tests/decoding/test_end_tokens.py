@@ -18,7 +18,7 @@ from align.decoding.generation import Sampling
 from align.models import load_verifier
 from align.recipe_files import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "checkpoints" / "tiny" / "tokenizer"
 # Prompts of different lengths: HF's batches are left-padded.
 PROMPTS = ["def add(a, b):\n    return", "import os\n", "class Stack:\n    def push(self, item):\n        self.",

@@ -114,7 +114,7 @@ def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp
     from align.cli import main as align
 
     root, traj = toy_trajectories
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "run"
     args = [f"verifier.path={root / 'ck' / 'verifier'}", f"trajectories.out={traj}", *TOY_TRAJECTORIES,
             f"data.dir={root / 'data'}", f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=4",

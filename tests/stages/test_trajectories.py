@@ -13,7 +13,7 @@ from align.cli import main
 from align.config import RecipeError
 from align.data import load_trajectories
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def args(root, out, *extra):

@@ -18,7 +18,7 @@ from align.windows import WINDOW_BUILDERS, topk_window_logits
 
 from conftest import checkout_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "checkpoints" / "tiny" / "tokenizer"
 PROMPTS = ["def add(a, b):\n    return", "import os\n", "class Stack:\n    def push(self, item):\n        self."]
 K, NEW_TOKENS, SEED = 6, 12, 3

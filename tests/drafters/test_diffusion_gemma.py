@@ -42,7 +42,7 @@ from align.methods import METHODS, Setup
 from align.models import load_tokenizer
 from align.windows import WINDOW_BUILDERS, window_logits
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = str(ROOT / "checkpoints/tiny/tokenizer")
 VOCAB = 8192  # the tiny tokenizer's
 SLIDING_WINDOW = 8  # small, so that prompts and drafts run past it

@@ -20,7 +20,7 @@ from align.memory_probe import (Measured, Width, allocation_trace, drafter_width
 from align.recipe_files import load_recipe
 from align.stages.train import MEMORY_CHECKED, apply_activation_checkpointing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = "recipes/tiny/align.yaml"
 
 

@@ -18,7 +18,7 @@ from align.disk import record_checksums
 from conftest import TOY_TRAJECTORIES
 from test_train import launch, overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 11, 4], [7, 3, 8]]
 
 

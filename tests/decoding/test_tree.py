@@ -27,7 +27,7 @@ from test_verifier_families import COMMON, MASK, VOCAB, families
 SLIDING_WINDOW = 8
 PROXY = TrigramModel.fit(np.random.default_rng(0).integers(0, VOCAB, 400), VOCAB)  # the CPS proxy of the trees tested
 FAMILIES = families(SLIDING_WINDOW)  # a window the tests' sequences go past
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

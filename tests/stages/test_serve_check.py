@@ -2,9 +2,9 @@
 speculators format and served by vLLM, decodes exactly what vLLM without it and align's AR greedy decode, with vLLM's
 mean acceptance length within 10% of align's τ; and what it refuses before any work.
 
-Needs vLLM's environment (.venv-vllm, or ALIGN_VLLM_PYTHON); skipped without it except in CI, as tests/test_vllm.py.
-One serve-check run starts two vLLM engines (without and with the drafter), three with serve_check.ngram: about a
-minute each on a CPU.
+Needs vLLM's environment (.venv-vllm, or ALIGN_VLLM_PYTHON); skipped without it except in CI, as
+tests/stages/test_vllm.py. One serve-check run starts two vLLM engines (without and with the drafter), three with
+serve_check.ngram: about a minute each on a CPU.
 """
 
 import json

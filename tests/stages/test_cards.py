@@ -17,7 +17,7 @@ from conftest import checkout_env
 from hub_server import FakeHub, validate_card
 from test_vllm import needs_vllm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 GOOD = {
     "license": "apache-2.0", "library_name": "transformers", "pipeline_tag": "text-generation",

@@ -16,7 +16,7 @@ from align.data import load_trajectories
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VERIFIER = ROOT / "checkpoints" / "tiny" / "verifier"
 HAVE_VLLM = (ROOT / ".venv-vllm" / "bin" / "python").is_file() or bool(os.environ.get("ALIGN_VLLM_PYTHON"))
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("CI"),
