@@ -64,6 +64,21 @@ def losses(out):
     return [by_step[s] for s in sorted(by_step)]
 
 
+def test_the_deepspeed_script_runs_the_align_of_its_own_checkout(tmp_path):
+    # `deepspeed align/train.py` from a second clone must run that clone's align, not the one installed in the
+    # environment (here the editable install of this checkout, which PYTHONPATH no longer names).
+    clone = tmp_path / "clone"
+    shutil.copytree(ROOT / "align", clone / "align", ignore=shutil.ignore_patterns("__pycache__"))
+    cli = clone / "align" / "cli.py"
+    cli.write_text(cli.read_text().replace("from __future__ import annotations\n", "from __future__ import annotations\n"
+                                           "print(\"the clone's cli\", flush=True)\n", 1))
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(clone / "align" / "train.py"), "--help"], cwd=tmp_path,
+                          env=environment, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("the clone's cli\nusage: align train"), proc.stdout[:300]
+
+
 def test_two_processes_and_zero3_match_one_process(trajectories, tmp_path):
     one = tmp_path / "one"
     rc, log = launch(1, overrides(trajectories, one, "train.max_steps=4", "train.micro_batch_size=2",
@@ -187,8 +202,7 @@ def test_lora_and_full_fine_tuning_save_loadable_folders(trajectories, tmp_path,
                                   "train.micro_batch_size=2", "train.losses={streak: 1.0, fkl: 0.5}",
                                   "train.data_mode=online", "train.eval_every=2", "train.final_eval_prompts=2"))
     assert rc == 0, log[-3000:]
-    if lora:  # the adapter, merged into its base when read (tests/stages/test_lora_checkpoints.py: the whole round
-    trip)
+    if lora:  # the adapter, merged into its base when read (the whole round trip: tests/stages/test_lora_checkpoints.py)
         from align.config import DrafterSection
         from align.models import load_ar_drafter
 
