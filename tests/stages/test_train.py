@@ -70,8 +70,8 @@ def test_the_deepspeed_script_runs_the_align_of_its_own_checkout(tmp_path):
     clone = tmp_path / "clone"
     shutil.copytree(ROOT / "align", clone / "align", ignore=shutil.ignore_patterns("__pycache__"))
     cli = clone / "align" / "cli.py"
-    cli.write_text(cli.read_text().replace("from __future__ import annotations\n", "from __future__ import annotations\n"
-                                           "print(\"the clone's cli\", flush=True)\n", 1))
+    future = "from __future__ import annotations\n"
+    cli.write_text(cli.read_text().replace(future, future + "print(\"the clone's cli\", flush=True)\n", 1))
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(clone / "align" / "train.py"), "--help"], cwd=tmp_path,
                           env=environment, capture_output=True, text=True, timeout=120)
@@ -202,7 +202,7 @@ def test_lora_and_full_fine_tuning_save_loadable_folders(trajectories, tmp_path,
                                   "train.micro_batch_size=2", "train.losses={streak: 1.0, fkl: 0.5}",
                                   "train.data_mode=online", "train.eval_every=2", "train.final_eval_prompts=2"))
     assert rc == 0, log[-3000:]
-    if lora:  # the adapter, merged into its base when read (the whole round trip: tests/stages/test_lora_checkpoints.py)
+    if lora:  # the adapter, merged into its base when read (the round trip: tests/stages/test_lora_checkpoints.py)
         from align.config import DrafterSection
         from align.models import load_ar_drafter
 
