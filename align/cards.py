@@ -336,7 +336,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              "```python", "import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer"
              + (f", {auto_class}" if auto_class != "AutoModelForCausalLM" else ""),
              *(["import align.drafters.dflash  # registers the DFlash drafter with AutoModel"] if kind == "dflash" else []),
-             "from align.decoding.specdiff import specdiff_generate", "from align.models import DrafterSpec", "",
+             "from align.decoding.specdiff import specdiff_generate", "from align.families import DrafterSpec", "",
              f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote}, dtype=torch.float32)",
              "spec = DrafterSpec(**drafter.config.drafter_spec)",
              f"verifier = AutoModelForCausalLM.from_pretrained(\"{verifier_ref}\", dtype=torch.float32)  # {FLOAT32_WHY}",

@@ -20,7 +20,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, "tests")  # remote_code_families, test_diffusion_gemma and test_zero3 build the tiny models
+# remote_code_families (tests/), test_diffusion_gemma (tests/drafters/) and test_zero3 (tests/stages/) build the tiny
+# models.
+sys.path[:0] = ["tests", "tests/drafters", "tests/stages"]
 
 
 def has_dependencies() -> None:
@@ -39,7 +41,8 @@ def remote_code(out: str, device: str) -> int:
     from remote_code_families import code_folder, write_family
 
     from align.config import DrafterSection
-    from align.models import load_drafter, load_tokenizer
+    from align.drafters.loading import load_drafter
+    from align.models import load_tokenizer
     from align.remote_code import masks_ignored, shims_applied
 
     failed = False
@@ -68,7 +71,7 @@ def zero3_prepare(out: str) -> None:
     from test_diffusion_gemma import RECIPE
     from test_zero3 import canvas_setup, write_trajectories
 
-    from align.config import load_recipe
+    from align.recipe_files import load_recipe
 
     root = Path(out)
     args = [*canvas_setup(root), "train.save_every=3", "train.bf16=true", f"train.out={root / 'run'}"]
