@@ -1,7 +1,8 @@
 """`align <stage> recipe.yaml [key.sub=value ...]`: parse, build the recipe, check inputs, call the stage. No logic.
 
-Everything the user can get wrong is checked here, before a stage imports torch or touches a file: a bad recipe or
-input is one line on stderr and exit code 2.
+Everything the user can get wrong is checked here, before a stage loads a model or touches a file: a bad recipe is
+refused before torch is imported; the stage's own checks (its module's models, prompts and check, align/stages/) run
+after its module is imported. A bad recipe or input is one line on stderr and exit code 2.
 
 Exit codes, and what is said (always one line on stderr, never a traceback):
   0    done

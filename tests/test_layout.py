@@ -200,7 +200,8 @@ EMBEDDED = re.compile(r"python3?\s+(-c\b|-\s)|<<-?\s*'?PY|safe_load|import yaml"
 
 
 def test_launch_scripts_call_align_commands_only():
-    for script in sorted([*(ROOT / "launch").iterdir(), *(ROOT / "experiments").iterdir()]):
+    scripts = [*(ROOT / "launch").iterdir(), *(ROOT / "experiments").iterdir()]
+    for script in sorted(path for path in scripts if path.is_file()):  # not a __pycache__ folder
         found = EMBEDDED.search(script.read_text())
         assert not found, f"{script.name} embeds Python or parses YAML ({found.group(0)!r}): add an align command"
 
