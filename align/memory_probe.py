@@ -4,8 +4,8 @@ reports, align/stages/memory.py, and what `align train` warns with).
 Measured, not estimated: the CPU allocator reports every allocation and free to torch's profiler (profile_memory),
 and the running sum of those reports is the bytes of tensor memory live at each moment; its maximum is the peak.
 
-peak_per_gpu(recipe, world_size) builds ONE drafter layer at the recipe's real width (random weights, on the CPU, in the
-recipe's dtype, with its LoRA adapters), the real vocabulary's LM head and the recipe's losses, runs forward and
+peak_per_gpu(recipe, world_size) builds ONE drafter layer at the recipe's real width (random weights, on the CPU, in
+the recipe's dtype, with its LoRA adapters), the real vocabulary's LM head and the recipe's losses, runs forward and
 backward on the recipe's largest micro-batch, measures them, and extrapolates the peak per GPU: parameters, gradients
 and AdamW states sharded as the recipe's ZeRO stage shards them over memory.world_size ranks, activations × layers.
 """

@@ -8,8 +8,8 @@ starts and what it does:
     check(recipe)   -> its own input checks: raise RecipeError; read configs, never weights (optional)
     main(recipe, command) -> exit status or None
 
-Nothing here imports a stage: a stage's module is named, and imported only when it runs (or when its --help is
-not enough: its checks need it).
+Nothing here imports a stage: a stage's module is named, and imported only when that stage runs (its checks
+first), so that `align <stage> --help` and `align validate` need no torch.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Stage:
     #: recipe keys naming files that must exist (when set)
     file_keys: tuple[str, ...] = ()
     #: recipe keys naming folders the stage writes: each must be a folder, or creatable, and writable, and new, empty
-    #: or already the stage's (checkpoint.check_output_owner); each is locked while the stage runs
+    #: or already the stage's (disk.check_output_owner); each is locked while the stage runs
     outputs: tuple[str, ...] = ()
     #: those of `outputs` the stage replaces whole (deleting what was there): only an earlier output of its own kind
     replaces: tuple[str, ...] = ()
