@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 # https://huggingface.co/docs/hub/repositories-licenses (the Hub's list; kept here apart from align's own copy in
-# align/config.py, so that a wrong entry there is caught here).
+# align/hub.py, so that a wrong entry there is caught here).
 LICENSES = {
     "apache-2.0", "mit", "openrail", "bigscience-openrail-m", "creativeml-openrail-m", "bigscience-bloom-rail-1.0",
     "bigcode-openrail-m", "afl-3.0", "artistic-2.0", "bsl-1.0", "bsd", "bsd-2-clause", "bsd-3-clause",

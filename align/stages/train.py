@@ -113,7 +113,7 @@ def check_data(recipe: Recipe) -> TrainData:
                           f"(longest {longest} tokens): no window could be filled; use train.gamma <= {longest}")
     # A window drawn at the last completion token reads the n - 1 tokens before it and drafts γ positions after them,
     # in the drafter (a DFlash drafter: the verifier it is built on) and in a verifier that labels it in the step.
-    readers = drafter_reads(recipe) + (("verifier.path",) if online and recipe.dflash is None else ())
+    readers = tuple(dict.fromkeys(drafter_reads(recipe) + (("verifier.path",) if online else ())))
     cap = t.max_sequence_length or math.inf  # windows are drawn from the first max_sequence_length tokens only
     check_rows_fit(recipe, [min(len(p) + len(c), cap) - 1 for p, c in zip(rows["prompt_ids"], rows["completion_ids"])],
                    "train.gamma", t.gamma, readers)
@@ -188,9 +188,8 @@ def models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
     on-policy) and for the final real τ."""
     t = recipe.train
-    reads = drafter_reads(recipe)
-    return (*reads, *(("verifier.path",) if (t.labels_online() or t.final_eval_prompts) and "verifier.path" not in reads
-                      else ()))
+    labels = ("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()
+    return tuple(dict.fromkeys(drafter_reads(recipe) + labels))
 
 
 def check(recipe: Recipe) -> None:

@@ -35,11 +35,11 @@ def check(recipe: Recipe) -> None:
     """`align eval`'s checks beyond its models', from configs and the files named: the drafter can run the methods,
     the draft graph is one (dllm mode decodes with it, at the recipe's block length and tokens per step), and the new
     tokens leave room for a prompt in the models' context."""
-    e, c = recipe.eval, recipe.calibrate
-    check_new_tokens(recipe, "decode.max_new_tokens", models(recipe))
+    e, c, needed = recipe.eval, recipe.calibrate, models(recipe)
+    check_new_tokens(recipe, "decode.max_new_tokens", needed)
     if e.mode == "speculative" and any("cps" in name for name in e.methods):
         check_tiny_default(recipe, "decode.cps_proxy_corpus", "verifier.path")
-    if e.mode == "speculative" and "drafter.path" in models(recipe):
+    if e.mode == "speculative" and "drafter.path" in needed:
         kind = drafter_kind(recipe)
         refusals = [f"{m} {why}" for m in e.methods if (why := method_refusal(kind, m, recipe.drafter.path))]
         if refusals:
