@@ -600,6 +600,13 @@ class PromptsSection(Section):
     max_samples: Optional[int] = Field(default=None, ge=1)
     #: samples per verifier batch (one chunk of raw/)
     batch_size: int = Field(default=16, ge=1)
+    # vLLM batches continuously: a batch no longer waits for its longest message, which is most of HF generate's time
+    # (SmolLM2 here: 5.2 samples/s against 1.9). Sampled prompts differ between the two (other random streams), so a
+    # folder's chunks all come from one backend (it is part of the settings hash).
+    #: who samples the user turns: hf (transformers generate) or vllm (vLLM's own environment, launch/setup_vllm.sh)
+    backend: Literal["hf", "vllm"] = "hf"
+    #: with backend vllm on a CPU, memory vLLM reserves for its KV cache, in GiB (on a GPU vLLM sizes it itself)
+    vllm_cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
     #: the system messages the user turn is sampled after, one chunk each in turn (chunk c: entry c mod the list's
     #: length); null: none, the template's default system prompt. Magpie's way of steering what users ask (its math
     #: and code sets say in the system message what the assistant helps with). Only the sampling sees them: the kept

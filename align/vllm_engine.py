@@ -120,7 +120,7 @@ class VllmRunner:
         # In a process group of its own (with vLLM's engine processes): an interrupt of align stops them all.
         self.process = start_child([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=self.log, text=True, env=env)
-        self.version = ""
+        self.version, self.failed = "", False
         try:
             ready = self._ask({"model": str(model), "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
                                "speculative_config": speculative_config,
@@ -143,6 +143,7 @@ class VllmRunner:
             raise RuntimeError(f"the vLLM worker exited (code {code}): {last_error(self.log)} (log: {self.log.name})")
         reply = json.loads(line)
         if "error" in reply:
+            self.failed = True  # the worker goes on, and exits 0 when closed: its log must stay for the error
             raise RuntimeError(f"vLLM: {reply['error']} (log: {self.log.name})")
         return reply
 
@@ -177,7 +178,7 @@ class VllmRunner:
                 self.process.wait()
         self.log.close()
         forget_child(self.process)
-        if self.process.returncode == 0:
+        if self.process.returncode == 0 and not self.failed:
             os.unlink(self.log.name)  # a failed worker's log is kept: errors name it
 
     def __enter__(self) -> "VllmRunner":

@@ -130,6 +130,10 @@ def main() -> None:
         # Unset, vLLM on a CPU reserves 92% of the memory for its KV cache, and refuses to start when less is free.
         # A GPU sizes its cache from free memory (gpu_memory_utilization), as a GPU user expects.
         optional["kv_cache_memory_bytes"] = config["kv_cache_memory_bytes"]
+        # A prompt prefilled in pieces over several steps has its seeded generator rewound after each piece, which
+        # the CPU's generators cannot do ("CPU Generator does not use offset", vLLM 0.32): 128 seeded samples of one
+        # Magpie prefix killed the engine. Whole prefills never rewind.
+        optional["enable_chunked_prefill"] = False
     # enforce_eager: compiling took about a minute on a CPU and bought nothing for small models. The prompts arrive
     # as token ids and leave as token ids: no tokenizer is needed, so vLLM's transformers never reads align's.
     # disable_log_stats=False: the speculative-decoding counters live in the stats. generation_config="vllm": every

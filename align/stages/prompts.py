@@ -2,7 +2,8 @@
 
 The verifier's chat template is rendered up to where a user's message begins (with its default system prompt, exactly
 as every stage renders a user-only prompt, or after a system message of prompts.system_prompts, which steers what the
-users ask); the verifier samples the message, which ends at its end-of-turn token;
+users ask); the verifier samples the message (transformers' generate, or vLLM with prompts.backend vllm), which ends
+at its end-of-turn token;
 the samples are filtered (cut short, special tokens, too short, not ASCII, sampling loops, duplicates and
 near-duplicates). What comes out is a JSONL of `messages` (one user turn each) that `align trajectories` reads with
 `data.train_prompts=<out>/prompts.jsonl data.prompt_column=messages`.
@@ -173,7 +174,9 @@ def plan(recipe: Recipe) -> Plan:
                 "chat_template_sha256": template_sha256(template), "system_prompts": p.system_prompts,
                 "prefix_ids": prefix_ids, "stop_ids": stop_ids,
                 "temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
-                "batch_size": p.batch_size, "seed": p.seed}
+                "batch_size": p.batch_size, "seed": p.seed,
+                # only when not HF's: folders sampled before there was a choice keep their hash
+                **({"backend": p.backend} if p.backend != "hf" else {})}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     made = _read_json(Path(p.out) / MANIFEST)
     if made is not None and made.get("settings_hash") != digest:
@@ -187,6 +190,10 @@ def models(recipe: Recipe) -> tuple[str, ...]:
 
 
 def check(recipe: Recipe) -> None:
+    if recipe.prompts.backend == "vllm":
+        from align.vllm_engine import vllm_python
+
+        vllm_python("prompts.backend")
     plan(recipe)
 
 
@@ -210,11 +217,42 @@ def sample_chunk(verifier: Any, plan_: Plan, p: PromptsSection, chunk: int, seed
         out = verifier.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=p.temperature,
                                 top_p=p.top_p, top_k=0, max_new_tokens=p.max_new_tokens, eos_token_id=plan_.stop_ids,
                                 pad_token_id=plan_.stop_ids[0] if pad is None else pad)
+    return cut_at_stop(out[:, ids.shape[1]:].tolist(), plan_.stop_ids)
+
+
+def cut_at_stop(rows: list[list[int]], stop_ids: list[int]) -> list[dict[str, Any]]:
+    """Each sampled row cut at its first stop token: {ids (the message's tokens), ended (a stop token came)}."""
     samples = []
-    for row in out[:, ids.shape[1]:].tolist():
-        end = next((i for i, t in enumerate(row) if t in plan_.stop_ids), None)
+    for row in rows:
+        end = next((i for i, t in enumerate(row) if t in stop_ids), None)
         samples.append({"ids": row if end is None else row[:end], "ended": end is not None})
     return samples
+
+
+def sample_chunk_vllm(runner: Any, plan_: Plan, p: PromptsSection, chunk: int, seed: int) -> list[dict[str, Any]]:
+    """`sample_chunk`'s samples from vLLM: prompts.batch_size completions of the chunk's prefix (sample j drawn with
+    seed · batch_size + j), each cut at its first stop token."""
+    prefix_ids = plan_.prefix_ids[chunk % len(plan_.prefix_ids)]
+    # vLLM seeds sample j with seed + j: chunk seeds one apart would share all but one of their samples' seeds (and
+    # chunks c and c + 3 their prefix): every sample of one seed space of its own.
+    out = runner.generate([prefix_ids], max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                          n=p.batch_size, seed=seed * p.batch_size, stop_token_ids=plan_.stop_ids)
+    return cut_at_stop([c.token_ids for c in out.completions[0]], plan_.stop_ids)
+
+
+def start_engine(recipe: Recipe) -> Any:
+    """What samples: the verifier loaded by transformers, or a vLLM worker serving it (backend vllm), in the dtype
+    and on the device align would load it with."""
+    from align.models import load_verifier, resolve_device, resolve_dtype
+
+    if recipe.prompts.backend == "hf":
+        return load_verifier(recipe.verifier)
+    from align.vllm_engine import VllmRunner, vllm_dtype
+
+    device = resolve_device(recipe.verifier.device)
+    return VllmRunner(recipe.verifier.path, dtype=vllm_dtype(resolve_dtype(recipe.verifier.dtype, device)),
+                      kv_cache_gib=recipe.prompts.vllm_cpu_kv_cache_gib, seed=recipe.prompts.seed,
+                      cuda_device=device.index if device.type == "cuda" else None, key="prompts.backend")
 
 
 def main(recipe: Recipe, command: str) -> int:
@@ -222,7 +260,7 @@ def main(recipe: Recipe, command: str) -> int:
 
     from align.chat import special_ids
     from align.disk import mark_folder, write_text_atomic
-    from align.models import load_verifier
+    from align.vllm_engine import VllmRunner
 
     p = recipe.prompts
     t0 = time.perf_counter()
@@ -231,34 +269,39 @@ def main(recipe: Recipe, command: str) -> int:
     specials = special_ids(tokenizer)
     max_samples = p.max_samples or 4 * p.num_prompts
     keep = Filter(p)
-    verifier, drawn, sampled, sampling_s, sources = None, 0, 0, 0.0, []
+    engine, drawn, sampled, sampling_s, sources = None, 0, 0, 0.0, []
     bar = tqdm(total=p.num_prompts, desc="prompts (Magpie)", unit="prompt", dynamic_ncols=True)
-    for c in range(math.ceil(max_samples / p.batch_size)):
-        if len(keep.kept) >= p.num_prompts:
-            break
-        path = out / "raw" / f"chunk-{c:05d}.json"
-        chunk = _read_json(path)
-        if chunk is None or chunk.get("settings_hash") != plan_.settings_hash:
-            if verifier is None:  # only when something is left to sample: a finished run loads no model
-                verifier = load_verifier(recipe.verifier)
-            seed = p.seed * 1_000_003 + c
-            started = time.perf_counter()
-            samples = sample_chunk(verifier, plan_, p, c, seed)
-            sampling_s += time.perf_counter() - started
-            for s in samples:
-                s["text"] = tokenizer.decode(s["ids"]).strip()
-            chunk = {"settings_hash": plan_.settings_hash, "chunk": c, "seed": seed, "samples": samples}
-            write_text_atomic(path, json.dumps(chunk))
-            sampled += len(samples)
-        for k, s in enumerate(chunk["samples"]):
-            if drawn >= max_samples or len(keep.kept) >= p.num_prompts:
+    try:
+        for c in range(math.ceil(max_samples / p.batch_size)):
+            if len(keep.kept) >= p.num_prompts:
                 break
-            drawn += 1
-            if keep.offer(s["text"], s["ended"], any(t in specials for t in s["ids"])):
-                sources.append(c * p.batch_size + k)
-                bar.update(1)
-        bar.set_postfix(drawn=drawn, refused=sum(keep.dropped.values()))
-    bar.close()
+            path = out / "raw" / f"chunk-{c:05d}.json"
+            chunk = _read_json(path)
+            if chunk is None or chunk.get("settings_hash") != plan_.settings_hash:
+                if engine is None:  # only when something is left to sample: a finished run loads no model
+                    engine = start_engine(recipe)
+                seed = p.seed * 1_000_003 + c
+                started = time.perf_counter()
+                sample = sample_chunk_vllm if isinstance(engine, VllmRunner) else sample_chunk
+                samples = sample(engine, plan_, p, c, seed)
+                sampling_s += time.perf_counter() - started
+                for s in samples:
+                    s["text"] = tokenizer.decode(s["ids"]).strip()
+                chunk = {"settings_hash": plan_.settings_hash, "chunk": c, "seed": seed, "samples": samples}
+                write_text_atomic(path, json.dumps(chunk))
+                sampled += len(samples)
+            for k, s in enumerate(chunk["samples"]):
+                if drawn >= max_samples or len(keep.kept) >= p.num_prompts:
+                    break
+                drawn += 1
+                if keep.offer(s["text"], s["ended"], any(t in specials for t in s["ids"])):
+                    sources.append(c * p.batch_size + k)
+                    bar.update(1)
+            bar.set_postfix(drawn=drawn, refused=sum(keep.dropped.values()))
+    finally:
+        bar.close()
+        if isinstance(engine, VllmRunner):
+            engine.close()
     rows = [{"id": f"magpie-{p.seed}-{index:06d}", "messages": [{"role": "user", "content": text}]}
             for index, text in zip(sources, keep.kept)]
     text = "".join(json.dumps(r) + "\n" for r in rows)
@@ -277,7 +320,10 @@ def main(recipe: Recipe, command: str) -> int:
         "kept_per_system_prompt": [sum(i // p.batch_size % len(plan_.prefixes) == k for i in sources)
                                    for k in range(len(plan_.prefixes))],
         "prompts_file_sha256": hashlib.sha256(text.encode()).hexdigest(),
-        "engine": f"transformers {version('transformers')}", "seconds_this_run": round(seconds, 1),
+        "engine": (f"vllm {engine.version}" if isinstance(engine, VllmRunner) else
+                   f"{p.backend} (nothing sampled this run)" if engine is None else
+                   f"transformers {version('transformers')}"),
+        "seconds_this_run": round(seconds, 1),
         "sampling_seconds_this_run": round(sampling_s, 1),
     }
     write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=2))
