@@ -193,7 +193,8 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
     """Load a verifier and the drafters the methods need; each a local folder or a Hub id.
 
     drafter: a diffusion drafter (the specdiff* methods); its DrafterSpec is read from its config as every stage reads
-    it. ar_drafter: an autoregressive drafter (sd_ar, hf_assisted). ar, hf_generate and prompt_lookup need neither.
+    it. ar_drafter: an autoregressive drafter (sd_ar, hf_assisted). ar, hf_generate, prompt_lookup and ngram need
+    neither.
     chat_template: how text and chat prompts are rendered (data.chat_template): auto, with the verifier
     tokenizer's chat template when it has one; on: it must have one; off: plain text.
     data_dir: where the CPS proxy is cached and the tiny corpus it is fitted on by default is built (data.dir).

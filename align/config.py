@@ -399,13 +399,23 @@ class DecodeSection(Section):
     #: γ deep); K·γ matches the verifier tokens of self-selection with K candidates. specdiff_tree_cost,
     #: specdiff_cps_tree_cost: the largest tree, of which each step verifies the nodes that pay for their cost
     tree_nodes: int = Field(default=32, ge=1)
-    #: n-gram size HF prompt lookup matches against the prompt
+    #: tokens HF prompt lookup proposes after a match (it matches at most 2 tokens, HF's max_matching_ngram_size)
     prompt_lookup_tokens: int = Field(default=10, ge=1)
+    # vLLM's n-gram speculator's defaults (prompt_lookup_max 4, prompt_lookup_min 1): a longer match predicts better,
+    # and a single token still finds the names and numbers a question holds.
+    #: ngram, specdiff_ngram_tree: the longest suffix of the context (prompt and output so far) looked up among its
+    #: earlier tokens; the draft is the γ tokens after the most recent occurrence of the longest one found
+    ngram_max_match: int = Field(default=4, ge=1)
+    #: and the shortest; nothing matching, no draft: a plain verifier step
+    ngram_min_match: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> "DecodeSection":
         if self.adl_min_len > self.adl_max_len:
             raise ValueError(f"adl_min_len ({self.adl_min_len}) must not exceed adl_max_len ({self.adl_max_len})")
+        if self.ngram_min_match > self.ngram_max_match:
+            raise ValueError(f"ngram_min_match ({self.ngram_min_match}) must not exceed ngram_max_match "
+                             f"({self.ngram_max_match})")
         return self
 
 

@@ -3,8 +3,9 @@
 Each method is `fn(setup, prompt_ids (1, n), sampling, generator) -> (new tokens, stats)`; a `Setup` holds the models
 and the decode settings. A name is parsed into options (align/decoding/options.py: `specdiff_cps_tree` is
 `specdiff+cps+tree`), and the options pick the speculative step that runs. HF's own methods (`hf_generate`,
-`hf_assisted`, `prompt_lookup`) call `verifier.generate()` and count forwards from the outside. Also here, shared by both callers: the tokens that end a generation, each
-prompt's random stream, and the causal proxy the CPS methods search with.
+`hf_assisted`, `prompt_lookup`) call `verifier.generate()` and count forwards from the outside. Also here, shared by
+both callers: the tokens that end a generation, each prompt's random stream, and the causal proxy the CPS methods
+search with.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from align.data import eos_token_ids, load_trajectories  # eos_token_ids: the en
 from align.decoding.adaptive_length import AdaptiveLength
 from align.decoding.ar import ar_generate
 from align.decoding.generation import GenerationStats, Sampling
+from align.decoding.ngram import NgramLookup, NgramStep
 from align.decoding.options import METHOD_NAMES, MethodOptions, parse_method
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sd_ar import ARDraftStep
@@ -99,10 +101,18 @@ def path_search(d: DecodeSection) -> PathSearch:
     return PathSearch(d.cps_beam_width, d.cps_threshold, d.cps_max_candidates, d.cps_weight)
 
 
+def ngram_lookup(d: DecodeSection) -> NgramLookup:
+    """The n-gram match of a decode section (ngram, specdiff_ngram_tree)."""
+    return NgramLookup(d.ngram_max_match, d.ngram_min_match)
+
+
 def speculative_step(method: MethodOptions, s: Setup, ids: torch.Tensor, decoding: Decoding,
                      generator: Optional[torch.Generator]) -> Step:
     """The step a speculative method's options name, with the decode section's settings."""
     d = s.decode
+    if method.base == "ngram":
+        sizing = s.cost_aware_size(ids) if "cost" in method else None
+        return NgramStep(s.verifier, decoding, ngram_lookup(d), generator, sizing)
     if method.base == "sd_ar":
         return ARDraftStep(s.verifier, s.ar_drafter, decoding, decoding.sampling, generator)
     if "select" in method:
@@ -110,7 +120,11 @@ def speculative_step(method: MethodOptions, s: Setup, ids: torch.Tensor, decodin
     sizing = s.cost_aware_size(ids) if "cost" in method else None
     search = (path_search(d), s.proxy) if "cps" in method else None
     if "tree" in method:
-        return TreeStep(s.verifier, s.drafter, s.spec, decoding, d.tree_nodes, generator, sizing, search)
+        lookup = ngram_lookup(d) if "ngram" in method else None
+        # the continuation's own acceptance, learnt beside the drafter's: a fresh chooser over the same costs
+        lookup_sizing = s.cost_aware_size(ids) if lookup is not None and sizing is not None else None
+        return TreeStep(s.verifier, s.drafter, s.spec, decoding, d.tree_nodes, generator, sizing, search, lookup,
+                        lookup_sizing)
     adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if "adl" in method else None
     choose = draft_choice(decoding.sampling, generator, argmax_draft=d.draft_choice == "argmax", path_search=search,
                           eos_ids=decoding.eos_ids)

@@ -261,7 +261,7 @@ def verifier_only():
     (lambda p: p.generate(PROMPTS, method="ar", eos_token_id="</s>"), r"^eos_token_id: a token id or a list of them"),
     (lambda p: p.generate(PROMPTS, method="sd_ar"),
      r"^method 'sd_ar' needs an AR drafter: pass align\.load\(\.\.\., ar_drafter=<folder or Hub id>\) \(methods the "
-     r"loaded models run: ar, hf_generate, prompt_lookup\)$"),
+     r"loaded models run: ar, hf_generate, prompt_lookup, ngram, ngram_cost\)$"),
     (lambda p: p.generate(PROMPTS, method="specdiff_cps"),
      r"^method 'specdiff_cps' needs a diffusion drafter: pass align\.load\(\.\.\., drafter=<folder or Hub id>\)"),
 ])

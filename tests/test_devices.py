@@ -28,7 +28,8 @@ PROMPT = torch.tensor([[1, 5, 2]])
 # What our runtime implements (HF's own methods are HF's business).
 RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
                    "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
-                   "specdiff_cps_tree", "specdiff_cps_tree_cost"]
+                   "specdiff_cps_tree", "specdiff_cps_tree_cost", "ngram", "ngram_cost", "specdiff_ngram_tree",
+                   "specdiff_ngram_tree_cost"]
 
 
 def tiny(seed: int, bidirectional: bool = False) -> LlamaForCausalLM:

@@ -85,6 +85,12 @@ MUTATIONS = (
     Mutation("custom_generate: after a rejection, sample the verifier's p, not norm(max(p - q, 0))",
              "custom_generate.py", "residual = diff / diff.sum() if diff.sum() > 0 else verifier_probs[num_accepted]",
              "residual = verifier_probs[num_accepted]", (CUSTOM + "test_sampling_is_the_verifiers_distribution[llama]",)),
+    # Issue 37: a model-free draft has no q; accepting it as if drawn from one (here half the mass on the token, the
+    # rest spread over the table models' 6 tokens) keeps it too often and corrects from the wrong residual.
+    Mutation("an n-gram continuation accepted against a drafter's q instead of as a point mass", "decoding/ngram.py",
+             "return Draft(draft, None, len(tokens), forwards=0)",
+             "return Draft(draft, torch.nn.functional.one_hot(draft, 6) * 0.5 + 0.5 / 6, len(tokens), forwards=0)",
+             (EVERY_METHOD + "[ngram]", EVERY_METHOD + "[ngram_cost]")),
     Mutation("HF's baselines without an attention mask: generate() hides every prompt token equal to the pad token",
              "methods.py", "prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens",
              "prompt_ids, max_new_tokens",

@@ -1,13 +1,15 @@
 """Decoding method names, parsed into options. Imports nothing heavy: the recipe schema checks names with it before
 torch is imported.
 
-    method := base ("+" option)*          e.g. specdiff, specdiff+cps+tree+cost, sd_ar
-    base   := ar | hf_generate | hf_assisted | prompt_lookup | sd_ar | specdiff
-    option := cps | adl | tree | cost | select        (specdiff's; each at most once, in any order)
+    method := base ("+" option)*          e.g. specdiff, specdiff+cps+tree+cost, sd_ar, ngram+cost
+    base   := ar | hf_generate | hf_assisted | prompt_lookup | ngram | sd_ar | specdiff
+    option := cps | adl | ngram | tree | cost | select   (specdiff's, each at most once, in any order; ngram takes cost)
 
 cps: DiffuSpec's causal-consistency path search ranks the draft (a path, or a tree's nodes); adl: DiffuSpec's adaptive
-draft length; tree: a draft tree instead of a path; cost: the cost-aware draft size (a path's length, a tree's node
-budget); select: SpecDiff-2 self-selection, K candidate paths verified together. An option set's name (eval.json rows,
+draft length; ngram (on a tree): the n-gram continuation of the context joins the drafter's tree, both verified in one
+forward; tree: a draft tree instead of a path; cost: the cost-aware draft size (a path's length, a tree's node
+budget); select: SpecDiff-2 self-selection, K candidate paths verified together. The base ngram drafts with no model:
+the tokens after the most recent earlier match of the context's last few tokens (align/decoding/ngram.py). An option set's name (eval.json rows,
 `METHODS`' keys) is its options joined by "_" in the order above (`specdiff_cps_tree_cost`), except self-selection's,
 `specdiff2_select`, after its paper; every name parses too, as an alias of its options.
 """
@@ -18,8 +20,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-BASES = ("ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff")
-OPTIONS = ("cps", "adl", "tree", "cost", "select")  # specdiff's, in the order names spell them
+BASES = ("ar", "hf_generate", "hf_assisted", "prompt_lookup", "ngram", "sd_ar", "specdiff")
+OPTIONS = ("cps", "adl", "ngram", "tree", "cost", "select")  # in the order names spell them
+# The options a base other than specdiff takes.
+BASE_OPTIONS = {"ngram": ("cost",)}
 # Names that are not their options joined by "_".
 NAMED = {("specdiff", ("select",)): "specdiff2_select"}
 
@@ -48,8 +52,10 @@ class MethodOptions:
 
 def conflict(base: str, options: tuple[str, ...]) -> Optional[str]:
     """Why `options` cannot go on `base` (None: they can)."""
-    if options and base != "specdiff":
-        return f"{base} takes no options (specdiff takes {', '.join(OPTIONS)})"
+    if base != "specdiff" and not set(options) <= set(BASE_OPTIONS.get(base, ())):
+        takes = BASE_OPTIONS.get(base)
+        return (f"{base} takes only {', '.join(takes)}" if takes else f"{base} takes no options") + \
+            f" (specdiff takes {', '.join(OPTIONS)})"
     unknown = [o for o in options if o not in OPTIONS]
     if unknown:
         return f"unknown option {unknown[0]!r} (specdiff's are {', '.join(OPTIONS)})"
@@ -61,12 +67,15 @@ def conflict(base: str, options: tuple[str, ...]) -> Optional[str]:
         return "adl adapts a path's length; a tree's size is tree_nodes (or cost)"
     if "adl" in options and "cost" in options:
         return "adl and cost both choose the draft length: one of them"
+    if base == "specdiff" and "ngram" in options and "tree" not in options:
+        return "ngram joins the n-gram continuation to the drafter's tree: it needs tree"
     return None
 
 
 def _every_method() -> dict[str, MethodOptions]:
     """Every valid option set by name: the bases, then specdiff's option sets by how many options they hold."""
     found = [MethodOptions(base) for base in BASES]
+    found += [MethodOptions(base, (option,)) for base, options in BASE_OPTIONS.items() for option in options]
     for size in range(1, len(OPTIONS) + 1):
         found += [MethodOptions("specdiff", chosen) for chosen in itertools.combinations(OPTIONS, size)
                   if conflict("specdiff", chosen) is None]

@@ -103,13 +103,18 @@ class CostAwareSize:
     def choose(self, scores: Sequence[float], depths: Sequence[int], draft_s: float) -> int:
         """How many of the best-first nodes to verify (≥ 1). scores: each node's cumulative drafter log-probability;
         depths: 1 for the root's children; draft_s: what the drafter pass just made cost."""
+        return self.best_size(self.gains(scores, depths), draft_s)
+
+    def best_size(self, gains: Sequence[float], draft_s: float) -> int:
+        """How many of the nodes to verify (≥ 1), given each one's expected acceptance in the order they are
+        verified (a prefix must be a valid draft) and what the drafter pass just made cost."""
         self.measured_draft_s.append(draft_s)
         if self.draft_s is not None:
             draft_s = self.draft_s
         else:  # one pass's time is noisy; the passes so far are a steadier estimate of the next one's
             draft_s = statistics.fmean(self.measured_draft_s[-16:])
         best, best_rate, expected = 1, 0.0, 1.0
-        for n, gain in enumerate(self.gains(scores, depths)[: len(self.verify_s) - 1], start=1):
+        for n, gain in enumerate(list(gains)[: len(self.verify_s) - 1], start=1):
             expected += gain
             rate = expected / (draft_s + self.verify_s[n])  # n nodes and the root: n + 1 tokens
             if rate > best_rate:

@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 from align.config import RecipeError
 from align.decoding.acceptance import accept_tree
 from align.decoding.generation import GenerationStats, Sampling
+from align.decoding.ngram import NgramLookup
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sizing import CostAwareSize
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
@@ -144,6 +145,54 @@ def build_consistent_draft_tree(
     return best_first_tree(depth_limit, num_nodes, rank_children, context_tail, eos_ids)
 
 
+def add_path(tree: DraftTree, tokens: list[int], eos_ids: frozenset[int] = frozenset()) -> tuple[DraftTree, list[int]]:
+    """`tree` with the path `tokens` from the root merged in (the union tree: a model-free continuation joining the
+    drafter's tree): a token its parent already has as a child is that child, the others are new nodes, appended, so
+    parents still come first; nothing is added after an end-of-sequence token. A new node's score is -inf (the
+    drafter gave it no probability). Returns the tree and the path's nodes, from the root down."""
+    merged = DraftTree(list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores))
+    child = {(parent, token): node for node, (parent, token) in enumerate(zip(tree.parents, tree.tokens))}
+    parent, path = -1, []
+    for token in tokens:
+        node = child.get((parent, token))
+        if node is None:
+            node = child[(parent, token)] = len(merged)
+            merged.tokens.append(token)
+            merged.parents.append(parent)
+            merged.depths.append(merged.depths[parent] + 1 if parent >= 0 else 1)
+            merged.scores.append(float("-inf"))
+        path.append(node)
+        parent = node
+        if token in eos_ids:
+            break
+    return merged, path
+
+
+def order_by_gain(tree: DraftTree, gains: list[float]) -> tuple[DraftTree, list[float], list[int]]:
+    """The nodes by expected acceptance, best first, so that the cost-aware size can keep any prefix: a node's gain
+    is capped at its parent's (it is accepted only after its parent), and ties go to the shallower node, so parents
+    still come first. Returns the tree, its nodes' capped gains, and each old node's new index."""
+    capped: list[float] = []
+    for node, parent in enumerate(tree.parents):
+        capped.append(min(gains[node], capped[parent]) if parent >= 0 else gains[node])
+    order = sorted(range(len(tree)), key=lambda node: (-capped[node], tree.depths[node], node))
+    where = [0] * len(tree)
+    for new, old in enumerate(order):
+        where[old] = new
+    ordered = DraftTree([tree.tokens[old] for old in order],
+                        [where[tree.parents[old]] if tree.parents[old] >= 0 else -1 for old in order],
+                        [tree.depths[old] for old in order], [tree.scores[old] for old in order])
+    return ordered, [capped[old] for old in order], where
+
+
+def leading(path: list[int], nodes: set[int]) -> int:
+    """How many of an accepted path's first nodes (root down) are among `nodes`: what one source got accepted."""
+    count = 0
+    while count < len(path) and path[count] in nodes:
+        count += 1
+    return count
+
+
 def check_tree_verifier(verifier: PreTrainedModel) -> None:
     """Refuse, with a one-line RecipeError, a verifier whose tree forward this module cannot make exact."""
     implementation = getattr(verifier.config, "_attn_implementation", None)
@@ -216,18 +265,25 @@ class TreeStep(Step):
     """A draft tree of `num_nodes` nodes, at most γ deep, from one drafter pass, verified in one tree forward.
     sizing (cost-aware node budget): `num_nodes` is the largest tree, and `sizing` picks how many of its best-first
     nodes to verify each step. path_search: rank the tree's nodes by CPS's score (`build_consistent_draft_tree`).
+    lookup: the union tree: the n-gram continuation of the context (`NgramLookup`) joins the drafter's tree
+    (`add_path`); with sizing, the nodes are verified in order of expected acceptance, the drafter's from its
+    calibrated probabilities and the continuation's from its own measured per-depth acceptance (`lookup_sizing`,
+    learnt as `sizing` is). Every node is a fixed token chosen before the verifier's randomness, so `accept_tree`'s
+    point-mass rule is lossless for nodes of either source.
     Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size."""
 
     def __init__(self, verifier: PreTrainedModel, drafter: PreTrainedModel, spec: DrafterSpec, decoding: Decoding,
                  num_nodes: int, generator: Optional[torch.Generator] = None, sizing: Optional[CostAwareSize] = None,
-                 path_search: Optional[tuple[PathSearch, TrigramModel]] = None) -> None:
+                 path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
+                 lookup: Optional[NgramLookup] = None, lookup_sizing: Optional[CostAwareSize] = None) -> None:
         check_tree_verifier(verifier)
         # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and
         # the accepted path's join its context (they equal a plain forward's over that path, as the logits do).
         self.verifier, self.drafter, self.decoding = verifier, drafter_for(drafter, spec), decoding
         self.num_nodes, self.generator, self.sizing, self.path_search = num_nodes, generator, sizing, path_search
         self.verifier_states = self.drafter.verifier_states
-        self.tree = DraftTree([], [], [], [])
+        self.lookup, self.lookup_sizing = lookup, lookup_sizing
+        self.tree, self.lookup_path, self.accepted = DraftTree([], [], [], []), [], []
 
     def begin(self, cache: DynamicCache) -> None:
         check_tree_cache(cache)
@@ -244,9 +300,26 @@ class TreeStep(Step):
         else:
             tail = context[0, -2:].tolist()
             tree = build_consistent_draft_tree(draft_log_probs, self.num_nodes, tail, self.path_search, eos_ids)
+        if self.lookup is not None:
+            return self.propose_union(tree, context, depth_limit, started)
         if self.sizing is not None:
             tree = tree.prefix(self.sizing.choose(tree.scores, tree.depths, time.perf_counter() - started))
         self.tree = tree
+        return Draft(tree, None, depth_limit, nodes=len(tree))
+
+    def propose_union(self, tree: DraftTree, context: torch.Tensor, depth_limit: int, started: float) -> Draft:
+        """The drafter's tree with the n-gram continuation merged in, cut to the cost-aware size when sizing."""
+        assert self.lookup is not None
+        continuation = self.lookup.continuation(context[0].cpu().numpy(), depth_limit)
+        tree, path = add_path(tree, continuation, self.decoding.eos_ids)
+        if self.sizing is not None and self.lookup_sizing is not None:
+            gains = self.sizing.gains(tree.scores, tree.depths)  # a continuation-only node's score is -inf: 0
+            for node, rate in zip(path, self.lookup_sizing.gains([0.0] * len(path), range(1, len(path) + 1))):
+                gains[node] = max(gains[node], rate)
+            tree, gains, where = order_by_gain(tree, gains)
+            size = self.sizing.best_size(gains, time.perf_counter() - started)
+            tree, path = tree.prefix(size), [where[node] for node in path if where[node] < size]
+        self.tree, self.lookup_path = tree, path
         return Draft(tree, None, depth_limit, nodes=len(tree))
 
     def verify(self, draft: Draft, context: torch.Tensor, cache: DynamicCache) -> tuple[list[int], int]:
@@ -256,11 +329,23 @@ class TreeStep(Step):
                                        self.generator)
         keep_path(cache, tree, path)
         self.drafter.verified([0, *[node + 1 for node in path]])  # the root and the accepted path
+        self.accepted = path
         return [tree.tokens[node] for node in path], next_token
 
     def update(self, num_accepted: int) -> None:
-        if self.sizing is not None:
-            self.sizing.update(self.tree.scores, self.tree.depths, num_accepted)
+        if self.sizing is None:
+            return
+        tree = self.tree
+        if self.lookup_sizing is None:
+            self.sizing.update(tree.scores, tree.depths, num_accepted)
+            return
+        # Each source learns from its own nodes: how deep the accepted path ran through them.
+        drafted = [node for node, score in enumerate(tree.scores) if score > float("-inf")]
+        self.sizing.update([tree.scores[n] for n in drafted], [tree.depths[n] for n in drafted],
+                           leading(self.accepted, set(drafted)))
+        if self.lookup_path:
+            self.lookup_sizing.update([0.0] * len(self.lookup_path), range(1, len(self.lookup_path) + 1),
+                                      leading(self.accepted, set(self.lookup_path)))
 
 
 def specdiff_tree_generate(

@@ -11,13 +11,16 @@ from align.recipe_files import load_recipe
 TODAYS_NAMES = ("ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select",
                 "specdiff_cps", "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost",
                 "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree", "specdiff_cps_tree_cost")
+# The model-free n-gram drafts (issue 37): alone, and joined to the drafter's tree.
+NGRAM_NAMES = ("ngram", "ngram_cost", "specdiff_ngram_tree", "specdiff_cps_ngram_tree", "specdiff_ngram_tree_cost",
+               "specdiff_cps_ngram_tree_cost")
 
 
 def test_the_grammar_allows_exactly_todays_methods():
-    assert sorted(METHOD_NAMES) == sorted(TODAYS_NAMES)
+    assert sorted(METHOD_NAMES) == sorted(TODAYS_NAMES + NGRAM_NAMES)
 
 
-@pytest.mark.parametrize("name", TODAYS_NAMES)
+@pytest.mark.parametrize("name", TODAYS_NAMES + NGRAM_NAMES)
 def test_a_name_and_its_spelling_are_one_method(name):
     method = parse_method(name)
     assert method.name == name
@@ -37,6 +40,8 @@ def test_spellings_name_their_options():
     ("sd_ar+cps", "sd_ar takes no options"), ("specdiff+cps+cps", "an option named twice"),
     ("specdiff+select+tree", "select"), ("specdiff+adl+tree", "adl"), ("specdiff+adl+cost", "adl and cost"),
     ("specdiff_tree_cps", "unknown base 'specdiff_tree_cps'"),  # aliases are today's names only
+    ("specdiff+ngram", "ngram joins the n-gram continuation to the drafter's tree: it needs tree"),
+    ("ngram+tree", "ngram takes only cost"),
 ])
 def test_a_bad_name_is_one_line_saying_why(text, why):
     with pytest.raises(ValueError) as caught:

@@ -316,7 +316,8 @@ def decode_pvalue(setup: Setup, method: str, sampling: Sampling, trials: int,
 # What our runtime implements; the HF baselines (hf_generate, hf_assisted, prompt_lookup) are HF's own sampling.
 RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
                    "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
-                   "specdiff_cps_tree", "specdiff_cps_tree_cost"]
+                   "specdiff_cps_tree", "specdiff_cps_tree_cost", "ngram", "ngram_cost", "specdiff_ngram_tree",
+                   "specdiff_ngram_tree_cost"]
 
 
 @pytest.mark.parametrize("method", RUNTIME_METHODS)
@@ -365,10 +366,11 @@ def test_truncated_sampling_is_lossless(method, truncation):
 # method verifies as one of them, and costs as much (11-50 s at 1,000 decodes on a shared 2-core machine): marked
 # slow, they run in the full suite (26 tests, 734 s measured).
 SLIDING_DEFAULT = ("specdiff", "specdiff_tree")
+# The n-gram methods verify as specdiff (a path) and specdiff_tree (a tree) do: not repeated here.
 
 
 @pytest.mark.parametrize("method", [name if name in SLIDING_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
-                                    for name in RUNTIME_METHODS])
+                                    for name in RUNTIME_METHODS if "ngram" not in name])
 @pytest.mark.parametrize("kind", ["mistral_sliding", "qwen2_sliding"])
 def test_every_method_samples_a_sliding_window_verifiers_distribution(kind, method):
     """A transformer verifier whose layers slide (`sliding_window` alone, or `layer_types`), decoded well past its

@@ -57,7 +57,8 @@ WINDOW_FAMILIES = {"mistral_sliding", "phi3_sliding", "qwen2_sliding"}
 PROMPTS = (torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[7, 8, 9]]))
 SPECULATIVE = ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
                "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree",
-               "specdiff_cps_tree_cost"]
+               "specdiff_cps_tree_cost", "ngram", "ngram_cost", "specdiff_ngram_tree", "specdiff_ngram_tree_cost",
+               "specdiff_cps_ngram_tree_cost"]
 
 
 def peaky(build, seed):

@@ -1,0 +1,102 @@
+"""Model-free drafts (align/decoding/ngram.py) and the union tree (align/decoding/tree.py): the n-gram match, merging a
+continuation into a drafter's tree, ordering a tree by expected acceptance, and greedy decoding token-identical to AR
+with drafts that are actually proposed and kept. Their sampled losslessness is in test_sampling_lossless.py."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from align.config import DecodeSection
+from align.decoding.ar import ar_generate
+from align.decoding.generation import Sampling
+from align.decoding.ngram import NgramLookup
+from align.decoding.tree import DraftTree, add_path, leading, order_by_gain
+from align.families import DrafterSpec
+from align.methods import METHODS, Setup
+
+VOCAB, MASK, NEW_TOKENS = 64, 63, 40
+
+
+def continuation(tokens: list[int], num_tokens: int = 3, lookup: NgramLookup = NgramLookup()) -> list[int]:
+    return lookup.continuation(np.array(tokens), num_tokens)
+
+
+def test_the_longest_suffix_that_occurs_is_matched_at_its_most_recent_occurrence():
+    # "1 2 3" occurs once (-> 4 5), "3" alone more recently (-> 9): the longer match wins.
+    assert continuation([1, 2, 3, 4, 5, 3, 9, 7, 1, 2, 3]) == [4, 5, 3]
+    # Two occurrences of the longest suffix: the later one's continuation.
+    assert continuation([5, 6, 1, 5, 6, 2, 8, 5, 6]) == [2, 8, 5]
+    # A continuation running into the end of the context is shorter; a repeated run continues itself.
+    assert continuation([7, 8, 9, 7, 8], num_tokens=5) == [9, 7, 8]
+    assert continuation([4, 4, 4], num_tokens=5) == [4]
+
+
+def test_nothing_matching_drafts_nothing():
+    assert continuation([1, 2, 3, 4]) == []
+    assert continuation([3]) == []
+    # A match shorter than min_match does not count.
+    assert continuation([1, 2, 9, 2], lookup=NgramLookup(max_match=4, min_match=2)) == []
+    assert continuation([1, 2, 9, 1, 2], lookup=NgramLookup(max_match=4, min_match=2)) == [9, 1, 2]
+
+
+def tree_of(tokens, parents, scores) -> DraftTree:
+    depths = []
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 1)
+    return DraftTree(list(tokens), list(parents), depths, list(scores))
+
+
+def test_a_continuation_merges_into_the_tree_at_their_shared_prefix():
+    # Root children 10 (node 0), 11 (node 1); 10 -> 12 (node 2).
+    tree = tree_of([10, 11, 12], [-1, -1, 0], [-0.1, -0.5, -0.3])
+    merged, path = add_path(tree, [10, 12, 13, 14])
+    assert path == [0, 2, 3, 4]  # 10 and 12 were there; 13 and 14 are new, appended after their parents
+    assert merged.tokens == [10, 11, 12, 13, 14] and merged.parents == [-1, -1, 0, 2, 3]
+    assert merged.depths == [1, 1, 2, 3, 4] and merged.scores[3:] == [float("-inf")] * 2
+    assert tree.tokens == [10, 11, 12]  # the drafter's tree is not changed
+    merged, path = add_path(tree, [13, 2, 5], eos_ids=frozenset({2}))  # a new branch, ended by an end token
+    assert path == [3, 4] and merged.parents[3:] == [-1, 3]
+    assert add_path(tree, []) == (tree, [])
+
+
+def test_ordered_by_gain_every_prefix_is_a_tree():
+    tree = tree_of([10, 11, 12, 13, 14], [-1, -1, 0, 2, 3], [0.0] * 5)
+    # Node 4's own gain is above its parents': capped at theirs, it still comes after them.
+    ordered, gains, where = order_by_gain(tree, [0.3, 0.6, 0.2, 0.9, 0.95])
+    assert ordered.tokens == [11, 10, 12, 13, 14] and gains == [0.6, 0.3, 0.2, 0.2, 0.2]
+    assert ordered.parents == [-1, -1, 1, 2, 3] and where == [1, 0, 2, 3, 4]
+    for size in range(len(ordered) + 1):
+        prefix = ordered.prefix(size)
+        assert all(parent < node for node, parent in enumerate(prefix.parents))
+
+
+def test_leading_counts_the_accepted_nodes_of_one_source():
+    assert leading([0, 2, 3, 4], {0, 2, 5}) == 2 and leading([1], {0}) == 0 and leading([], {0}) == 0
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(1)
+    verifier = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    torch.manual_seed(9)
+    drafter = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    with torch.no_grad():  # peaked, so that the verifier repeats itself (what an n-gram draft copies) and keeps drafts
+        verifier.get_output_embeddings().weight.mul_(4.0)
+        drafter.get_output_embeddings().weight.mul_(4.0)
+    decode = DecodeSection(gamma=4, max_new_tokens=NEW_TOKENS, tree_nodes=6)
+    return Setup(verifier, drafter, DrafterSpec(MASK, 1, "block_causal"), None, None, frozenset(), decode,
+                 verify_costs=[1.0 + 0.3 * n for n in range(decode.tree_nodes + decode.gamma + 1)], draft_cost=0.5)
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram_cost", "specdiff_ngram_tree", "specdiff_ngram_tree_cost"])
+def test_greedy_outputs_equal_ar_and_the_continuation_is_kept(setup, method):
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    expected = ar_generate(setup.verifier, prompt, NEW_TOKENS)[0]
+    tokens, stats = METHODS[method](setup, prompt, Sampling(), None)
+    assert tokens == expected
+    assert sum(stats.accept_counts) > 0 and stats.tau > 1.0, stats.accept_counts
+    if method.startswith("ngram"):
+        assert stats.drafter_forwards == 0 and 0 in stats.draft_lengths  # a miss is a plain step
