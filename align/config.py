@@ -183,6 +183,18 @@ class DFlashSection(Section):
     #: the token marking masked positions; None: the tokenizer's mask token, else one align chooses and says
     #: (align/mask_token.py: an embedding row past the vocabulary, or an unused special token)
     mask_token_id: Optional[int] = Field(default=None, ge=0)
+    # Kangaroo and LayerSkip draft with the verifier's own layers: a draft layer that starts as one of them reads and
+    # writes the verifier's residual space from step 0, which may lift a drafter short of data.
+    #: the verifier layers the draft layers start from, one per draft layer in order (their attention, MLP and norm
+    #: weights; the draft's q/k norms start at 1, `fc` random); None: random draft layers (the DFlash paper's)
+    init_from_layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check_init(self) -> "DFlashSection":
+        if self.init_from_layers is not None and len(self.init_from_layers) != self.num_layers:
+            raise ValueError(f"init_from_layers names {len(self.init_from_layers)} verifier layers for "
+                             f"{self.num_layers} draft layers (num_layers): one each")
+        return self
 
 
 class ArDrafterSection(ModelSection):

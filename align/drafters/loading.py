@@ -22,6 +22,7 @@ it (the CANVAS_DECODER_FAMILIES; align/drafters/canvas.py reads it).
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -97,9 +98,71 @@ def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSect
                           "layers (id k is the input of layer k)")
     config = config_for_verifier(verifier_config, mask_token_id, settings.num_layers,
                                  settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1)
+    model = DFlashDrafter(config)
+    if settings.init_from_layers:
+        copy_verifier_layers(model, verifier, verifier_config, settings.init_from_layers)
     device = resolve_device(drafter.device)
-    model = DFlashDrafter(config).to(device=device, dtype=resolve_dtype(drafter.dtype, device))
+    model = model.to(device=device, dtype=resolve_dtype(drafter.dtype, device))
     return model, drafter_spec_from_config(config)
+
+
+# Verifier families whose decoder layers are the DFlash layer's (Llama's: RMSNorm scaling by its weight, SwiGLU MLP,
+# q/k/v/o projections); Gemma's norms scale by 1 + weight, and its layers hold more norms.
+LAYER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def check_init_layers(verifier_config: Any, layer_ids: list[int]) -> None:
+    """dflash.init_from_layers against the verifier's config: a family whose layers are the draft layer's, and
+    layers it has. A one-line RecipeError otherwise (the train stage checks before launching)."""
+    text = verifier_config.get_text_config()
+    key = "dflash.init_from_layers"
+    if text.model_type not in LAYER_FAMILIES:
+        raise RecipeError(f"{key}: the verifier's layers ({text.model_type}) are not shaped as a DFlash draft layer "
+                          f"(those of {', '.join(LAYER_FAMILIES)} are); leave it unset")
+    if max(layer_ids) >= text.num_hidden_layers:
+        raise RecipeError(f"{key}: {layer_ids} must be below the verifier's {text.num_hidden_layers} layers")
+
+
+def copy_verifier_layers(model: DFlashDrafter, verifier: ModelSection, verifier_config: Any,
+                         layer_ids: list[int]) -> None:
+    """Start draft layer i as verifier layer layer_ids[i] (dflash.init_from_layers): its projections and norms, read
+    from the verifier's safetensors files alone (not the whole model). Qwen3's q/k norms are copied too; other
+    families' start at 1, as the DFlash layer's do. A projection bias (Qwen2's q/k/v) has no place in the draft layer
+    and is left out."""
+    import json
+
+    from huggingface_hub import snapshot_download
+    from safetensors import safe_open
+
+    check_init_layers(verifier_config, layer_ids)
+    key = "dflash.init_from_layers"
+    folder = Path(verifier.path)
+    if not folder.is_dir():
+        folder = Path(snapshot_download(verifier.path, allow_patterns=["*.safetensors", "*.json"]))
+    index = folder / "model.safetensors.index.json"
+    files = (json.loads(index.read_text())["weight_map"] if index.is_file() else None)
+    wanted = {f"model.layers.{source}.{name}": (draft, name) for draft, source in enumerate(layer_ids)
+              for name in LAYER_WEIGHTS + ("self_attn.q_norm.weight", "self_attn.k_norm.weight")}
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for file in sorted({files[k] for k in wanted if k in files} if files else {"model.safetensors"}):
+        with safe_open(str(folder / file), framework="pt") as f:
+            for name in set(f.keys()) & set(wanted):
+                found[wanted[name]] = f.get_tensor(name)
+    missing = [f"model.layers.{layer_ids[d]}.{n}" for d in range(len(layer_ids)) for n in LAYER_WEIGHTS
+               if (d, n) not in found]
+    if missing:
+        raise RecipeError(f"{key}: the verifier's weights at {verifier.path} have no {missing[0]}")
+    parameters = dict(model.layers.named_parameters())
+    with torch.no_grad():
+        for (draft, name), tensor in found.items():
+            target = parameters[f"{draft}.{name}"]
+            if target.shape != tensor.shape:
+                raise RecipeError(f"{key}: verifier layer {layer_ids[draft]}'s {name} is {tuple(tensor.shape)}, the "
+                                  f"draft layer's {tuple(target.shape)} (dflash.intermediate_size must be unset)")
+            target.copy_(tensor)
 
 
 def is_canvas_decoder(model: PreTrainedModel) -> bool:

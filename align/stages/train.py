@@ -43,7 +43,8 @@ from align.decoding.specdiff import specdiff_generate
 from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
-from align.drafters.loading import build_drafter, check_masks_are_read, drafter_reads, load_drafter
+from align.drafters.loading import (build_drafter, check_init_layers, check_masks_are_read, drafter_reads,
+                                    load_drafter)
 from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
@@ -213,6 +214,8 @@ def check_train(recipe: Recipe) -> None:
                               "(train.lora_r=0)")
     if recipe.dflash is not None:  # the mask token: chosen (or the recipe's checked) before any launcher starts
         dflash_mask_token(recipe)
+        if recipe.dflash.init_from_layers:
+            check_init_layers(load_model_config("verifier.path", recipe.verifier), recipe.dflash.init_from_layers)
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
 
 

@@ -245,3 +245,34 @@ def test_the_runtime_drafts_from_exactly_the_verified_context(monkeypatch, tempe
         context.extend(drafter, hidden[:, :length])
         expected = dflash_block_logits(drafter, verifier, sequence[:, length: length + 1], logits.shape[1], context)
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_draft_layers_start_as_the_verifier_layers_named(tmp_path):
+    # dflash.init_from_layers: each draft layer's projections and norms are the named verifier layer's, read from the
+    # verifier's safetensors; what the verifier has no counterpart of (fc, the q/k norms of a Llama) stays as built.
+    from align.config import DFlashSection, ModelSection, RecipeError
+    from align.drafters.loading import new_dflash_drafter
+
+    verifier = tiny_verifier()
+    verifier.save_pretrained(tmp_path / "verifier")
+    settings = DFlashSection(num_layers=2, init_from_layers=[3, 1])
+    placed = ModelSection(path=str(tmp_path / "drafter"), dtype="float32")  # the new drafter's device and dtype
+    drafter, _ = new_dflash_drafter(ModelSection(path=str(tmp_path / "verifier")), settings,
+                                    placed, MASK, 4)
+    for draft, source in ((0, 3), (1, 1)):
+        mine, theirs = drafter.layers[draft], verifier.model.layers[source]
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj", "input_layernorm",
+                     "post_attention_layernorm"):
+            assert torch.equal(mine.get_submodule(name).weight, theirs.get_submodule(name).weight), (draft, name)
+        assert torch.equal(mine.self_attn.q_norm.weight, torch.ones(8))
+    random, _ = new_dflash_drafter(ModelSection(path=str(tmp_path / "verifier")), DFlashSection(num_layers=2),
+                                   placed, MASK, 4)
+    assert not torch.equal(random.layers[0].mlp.down_proj.weight, verifier.model.layers[3].mlp.down_proj.weight)
+    with pytest.raises(RecipeError, match=r"^dflash.init_from_layers: \[4, 1\] must be below the verifier's 4"):
+        new_dflash_drafter(ModelSection(path=str(tmp_path / "verifier")), DFlashSection(num_layers=2,
+                           init_from_layers=[4, 1]), placed, MASK, 4)
+    with pytest.raises(RecipeError, match="dflash.intermediate_size must be unset"):
+        new_dflash_drafter(ModelSection(path=str(tmp_path / "verifier")), DFlashSection(
+            num_layers=2, init_from_layers=[3, 1], intermediate_size=48), placed, MASK, 4)
+    with pytest.raises(ValueError, match="one each"):
+        DFlashSection(num_layers=2, init_from_layers=[3])
