@@ -32,10 +32,11 @@ from align.data import chat_template as template_for, conversation, render_promp
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.options import METHOD_MODELS, method_name
 from align.decoding.path_search import TrigramModel
+from align.decoding.suffix import SuffixIndex
 from align.drafters.loading import load_drafter
 from align.families import method_refusal
-from align.methods import (METHODS, Setup, eos_token_ids, prompt_generator, proxy_source,
-                           trigram_proxy)
+from align.methods import (METHODS, Setup, check_suffix_corpus, eos_token_ids, prompt_generator, proxy_source,
+                           suffix_index, trigram_proxy)
 from align.models import load_ar_drafter, load_tokenizer, load_verifier
 from align.preflight import context_length, check_context, check_models
 from align.recipe_files import one_line
@@ -81,6 +82,7 @@ class Pair:
         self.drafter, self.spec, self.ar_drafter = drafter, spec, ar_drafter
         self.eos_token_ids = eos_ids
         self._proxies: dict[str, TrigramModel] = {}
+        self._suffixes: dict[str, SuffixIndex] = {}
         self._verify_costs: Optional[list[float]] = None  # the cost-aware methods' curve, measured on first use
 
     @property
@@ -135,7 +137,7 @@ class Pair:
         encoded = [self._encode(i, prompt, decode.max_new_tokens, context) for i, prompt in enumerate(batch)]
         proxy = self._proxy(decode) if "cps" in method else None
         setup = Setup(self.verifier, self.drafter, self.spec, self.ar_drafter, self.tokenizer, eos_ids, decode, proxy,
-                      self._verify_costs)
+                      self._verify_costs, suffix=self._suffix(decode) if "suffix" in method else None)
         sampling = Sampling(decode.temperature, decode.top_k, decode.top_p)
         device = self.verifier.device
         results = []
@@ -177,6 +179,14 @@ class Pair:
         check_context(where, len(ids), "max_new_tokens", max_new_tokens, context, "the verifier's")  # as every stage
         return ids
 
+    def _suffix(self, decode: DecodeSection) -> SuffixIndex:
+        """SuffixDecoding's index over decode.suffix_corpus (suffix_corpus=<trajectories folder>), built once."""
+        recipe = self.recipe.model_copy(update={"decode": decode})
+        key = str(check_suffix_corpus(recipe).resolve())
+        if key not in self._suffixes:
+            self._suffixes[key] = suffix_index(recipe)
+        return self._suffixes[key]
+
     def _proxy(self, decode: DecodeSection) -> TrigramModel:
         """The CPS causal proxy of decode.cps_proxy_corpus (the tiny corpus by default), as `align eval` fits it:
         once, cached under data_dir/trigram/ and in this pair."""
@@ -193,8 +203,8 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
     """Load a verifier and the drafters the methods need; each a local folder or a Hub id.
 
     drafter: a diffusion drafter (the specdiff* methods); its DrafterSpec is read from its config as every stage reads
-    it. ar_drafter: an autoregressive drafter (sd_ar, hf_assisted). ar, hf_generate, prompt_lookup and ngram need
-    neither.
+    it. ar_drafter: an autoregressive drafter (sd_ar, hf_assisted). ar, hf_generate, prompt_lookup, ngram and suffix
+    need neither.
     chat_template: how text and chat prompts are rendered (data.chat_template): auto, with the verifier
     tokenizer's chat template when it has one; on: it must have one; off: plain text.
     data_dir: where the CPS proxy is cached and the tiny corpus it is fitted on by default is built (data.dir).

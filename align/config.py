@@ -420,6 +420,17 @@ class DecodeSection(Section):
     ngram_max_match: int = Field(default=4, ge=1)
     #: and the shortest; nothing matching, no draft: a plain verifier step
     ngram_min_match: int = Field(default=1, ge=1)
+    # SuffixDecoding's defaults, scaled to short chat answers: its trees are built from up to 64-token matches over
+    # agentic traces; on a chat verifier's trajectories an 8-token match is already specific.
+    #: suffix, specdiff_suffix_tree: the trajectories folder (`align trajectories`' out) whose prompts and answers the
+    #: suffix index is built over; required by those methods
+    suffix_corpus: Optional[str] = None
+    #: the longest suffix of the context looked up in it
+    suffix_max_match: int = Field(default=8, ge=1)
+    #: the most candidate nodes it adds to a tree (the most frequent continuations)
+    suffix_nodes: int = Field(default=16, ge=1)
+    #: a continuation taken by fewer than this share of the matches is not proposed
+    suffix_min_share: float = Field(default=0.1, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _check(self) -> "DecodeSection":
@@ -497,8 +508,10 @@ class EvalSection(Section):
     num_prompts: Optional[int] = Field(default=None, ge=1)
     #: untimed generations before timing starts
     warmup: int = Field(default=2, ge=0)
-    #: methods compared (names of align/methods.py's METHODS); the AR baseline always runs
-    methods: list[MethodName] = Field(default_factory=lambda: list(METHOD_NAMES))
+    # The suffix methods read a trajectories folder (decode.suffix_corpus) that a recipe may not have: named, not default.
+    #: methods compared (names of align/methods.py's METHODS); the AR baseline always runs; unset: every method but
+    #: the suffix ones
+    methods: list[MethodName] = Field(default_factory=lambda: [n for n in METHOD_NAMES if "suffix" not in n])
     #: temperature of the sampled run (reported under `sampling`); 0: greedy run only
     sampling_temperature: float = Field(default=1.0, ge=0.0)
     #: timed runs per prompt and method; the median is kept

@@ -33,7 +33,8 @@ from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import PathStep, draft_choice
 from align.decoding.speculative import Decoding, Step, speculative_generate
 from align.decoding.timers import count_forwards
-from align.decoding.tree import TreeStep
+from align.decoding.suffix import SuffixIndex
+from align.decoding.tree import CandidateSource, TreeStep, ngram_source, suffix_source
 from align.disk import atomic_folder, mark_folder
 from align.families import DrafterSpec, kind_methods
 
@@ -54,6 +55,8 @@ class Setup:
     verify_costs: Optional[list[float]] = None
     # A drafter pass's seconds for the cost-aware methods, when fixed in advance (None: measured as they run).
     draft_cost: Optional[float] = None
+    # SuffixDecoding's index over the verifier's trajectories (the suffix methods), built once (`suffix_index`).
+    suffix: Optional[SuffixIndex] = None
 
     def measured_costs(self, prompt_ids: torch.Tensor) -> list[float]:
         """This hardware's verifier cost curve, measured at the first call (after a context as long as this prompt
@@ -106,6 +109,39 @@ def ngram_lookup(d: DecodeSection) -> NgramLookup:
     return NgramLookup(d.ngram_max_match, d.ngram_min_match)
 
 
+def candidate_sources(method: MethodOptions, s: Setup, ids: torch.Tensor
+                      ) -> list[tuple[CandidateSource, Optional[CostAwareSize]]]:
+    """The model-free sources a union tree merges (ngram, suffix), each with a cost-aware chooser of its own when the
+    method is sized (a source's acceptance is learnt apart from the drafter's, over the same cost curve)."""
+    d, sources = s.decode, []
+    if "ngram" in method or method.base == "ngram":
+        sources.append(ngram_source(ngram_lookup(d)))
+    if "suffix" in method or method.base == "suffix":
+        if s.suffix is None:
+            raise RecipeError(f"{method.name}: SuffixDecoding needs its index: set decode.suffix_corpus to a "
+                              "trajectories folder")
+        sources.append(suffix_source(s.suffix, d.suffix_nodes, d.suffix_max_match, d.suffix_min_share))
+    return [(source, s.cost_aware_size(ids) if "cost" in method else None) for source in sources]
+
+
+def suffix_index(recipe: Recipe) -> SuffixIndex:
+    """SuffixDecoding's index over decode.suffix_corpus (a trajectories folder): every row's prompt and answer.
+    Checked before any model is loaded (`check_suffix_corpus`)."""
+    rows = load_trajectories(check_suffix_corpus(recipe))
+    return SuffixIndex.build(p + c for p, c in zip(rows["prompt_ids"], rows["completion_ids"]))
+
+
+def check_suffix_corpus(recipe: Recipe) -> Path:
+    """decode.suffix_corpus, which the suffix methods need: a trajectories folder. A one-line RecipeError otherwise."""
+    corpus = recipe.decode.suffix_corpus
+    if corpus is None:
+        raise RecipeError("decode.suffix_corpus: the suffix methods draft from the verifier's trajectories; set it to "
+                          "a trajectories folder (align trajectories' out)")
+    if not (Path(corpus) / "manifest.json").is_file():
+        raise RecipeError(f"decode.suffix_corpus: {corpus} is not a trajectories folder (no manifest.json)")
+    return Path(corpus)
+
+
 def speculative_step(method: MethodOptions, s: Setup, ids: torch.Tensor, decoding: Decoding,
                      generator: Optional[torch.Generator]) -> Step:
     """The step a speculative method's options name, with the decode section's settings."""
@@ -113,6 +149,10 @@ def speculative_step(method: MethodOptions, s: Setup, ids: torch.Tensor, decodin
     if method.base == "ngram":
         sizing = s.cost_aware_size(ids) if "cost" in method else None
         return NgramStep(s.verifier, decoding, ngram_lookup(d), generator, sizing)
+    if method.base == "suffix":  # a union tree of the model-free sources alone
+        sizing = s.cost_aware_size(ids) if "cost" in method else None
+        return TreeStep(s.verifier, None, None, decoding, d.tree_nodes, generator, sizing, None,
+                        candidate_sources(method, s, ids))
     if method.base == "sd_ar":
         return ARDraftStep(s.verifier, s.ar_drafter, decoding, decoding.sampling, generator)
     if "select" in method:
@@ -120,11 +160,8 @@ def speculative_step(method: MethodOptions, s: Setup, ids: torch.Tensor, decodin
     sizing = s.cost_aware_size(ids) if "cost" in method else None
     search = (path_search(d), s.proxy) if "cps" in method else None
     if "tree" in method:
-        lookup = ngram_lookup(d) if "ngram" in method else None
-        # the continuation's own acceptance, learnt beside the drafter's: a fresh chooser over the same costs
-        lookup_sizing = s.cost_aware_size(ids) if lookup is not None and sizing is not None else None
-        return TreeStep(s.verifier, s.drafter, s.spec, decoding, d.tree_nodes, generator, sizing, search, lookup,
-                        lookup_sizing)
+        return TreeStep(s.verifier, s.drafter, s.spec, decoding, d.tree_nodes, generator, sizing, search,
+                        candidate_sources(method, s, ids))
     adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if "adl" in method else None
     choose = draft_choice(decoding.sampling, generator, argmax_draft=d.draft_choice == "argmax", path_search=search,
                           eos_ids=decoding.eos_ids)

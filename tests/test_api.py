@@ -261,7 +261,8 @@ def verifier_only():
     (lambda p: p.generate(PROMPTS, method="ar", eos_token_id="</s>"), r"^eos_token_id: a token id or a list of them"),
     (lambda p: p.generate(PROMPTS, method="sd_ar"),
      r"^method 'sd_ar' needs an AR drafter: pass align\.load\(\.\.\., ar_drafter=<folder or Hub id>\) \(methods the "
-     r"loaded models run: ar, hf_generate, prompt_lookup, ngram, ngram_cost\)$"),
+     r"loaded models run: ar, hf_generate, prompt_lookup, ngram, suffix, ngram_cost, suffix_ngram, suffix_cost, "
+     r"suffix_ngram_cost\)$"),
     (lambda p: p.generate(PROMPTS, method="specdiff_cps"),
      r"^method 'specdiff_cps' needs a diffusion drafter: pass align\.load\(\.\.\., drafter=<folder or Hub id>\)"),
 ])

@@ -1,17 +1,20 @@
 """Decoding method names, parsed into options. Imports nothing heavy: the recipe schema checks names with it before
 torch is imported.
 
-    method := base ("+" option)*          e.g. specdiff, specdiff+cps+tree+cost, sd_ar, ngram+cost
-    base   := ar | hf_generate | hf_assisted | prompt_lookup | ngram | sd_ar | specdiff
-    option := cps | adl | ngram | tree | cost | select   (specdiff's, each at most once, in any order; ngram takes cost)
+    method := base ("+" option)*          e.g. specdiff, specdiff+cps+tree+cost, sd_ar, ngram+cost, suffix+ngram
+    base   := ar | hf_generate | hf_assisted | prompt_lookup | ngram | suffix | sd_ar | specdiff
+    option := cps | adl | ngram | suffix | tree | cost | select
+              (specdiff's, each at most once, in any order; ngram takes cost, suffix takes ngram and cost)
 
 cps: DiffuSpec's causal-consistency path search ranks the draft (a path, or a tree's nodes); adl: DiffuSpec's adaptive
-draft length; ngram (on a tree): the n-gram continuation of the context joins the drafter's tree, both verified in one
-forward; tree: a draft tree instead of a path; cost: the cost-aware draft size (a path's length, a tree's node
-budget); select: SpecDiff-2 self-selection, K candidate paths verified together. The base ngram drafts with no model:
-the tokens after the most recent earlier match of the context's last few tokens (align/decoding/ngram.py). An option set's name (eval.json rows,
-`METHODS`' keys) is its options joined by "_" in the order above (`specdiff_cps_tree_cost`), except self-selection's,
-`specdiff2_select`, after its paper; every name parses too, as an alias of its options.
+draft length; ngram, suffix (on a tree): the n-gram continuation of the context, SuffixDecoding's tree over the
+verifier's trajectories, join the drafter's tree, all verified in one forward; tree: a draft tree instead of a path;
+cost: the cost-aware draft size (a path's length, a tree's node budget); select: SpecDiff-2 self-selection, K candidate
+paths verified together. The bases ngram and suffix draft with no model: the tokens after the most recent earlier match
+of the context's last few tokens (ngram.py), and the tree of what followed the context's longest suffix in the
+verifier's trajectories (suffix.py). An option set's name (eval.json rows, `METHODS`' keys) is its options joined by "_"
+in the order above (`specdiff_cps_tree_cost`), except self-selection's, `specdiff2_select`, after its paper; every name
+parses too, as an alias of its options.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-BASES = ("ar", "hf_generate", "hf_assisted", "prompt_lookup", "ngram", "sd_ar", "specdiff")
-OPTIONS = ("cps", "adl", "ngram", "tree", "cost", "select")  # in the order names spell them
+BASES = ("ar", "hf_generate", "hf_assisted", "prompt_lookup", "ngram", "suffix", "sd_ar", "specdiff")
+OPTIONS = ("cps", "adl", "ngram", "suffix", "tree", "cost", "select")  # in the order names spell them
 # The options a base other than specdiff takes.
-BASE_OPTIONS = {"ngram": ("cost",)}
+BASE_OPTIONS = {"ngram": ("cost",), "suffix": ("ngram", "cost")}
 # Names that are not their options joined by "_".
 NAMED = {("specdiff", ("select",)): "specdiff2_select"}
 
@@ -69,13 +72,17 @@ def conflict(base: str, options: tuple[str, ...]) -> Optional[str]:
         return "adl and cost both choose the draft length: one of them"
     if base == "specdiff" and "ngram" in options and "tree" not in options:
         return "ngram joins the n-gram continuation to the drafter's tree: it needs tree"
+    if base == "specdiff" and "suffix" in options and "tree" not in options:
+        return "suffix joins SuffixDecoding's candidates to the drafter's tree: it needs tree"
     return None
 
 
 def _every_method() -> dict[str, MethodOptions]:
     """Every valid option set by name: the bases, then specdiff's option sets by how many options they hold."""
     found = [MethodOptions(base) for base in BASES]
-    found += [MethodOptions(base, (option,)) for base, options in BASE_OPTIONS.items() for option in options]
+    for base, options in BASE_OPTIONS.items():
+        found += [MethodOptions(base, chosen) for size in range(1, len(options) + 1)
+                  for chosen in itertools.combinations(options, size)]
     for size in range(1, len(OPTIONS) + 1):
         found += [MethodOptions("specdiff", chosen) for chosen in itertools.combinations(OPTIONS, size)
                   if conflict("specdiff", chosen) is None]

@@ -13,9 +13,10 @@ usual.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.ngram import NgramLookup
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sizing import CostAwareSize
+from align.decoding.suffix import SuffixIndex
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
 from align.drafters import drafter_for
 from align.drafters.base import HiddenTap, aux_hidden
@@ -145,15 +147,22 @@ def build_consistent_draft_tree(
     return best_first_tree(depth_limit, num_nodes, rank_children, context_tail, eos_ids)
 
 
-def add_path(tree: DraftTree, tokens: list[int], eos_ids: frozenset[int] = frozenset()) -> tuple[DraftTree, list[int]]:
-    """`tree` with the path `tokens` from the root merged in (the union tree: a model-free continuation joining the
-    drafter's tree): a token its parent already has as a child is that child, the others are new nodes, appended, so
-    parents still come first; nothing is added after an end-of-sequence token. A new node's score is -inf (the
-    drafter gave it no probability). Returns the tree and the path's nodes, from the root down."""
+def add_tree(tree: DraftTree, candidates: DraftTree, eos_ids: frozenset[int] = frozenset()
+             ) -> tuple[DraftTree, list[int]]:
+    """`tree` with another tree of candidates from the same root merged in (the union tree: model-free candidates
+    joining the drafter's tree): a candidate whose token its parent already has as a child is that child, the others
+    are new nodes, appended, so parents still come first; nothing is added below an end-of-sequence token. A new
+    node's score is -inf (the drafter gave it no probability). Returns the tree and, per candidate, its node (-1: not
+    added, below an end token)."""
     merged = DraftTree(list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores))
     child = {(parent, token): node for node, (parent, token) in enumerate(zip(tree.parents, tree.tokens))}
-    parent, path = -1, []
-    for token in tokens:
+    ended = {node for node, token in enumerate(tree.tokens) if token in eos_ids}
+    nodes: list[int] = []
+    for token, candidate_parent in zip(candidates.tokens, candidates.parents):
+        parent = nodes[candidate_parent] if candidate_parent >= 0 else -1
+        if (candidate_parent >= 0 and parent < 0) or parent in ended:
+            nodes.append(-1)
+            continue
         node = child.get((parent, token))
         if node is None:
             node = child[(parent, token)] = len(merged)
@@ -161,11 +170,38 @@ def add_path(tree: DraftTree, tokens: list[int], eos_ids: frozenset[int] = froze
             merged.parents.append(parent)
             merged.depths.append(merged.depths[parent] + 1 if parent >= 0 else 1)
             merged.scores.append(float("-inf"))
-        path.append(node)
-        parent = node
-        if token in eos_ids:
-            break
-    return merged, path
+            if token in eos_ids:
+                ended.add(node)
+        nodes.append(node)
+    return merged, nodes
+
+
+def chain(tokens: list[int]) -> DraftTree:
+    """A path as a tree: each token the child of the one before, scored 0 (a continuation has no probabilities)."""
+    return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)),
+                     [0.0] * len(tokens))
+
+
+# A model-free source of draft candidates: (the context's token ids (n,), the depth limit) -> a tree of candidates
+# from the root, parents first, each scored by the log of the source's own estimate of its chance (0: none).
+CandidateSource = Callable[[np.ndarray, int], DraftTree]
+
+
+def ngram_source(lookup: NgramLookup) -> CandidateSource:
+    """The n-gram continuation of the context (align/decoding/ngram.py), a path."""
+    return lambda context, depth_limit: chain(lookup.continuation(context, depth_limit))
+
+
+def suffix_source(index: SuffixIndex, num_nodes: int, max_match: int, min_share: float) -> CandidateSource:
+    """SuffixDecoding's tree over the verifier's trajectories (align/decoding/suffix.py), scored by log share."""
+    def candidates(context: np.ndarray, depth_limit: int) -> DraftTree:
+        tokens, parents, shares = index.continuations(context, depth_limit, num_nodes, max_match,
+                                                      min_share=min_share)
+        depths: list[int] = []
+        for parent in parents:
+            depths.append(depths[parent] + 1 if parent >= 0 else 1)
+        return DraftTree(tokens, parents, depths, [math.log(share) for share in shares])
+    return candidates
 
 
 def order_by_gain(tree: DraftTree, gains: list[float]) -> tuple[DraftTree, list[float], list[int]]:
@@ -265,62 +301,80 @@ class TreeStep(Step):
     """A draft tree of `num_nodes` nodes, at most γ deep, from one drafter pass, verified in one tree forward.
     sizing (cost-aware node budget): `num_nodes` is the largest tree, and `sizing` picks how many of its best-first
     nodes to verify each step. path_search: rank the tree's nodes by CPS's score (`build_consistent_draft_tree`).
-    lookup: the union tree: the n-gram continuation of the context (`NgramLookup`) joins the drafter's tree
-    (`add_path`); with sizing, the nodes are verified in order of expected acceptance, the drafter's from its
-    calibrated probabilities and the continuation's from its own measured per-depth acceptance (`lookup_sizing`,
-    learnt as `sizing` is). Every node is a fixed token chosen before the verifier's randomness, so `accept_tree`'s
-    point-mass rule is lossless for nodes of either source.
+
+    sources: the union tree. Each model-free source's candidates (the n-gram continuation, SuffixDecoding's tree)
+    join the drafter's tree (`add_tree`), with the source's own cost-aware chooser when sizing: the nodes are then
+    verified in order of expected acceptance, the drafter's from its calibrated probabilities and each source's from
+    its own scores calibrated by its measured per-depth acceptance, and each chooser learns from its own nodes. No
+    drafter (None): the sources' candidates alone. Every node is a fixed token chosen before the verifier's
+    randomness, so `accept_tree`'s point-mass rule is lossless for nodes of any source.
     Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size."""
 
-    def __init__(self, verifier: PreTrainedModel, drafter: PreTrainedModel, spec: DrafterSpec, decoding: Decoding,
-                 num_nodes: int, generator: Optional[torch.Generator] = None, sizing: Optional[CostAwareSize] = None,
+    def __init__(self, verifier: PreTrainedModel, drafter: Optional[PreTrainedModel], spec: Optional[DrafterSpec],
+                 decoding: Decoding, num_nodes: int, generator: Optional[torch.Generator] = None,
+                 sizing: Optional[CostAwareSize] = None,
                  path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
-                 lookup: Optional[NgramLookup] = None, lookup_sizing: Optional[CostAwareSize] = None) -> None:
+                 sources: Sequence[tuple[CandidateSource, Optional[CostAwareSize]]] = ()) -> None:
         check_tree_verifier(verifier)
         # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and
         # the accepted path's join its context (they equal a plain forward's over that path, as the logits do).
-        self.verifier, self.drafter, self.decoding = verifier, drafter_for(drafter, spec), decoding
+        self.verifier, self.decoding = verifier, decoding
+        self.drafter = drafter_for(drafter, spec) if drafter is not None else None
         self.num_nodes, self.generator, self.sizing, self.path_search = num_nodes, generator, sizing, path_search
-        self.verifier_states = self.drafter.verifier_states
-        self.lookup, self.lookup_sizing = lookup, lookup_sizing
-        self.tree, self.lookup_path, self.accepted = DraftTree([], [], [], []), [], []
+        self.verifier_states = self.drafter.verifier_states if self.drafter is not None else None
+        self.sources = list(sources)
+        self.tree, self.accepted = DraftTree([], [], [], []), []
+        # per source, its verified candidates: (the source's score, depth, tree node)
+        self.kept: list[list[tuple[float, int, int]]] = []
 
     def begin(self, cache: DynamicCache) -> None:
         check_tree_cache(cache)
-        self.drafter.begin()
+        if self.drafter is not None:
+            self.drafter.begin()
 
     def propose(self, context: torch.Tensor, room: int) -> Draft:
         started = time.perf_counter()
         depth_limit = min(self.decoding.gamma, room)
-        draft_logits = self.drafter.propose(self.verifier, context, depth_limit)  # (γ, V)
-        draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
-        eos_ids = self.decoding.eos_ids
-        if self.path_search is None:
-            tree = build_draft_tree(draft_log_probs, self.num_nodes, eos_ids)
-        else:
-            tail = context[0, -2:].tolist()
-            tree = build_consistent_draft_tree(draft_log_probs, self.num_nodes, tail, self.path_search, eos_ids)
-        if self.lookup is not None:
-            return self.propose_union(tree, context, depth_limit, started)
-        if self.sizing is not None:
+        tree = DraftTree([], [], [], [])
+        if self.drafter is not None:
+            draft_logits = self.drafter.propose(self.verifier, context, depth_limit)  # (γ, V)
+            draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
+            eos_ids = self.decoding.eos_ids
+            if self.path_search is None:
+                tree = build_draft_tree(draft_log_probs, self.num_nodes, eos_ids)
+            else:
+                tail = context[0, -2:].tolist()
+                tree = build_consistent_draft_tree(draft_log_probs, self.num_nodes, tail, self.path_search, eos_ids)
+        forwards = int(self.drafter is not None)
+        if self.sources:
+            tree = self.add_candidates(tree, context, depth_limit, started)
+        elif self.sizing is not None:
             tree = tree.prefix(self.sizing.choose(tree.scores, tree.depths, time.perf_counter() - started))
         self.tree = tree
-        return Draft(tree, None, depth_limit, nodes=len(tree))
+        return Draft(tree, None, depth_limit, forwards=forwards, nodes=len(tree))
 
-    def propose_union(self, tree: DraftTree, context: torch.Tensor, depth_limit: int, started: float) -> Draft:
-        """The drafter's tree with the n-gram continuation merged in, cut to the cost-aware size when sizing."""
-        assert self.lookup is not None
-        continuation = self.lookup.continuation(context[0].cpu().numpy(), depth_limit)
-        tree, path = add_path(tree, continuation, self.decoding.eos_ids)
-        if self.sizing is not None and self.lookup_sizing is not None:
-            gains = self.sizing.gains(tree.scores, tree.depths)  # a continuation-only node's score is -inf: 0
-            for node, rate in zip(path, self.lookup_sizing.gains([0.0] * len(path), range(1, len(path) + 1))):
-                gains[node] = max(gains[node], rate)
+    def add_candidates(self, tree: DraftTree, context: torch.Tensor, depth_limit: int, started: float) -> DraftTree:
+        """The drafter's tree with every source's candidates merged in, cut to the cost-aware size when sizing."""
+        context_ids = context[0].cpu().numpy()
+        found = []
+        for source, _ in self.sources:
+            candidates = source(context_ids, depth_limit)
+            tree, nodes = add_tree(tree, candidates, self.decoding.eos_ids)
+            found.append((candidates, nodes))
+        size, where = len(tree), list(range(len(tree)))
+        if self.sizing is not None:
+            gains = self.sizing.gains(tree.scores, tree.depths)  # a candidate-only node's score is -inf: 0
+            for (candidates, nodes), (_, chooser) in zip(found, self.sources):
+                assert chooser is not None, "a sized union tree sizes every source"
+                for node, gain in zip(nodes, chooser.gains(candidates.scores, candidates.depths)):
+                    if node >= 0:
+                        gains[node] = max(gains[node], gain)
             tree, gains, where = order_by_gain(tree, gains)
             size = self.sizing.best_size(gains, time.perf_counter() - started)
-            tree, path = tree.prefix(size), [where[node] for node in path if where[node] < size]
-        self.tree, self.lookup_path = tree, path
-        return Draft(tree, None, depth_limit, nodes=len(tree))
+            tree = tree.prefix(size)
+        self.kept = [[(candidates.scores[i], candidates.depths[i], where[node]) for i, node in enumerate(nodes)
+                      if node >= 0 and where[node] < size] for candidates, nodes in found]
+        return tree
 
     def verify(self, draft: Draft, context: torch.Tensor, cache: DynamicCache) -> tuple[list[int], int]:
         tree = draft.tokens
@@ -328,7 +382,8 @@ class TreeStep(Step):
         path, next_token = accept_tree(tree.tokens, tree.children(), verify_logits, self.decoding.sampling,
                                        self.generator)
         keep_path(cache, tree, path)
-        self.drafter.verified([0, *[node + 1 for node in path]])  # the root and the accepted path
+        if self.drafter is not None:
+            self.drafter.verified([0, *[node + 1 for node in path]])  # the root and the accepted path
         self.accepted = path
         return [tree.tokens[node] for node in path], next_token
 
@@ -336,16 +391,18 @@ class TreeStep(Step):
         if self.sizing is None:
             return
         tree = self.tree
-        if self.lookup_sizing is None:
+        if not self.sources:
             self.sizing.update(tree.scores, tree.depths, num_accepted)
             return
-        # Each source learns from its own nodes: how deep the accepted path ran through them.
+        # Each chooser learns from its own nodes: how deep the accepted path ran through them.
         drafted = [node for node, score in enumerate(tree.scores) if score > float("-inf")]
-        self.sizing.update([tree.scores[n] for n in drafted], [tree.depths[n] for n in drafted],
-                           leading(self.accepted, set(drafted)))
-        if self.lookup_path:
-            self.lookup_sizing.update([0.0] * len(self.lookup_path), range(1, len(self.lookup_path) + 1),
-                                      leading(self.accepted, set(self.lookup_path)))
+        if self.drafter is not None:
+            self.sizing.update([tree.scores[n] for n in drafted], [tree.depths[n] for n in drafted],
+                               leading(self.accepted, set(drafted)))
+        for kept, (_, chooser) in zip(self.kept, self.sources):
+            if kept and chooser is not None:
+                scores, depths, nodes = zip(*kept)
+                chooser.update(scores, depths, leading(self.accepted, set(nodes)))
 
 
 def specdiff_tree_generate(

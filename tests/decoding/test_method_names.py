@@ -11,9 +11,11 @@ from align.recipe_files import load_recipe
 TODAYS_NAMES = ("ar", "hf_generate", "hf_assisted", "prompt_lookup", "sd_ar", "specdiff", "specdiff2_select",
                 "specdiff_cps", "specdiff_adl", "specdiff_cps_adl", "specdiff_tree", "specdiff_cost",
                 "specdiff_cps_cost", "specdiff_tree_cost", "specdiff_cps_tree", "specdiff_cps_tree_cost")
-# The model-free n-gram drafts (issue 37): alone, and joined to the drafter's tree.
-NGRAM_NAMES = ("ngram", "ngram_cost", "specdiff_ngram_tree", "specdiff_cps_ngram_tree", "specdiff_ngram_tree_cost",
-               "specdiff_cps_ngram_tree_cost")
+# The model-free drafts (issue 37), n-gram and SuffixDecoding: alone, together, and joined to the drafter's tree.
+MODEL_FREE_NAMES = ("ngram", "ngram_cost", "suffix", "suffix_cost", "suffix_ngram", "suffix_ngram_cost")
+UNION_NAMES = tuple(f"specdiff{cps}{ngram}{suffix}_tree{cost}" for cps in ("", "_cps") for ngram in ("", "_ngram")
+                    for suffix in ("", "_suffix") for cost in ("", "_cost") if ngram or suffix)
+NGRAM_NAMES = MODEL_FREE_NAMES + UNION_NAMES
 
 
 def test_the_grammar_allows_exactly_todays_methods():
@@ -41,7 +43,8 @@ def test_spellings_name_their_options():
     ("specdiff+select+tree", "select"), ("specdiff+adl+tree", "adl"), ("specdiff+adl+cost", "adl and cost"),
     ("specdiff_tree_cps", "unknown base 'specdiff_tree_cps'"),  # aliases are today's names only
     ("specdiff+ngram", "ngram joins the n-gram continuation to the drafter's tree: it needs tree"),
-    ("ngram+tree", "ngram takes only cost"),
+    ("ngram+tree", "ngram takes only cost"), ("specdiff+suffix+cost", "suffix joins SuffixDecoding's candidates"),
+    ("suffix+tree", "suffix takes only ngram, cost"),
 ])
 def test_a_bad_name_is_one_line_saying_why(text, why):
     with pytest.raises(ValueError) as caught:

@@ -1,17 +1,21 @@
-"""Model-free drafts (align/decoding/ngram.py) and the union tree (align/decoding/tree.py): the n-gram match, merging a
-continuation into a drafter's tree, ordering a tree by expected acceptance, and greedy decoding token-identical to AR
-with drafts that are actually proposed and kept. Their sampled losslessness is in test_sampling_lossless.py."""
+"""Model-free drafts (align/decoding/ngram.py, align/decoding/suffix.py) and the union tree (align/decoding/tree.py):
+the n-gram match, SuffixDecoding's index, merging candidates into a drafter's tree, ordering a tree by expected
+acceptance, and greedy decoding token-identical to AR with drafts that are actually proposed and kept. Their sampled
+losslessness is in test_sampling_lossless.py."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from align.config import DecodeSection
+from align.config import DecodeSection, RecipeError
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.ngram import NgramLookup
-from align.decoding.tree import DraftTree, add_path, leading, order_by_gain
+from align.decoding.suffix import SuffixIndex, suffix_array
+from align.decoding.tree import DraftTree, add_tree, chain, leading, order_by_gain
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup
 
@@ -47,17 +51,21 @@ def tree_of(tokens, parents, scores) -> DraftTree:
     return DraftTree(list(tokens), list(parents), depths, list(scores))
 
 
-def test_a_continuation_merges_into_the_tree_at_their_shared_prefix():
+def test_candidates_merge_into_the_tree_at_their_shared_prefix():
     # Root children 10 (node 0), 11 (node 1); 10 -> 12 (node 2).
     tree = tree_of([10, 11, 12], [-1, -1, 0], [-0.1, -0.5, -0.3])
-    merged, path = add_path(tree, [10, 12, 13, 14])
-    assert path == [0, 2, 3, 4]  # 10 and 12 were there; 13 and 14 are new, appended after their parents
+    merged, nodes = add_tree(tree, chain([10, 12, 13, 14]))
+    assert nodes == [0, 2, 3, 4]  # 10 and 12 were there; 13 and 14 are new, appended after their parents
     assert merged.tokens == [10, 11, 12, 13, 14] and merged.parents == [-1, -1, 0, 2, 3]
     assert merged.depths == [1, 1, 2, 3, 4] and merged.scores[3:] == [float("-inf")] * 2
     assert tree.tokens == [10, 11, 12]  # the drafter's tree is not changed
-    merged, path = add_path(tree, [13, 2, 5], eos_ids=frozenset({2}))  # a new branch, ended by an end token
-    assert path == [3, 4] and merged.parents[3:] == [-1, 3]
-    assert add_path(tree, []) == (tree, [])
+    merged, nodes = add_tree(tree, chain([13, 2, 5]), eos_ids=frozenset({2}))  # a new branch, ended by an end token
+    assert nodes == [3, 4, -1] and merged.parents[3:] == [-1, 3]
+    assert add_tree(tree, chain([])) == (tree, [])
+    # A tree of candidates (SuffixDecoding's): 11 -> {12, 13}, 10 -> 12; shared nodes found, the rest appended.
+    candidates = tree_of([11, 10, 12, 13, 12], [-1, -1, 0, 0, 1], [-0.2, -0.9, -0.5, -1.6, -1.0])
+    merged, nodes = add_tree(tree, candidates)
+    assert nodes == [1, 0, 3, 4, 2] and merged.tokens[3:] == [12, 13] and merged.parents[3:] == [1, 1]
 
 
 def test_ordered_by_gain_every_prefix_is_a_tree():
@@ -100,3 +108,40 @@ def test_greedy_outputs_equal_ar_and_the_continuation_is_kept(setup, method):
     assert sum(stats.accept_counts) > 0 and stats.tau > 1.0, stats.accept_counts
     if method.startswith("ngram"):
         assert stats.drafter_forwards == 0 and 0 in stats.draft_lengths  # a miss is a plain step
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SuffixDecoding's index (align/decoding/suffix.py)
+# --------------------------------------------------------------------------------------------------------------------
+def test_the_suffix_array_sorts_every_suffix():
+    rng = np.random.default_rng(0)
+    for length in (1, 2, 7, 300):
+        text = rng.integers(-1, 3, length)  # few distinct tokens: long shared prefixes, the doubling's hard case
+        assert suffix_array(text).tolist() == sorted(range(length), key=lambda i: tuple(text[i:].tolist()))
+
+
+def test_the_longest_suffix_that_occurs_is_matched_and_its_continuations_counted():
+    index = SuffixIndex.build([[1, 2, 3, 4, 5], [9, 2, 3, 4, 7], [2, 3, 4, 5, 6], [3, 4, 5]])
+    assert index.longest_match(np.array([8, 2, 3, 4]), max_match=8)[0] == 3  # "2 3 4", not just "3 4"
+    assert index.longest_match(np.array([8, 2, 3, 4]), max_match=2)[0] == 2
+    assert index.longest_match(np.array([8]), max_match=8) == (0, 0, 0)
+    tokens, parents, shares = index.continuations(np.array([8, 2, 3, 4]), depth=3, num_nodes=10)
+    # After "2 3 4": 5 twice (then 6 once, then the end of its document), 7 once (then the end of its document).
+    assert tokens == [5, 7, 6] and parents == [-1, -1, 0] and shares == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert index.continuations(np.array([8, 2, 3, 4]), depth=3, num_nodes=10, min_share=0.5)[0] == [5]
+    assert index.continuations(np.array([8, 2, 3, 4]), depth=3, num_nodes=1)[0] == [5]
+
+
+@pytest.mark.parametrize("method", ["suffix", "suffix_ngram_cost", "specdiff_ngram_suffix_tree_cost"])
+def test_greedy_suffix_decoding_equals_ar_and_its_candidates_are_kept(setup, method):
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    expected = ar_generate(setup.verifier, prompt, NEW_TOKENS)[0]
+    # The verifier's own earlier answers, as a trajectories folder holds them (another prompt's, and this one's).
+    other = torch.tensor([[3, 1, 4, 1, 5]])
+    documents = [[*p[0].tolist(), *ar_generate(setup.verifier, p, NEW_TOKENS)[0]] for p in (other, prompt)]
+    with_index = replace(setup, suffix=SuffixIndex.build(documents))
+    tokens, stats = METHODS[method](with_index, prompt, Sampling(), None)
+    assert tokens == expected
+    assert stats.tau > 2.0, stats.accept_counts  # this very answer is in the index
+    with pytest.raises(RecipeError, match="decode.suffix_corpus"):
+        METHODS[method](setup, prompt, Sampling(), None)

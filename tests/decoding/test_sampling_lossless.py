@@ -43,6 +43,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from align.config import DecodeSection
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
+from align.decoding.suffix import SuffixIndex
 from align.decoding.sd_ar import sd_ar_generate
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup
@@ -235,11 +236,14 @@ def table_setup(seed: int = 0) -> Setup:
     decode = DecodeSection(gamma=GAMMA, max_new_tokens=NEW_TOKENS, tree_nodes=TREE_NODES, num_candidates=3,
                            draft_temperature=1.5, adl_min_len=1, adl_max_len=3, adl_delta=1)
     proxy = TrigramModel.fit(np.random.default_rng(seed).integers(0, REAL_TOKENS, 400), vocab)
+    # SuffixDecoding's index over 40 "trajectories" of 10 tokens: the prompt's suffixes occur, and continue variously.
+    suffix = SuffixIndex.build(np.random.default_rng(seed + 1).integers(0, REAL_TOKENS, (40, 10)).tolist())
     # The cost-aware methods' costs fixed (each token costs 0.3 of the first, a drafter pass 0.5): their choices then
     # depend on no clock, and vary with the drafter's confidence (asserted below).
     return Setup(verifier=verifier, drafter=drafter, spec=DrafterSpec(TABLE_MASK, 0, "block_causal"),
                  ar_drafter=ar_drafter, tokenizer=None, eos_ids=frozenset(), decode=decode, proxy=proxy,
-                 verify_costs=[1.0 + 0.3 * n for n in range(max(GAMMA, TREE_NODES) + 1)], draft_cost=0.5)
+                 verify_costs=[1.0 + 0.3 * n for n in range(max(GAMMA, TREE_NODES) + 1)], draft_cost=0.5,
+                 suffix=suffix)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -317,7 +321,7 @@ def decode_pvalue(setup: Setup, method: str, sampling: Sampling, trials: int,
 RUNTIME_METHODS = ["ar", "sd_ar", "specdiff", "specdiff2_select", "specdiff_cps", "specdiff_adl", "specdiff_cps_adl",
                    "specdiff_tree", "specdiff_cost", "specdiff_cps_cost", "specdiff_tree_cost",
                    "specdiff_cps_tree", "specdiff_cps_tree_cost", "ngram", "ngram_cost", "specdiff_ngram_tree",
-                   "specdiff_ngram_tree_cost"]
+                   "specdiff_ngram_tree_cost", "suffix", "suffix_ngram_cost", "specdiff_ngram_suffix_tree_cost"]
 
 
 @pytest.mark.parametrize("method", RUNTIME_METHODS)

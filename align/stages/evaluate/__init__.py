@@ -11,6 +11,7 @@ from align.config import Recipe, RecipeError
 from align.decoding.options import METHOD_MODELS
 from align.draft_graph import DraftGraph
 from align.families import method_refusal
+from align.methods import check_suffix_corpus
 from align.preflight import check_new_tokens, check_tiny_default, drafter_kind
 from align.stages.evaluate import dllm, speculative
 
@@ -39,6 +40,8 @@ def check(recipe: Recipe) -> None:
     check_new_tokens(recipe, "decode.max_new_tokens", needed)
     if e.mode == "speculative" and any("cps" in name for name in e.methods):
         check_tiny_default(recipe, "decode.cps_proxy_corpus", "verifier.path")
+    if e.mode == "speculative" and any("suffix" in name for name in e.methods):
+        check_suffix_corpus(recipe)
     if e.mode == "speculative" and "drafter.path" in needed:
         kind = drafter_kind(recipe)
         refusals = [f"{m} {why}" for m in e.methods if (why := method_refusal(kind, m, recipe.drafter.path))]

@@ -32,7 +32,7 @@ from align.drafters.loading import load_drafter
 from align.families import method_refusal
 from align.machine import machine, versions
 from align.methods import (BASELINES, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
-                           prompt_generator, proxy_source, trigram_proxy)
+                           prompt_generator, proxy_source, suffix_index, trigram_proxy)
 from align.models import load_ar_drafter, load_tokenizer, load_verifier
 from align.preflight import context_length
 
@@ -356,6 +356,8 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
     eos_ids = eos_token_ids(verifier, tokenizer)  # generation_config's end tokens too, as the Python API stops
     proxy = trigram_proxy(source, recipe.data.dir, tokenizer) if source is not None else None
     setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
+    if any("suffix" in base_method(n) for n in names):
+        setup.suffix = suffix_index(recipe)
     if any(base_method(n).endswith("_cost") for n in names):  # one cost curve for every drafter compared
         setup.measured_costs(prompts[len(prompts) // 2])
     setups = {name: setup for name in names}
