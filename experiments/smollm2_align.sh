@@ -46,7 +46,7 @@ done
 stamp set-up
 
 $align convert recipes/smollm2/convert.yaml "$@"; stamp convert
-$align prompts recipes/smollm2/prompts.yaml "$@"; stamp prompts
+$align prompts recipes/smollm2/prompts.yaml "${precision[@]}" "$@"; stamp prompts
 # Shared by both drafters (their recipes have the same trajectories section).
 $align trajectories $dflash "${precision[@]}" "$@"; stamp trajectories
 
@@ -61,8 +61,9 @@ stamp "ar drafter"
 $align train $diffusion --num_gpus 2 "${precision[@]}" "$@"; stamp "diffusion train"
 diffusion_step=$($align latest "$($align validate $diffusion "$@" --get train.out)")
 
-# One interleaved run per benchmark: AR, HF generate, prompt lookup, the AR drafter (HF assisted, sd_ar) and align's
-# methods with both diffusion drafters; temperature 1 too on GSM8K (each temperature is a whole run of every method).
+# One interleaved run per benchmark: AR, HF generate, prompt lookup, align's model-free methods (n-gram, SuffixDecoding
+# over the trajectories), the AR drafter (HF assisted, sd_ar) and align's methods with both diffusion drafters, the
+# union tree among them; temperature 1 too on GSM8K (each temperature is a whole run of every method).
 run_eval() {  # out, then the prompt source's overrides
   local out=$1; shift
   $align eval $eval verifier.dtype=$dtype drafter.dtype=$dtype ar_drafter.dtype=$dtype drafter.path="$diffusion_step" \
