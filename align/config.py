@@ -508,7 +508,7 @@ class EvalSection(Section):
     num_prompts: Optional[int] = Field(default=None, ge=1)
     #: untimed generations before timing starts
     warmup: int = Field(default=2, ge=0)
-    # The suffix methods read a trajectories folder (decode.suffix_corpus) that a recipe may not have: named, not default.
+    # The suffix methods read a trajectories folder (decode.suffix_corpus) a recipe may not have: named, not default.
     #: methods compared (names of align/methods.py's METHODS); the AR baseline always runs; unset: every method but
     #: the suffix ones
     methods: list[MethodName] = Field(default_factory=lambda: [n for n in METHOD_NAMES if "suffix" not in n])
