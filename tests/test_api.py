@@ -70,7 +70,7 @@ def test_import_align_stays_cheap():
 
 
 @pytest.mark.slow
-def test_greedy_results_of_every_method_are_the_verifiers_own(pair):
+def test_greedy_results_of_every_method_are_the_verifiers_own(pair, toy_trajectories):
     assert pair.methods == tuple(METHODS)  # all three models loaded: every method runs
     reference = pair.generate(PROMPTS, method="ar", max_new_tokens=NEW_TOKENS)
     for result in reference:
@@ -78,7 +78,9 @@ def test_greedy_results_of_every_method_are_the_verifiers_own(pair):
         assert len(result.token_ids) == NEW_TOKENS and result.finish_reason == "length"
         assert result.text == pair.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     for method in METHODS:
-        results = pair.generate(PROMPTS, method=method, max_new_tokens=NEW_TOKENS)
+        # SuffixDecoding drafts from a trajectories folder (the toy verifier's own completions)
+        extra = {"suffix_corpus": str(toy_trajectories[1])} if "suffix" in method else {}
+        results = pair.generate(PROMPTS, method=method, max_new_tokens=NEW_TOKENS, **extra)
         assert [r.token_ids for r in results] == [r.token_ids for r in reference], method
         assert [r.text for r in results] == [r.text for r in reference], method
         assert [r.prompt for r in results] == PROMPTS

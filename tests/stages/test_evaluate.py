@@ -28,10 +28,12 @@ def test_method_table_matches_the_schema():
 
 
 @pytest.fixture(scope="module")
-def evaluated(toy_family, tmp_path_factory):
-    root, _ = toy_family
+def evaluated(toy_trajectories, tmp_path_factory):
+    # Every method, the suffix ones too (not in eval.methods' default: they read a trajectories folder).
+    root, trajectories = toy_trajectories
     out = tmp_path_factory.mktemp("eval")
-    assert main(eval_args(root, out, "decode.gamma=4", "decode.num_candidates=3")) == 0
+    assert main(eval_args(root, out, "decode.gamma=4", "decode.num_candidates=3",
+                          f"decode.suffix_corpus={trajectories}", f"eval.methods=[{', '.join(METHOD_NAMES)}]")) == 0
     return out, json.loads((out / "eval.json").read_text())
 
 
