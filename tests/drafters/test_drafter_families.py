@@ -27,6 +27,7 @@ from align.decoding.dllm import dllm_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
+from align.decoding.suffix import SuffixIndex
 from align.draft_graph import calibrate
 from align.drafters.loading import load_drafter
 from align.drafters.masked import block_logits
@@ -91,7 +92,8 @@ def test_every_method_is_token_identical_to_ar_greedy(folders, family):
     ar_drafter = load_ar_drafter(ModelSection(path=str(folders["ar_drafter"]), device="cpu"))
     proxy = TrigramModel.fit(np.random.default_rng(0).integers(0, len(tokenizer), 4000), len(tokenizer))
     decode = DecodeSection(gamma=4, max_new_tokens=NEW_TOKENS, num_candidates=3)
-    setup = Setup(verifier, model, spec, ar_drafter, tokenizer, frozenset(), decode, proxy)
+    suffix = SuffixIndex.build(np.random.default_rng(1).integers(0, len(tokenizer), (40, 50)).tolist())
+    setup = Setup(verifier, model, spec, ar_drafter, tokenizer, frozenset(), decode, proxy, suffix=suffix)
     accepted = 0
     for prompt in (torch.tensor([[11, 12, 13, 14, 15]]), torch.tensor([[300, 301, 302]])):
         expected = ar_generate(verifier, prompt, NEW_TOKENS)[0]

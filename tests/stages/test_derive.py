@@ -20,6 +20,7 @@ from align.config import ArDrafterSection, DecodeSection, DrafterSection
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
+from align.decoding.suffix import SuffixIndex
 from align.drafters.loading import load_drafter
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
@@ -232,7 +233,8 @@ def every_method_is_greedy_identical_to_ar(verifier, drafter, spec, tokenizer, p
     decode = DecodeSection(gamma=4, max_new_tokens=new_tokens, num_candidates=2, tree_nodes=4)
     # A cost curve of the measured shape fixed in advance: the test asserts outputs, not timings.
     setup = Setup(verifier, drafter, spec, verifier, tokenizer, eos, decode, proxy,
-                  verify_costs=[1.0] * 3 + [1.25, 1.5], draft_cost=1.0)
+                  verify_costs=[1.0] * 3 + [1.25, 1.5], draft_cost=1.0,
+                  suffix=SuffixIndex.build(ids[0].tolist() + answer for ids, answer in zip(prompts, expected)))
     taus = {}
     for name, method in METHODS.items():
         for k, (ids, wanted) in enumerate(zip(prompts, expected)):

@@ -21,6 +21,7 @@ from align.data import chat_template, load_trajectories, prompt_ids_sha256, rend
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
+from align.decoding.suffix import SuffixIndex
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
 from align.recipe_files import load_recipe
@@ -230,7 +231,8 @@ def test_every_method_is_greedy_identical_to_ar_with_the_real_verifier(verifier,
     # A cost curve of the measured shape (flat, then rising) fixed in advance: the test asserts outputs, not timings.
     costs = [1.0] * 3 + [1.25, 1.5]
     setup = Setup(verifier, verifier, DrafterSpec(tokenizer.unk_token_id, 1, "block_causal"), verifier, tokenizer,
-                  eos, decode, proxy, verify_costs=costs, draft_cost=1.0)
+                  eos, decode, proxy, verify_costs=costs, draft_cost=1.0,
+                  suffix=SuffixIndex.build(ids[0].tolist() + answer for ids, answer in zip(prompts, expected)))
     taus = {}
     for name, method in METHODS.items():
         for k, (ids, wanted) in enumerate(zip(prompts, expected)):
