@@ -188,6 +188,17 @@ class VllmRunner:
         self.close(interrupted=kind is not None and issubclass(kind, KeyboardInterrupt))
 
 
+def verifier_runner(recipe: Any, *, kv_cache_gib: float, seed: int, key: str) -> VllmRunner:
+    """The recipe's verifier in a vLLM worker, in the dtype and on the device align would load it with (each rank's
+    own GPU under a launcher)."""
+    from align.models import resolve_device, resolve_dtype
+
+    device = resolve_device(recipe.verifier.device)
+    return VllmRunner(recipe.verifier.path, dtype=vllm_dtype(resolve_dtype(recipe.verifier.dtype, device)),
+                      kv_cache_gib=kv_cache_gib, seed=seed, cuda_device=device.index if device.type == "cuda" else None,
+                      key=key)
+
+
 def last_error(log: IO[str]) -> str:
     """The line of a worker's log that says what went wrong, as one line. vLLM's engine processes log their
     traceback before the main process's "see root cause above", so the first line naming an exception is the cause;

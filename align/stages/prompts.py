@@ -243,16 +243,13 @@ def sample_chunk_vllm(runner: Any, plan_: Plan, p: PromptsSection, chunk: int, s
 def start_engine(recipe: Recipe) -> Any:
     """What samples: the verifier loaded by transformers, or a vLLM worker serving it (backend vllm), in the dtype
     and on the device align would load it with."""
-    from align.models import load_verifier, resolve_device, resolve_dtype
+    from align.models import load_verifier
+    from align.vllm_engine import verifier_runner
 
     if recipe.prompts.backend == "hf":
         return load_verifier(recipe.verifier)
-    from align.vllm_engine import VllmRunner, vllm_dtype
-
-    device = resolve_device(recipe.verifier.device)
-    return VllmRunner(recipe.verifier.path, dtype=vllm_dtype(resolve_dtype(recipe.verifier.dtype, device)),
-                      kv_cache_gib=recipe.prompts.vllm_cpu_kv_cache_gib, seed=recipe.prompts.seed,
-                      cuda_device=device.index if device.type == "cuda" else None, key="prompts.backend")
+    return verifier_runner(recipe, kv_cache_gib=recipe.prompts.vllm_cpu_kv_cache_gib, seed=recipe.prompts.seed,
+                           key="prompts.backend")
 
 
 def main(recipe: Recipe, command: str) -> int:

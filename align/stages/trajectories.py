@@ -25,9 +25,9 @@ from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, loa
                         render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate
 from align.disk import atomic_folder, file_sha256, mark_folder, write_text_atomic
-from align.models import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+from align.models import load_tokenizer, load_verifier
 from align.preflight import check_context, check_inputs, check_new_tokens, model_context
-from align.vllm_engine import VllmRunner, vllm_dtype, vllm_python
+from align.vllm_engine import VllmRunner, verifier_runner, vllm_python
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -141,10 +141,8 @@ def sample_chunk(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], rec
 
 def start_vllm(recipe: Recipe) -> VllmRunner:
     """The verifier in a vLLM worker, in the dtype and on the device align would load it with."""
-    device = resolve_device(recipe.verifier.device)
-    dtype = vllm_dtype(resolve_dtype(recipe.verifier.dtype, device))
-    return VllmRunner(recipe.verifier.path, dtype=dtype, kv_cache_gib=recipe.trajectories.vllm_cpu_kv_cache_gib,
-                      seed=recipe.train.seed, cuda_device=device.index if device.type == "cuda" else None)
+    return verifier_runner(recipe, kv_cache_gib=recipe.trajectories.vllm_cpu_kv_cache_gib, seed=recipe.train.seed,
+                           key="trajectories.backend")
 
 
 def sample_chunk_vllm(runner: VllmRunner, tokenizer: Any, prompt_ids: list[list[int]], recipe: Recipe,
