@@ -188,6 +188,10 @@ class DFlashSection(Section):
     #: the verifier layers the draft layers start from, one per draft layer in order (their attention, MLP and norm
     #: weights; the draft's q/k norms start at 1, `fc` random); None: random draft layers (the DFlash paper's)
     init_from_layers: Optional[list[Annotated[int, Field(ge=0)]]] = Field(default=None, min_length=1)
+    #: a pruned draft vocabulary (EAGLE-3's and speculators' d2t/t2d, which vLLM serves): the drafter's own LM head
+    #: over this many of the verifier's tokens, the most frequent in the training trajectories' completions, started
+    #: as the verifier's rows; None: the verifier's whole LM head
+    draft_vocab_size: Optional[int] = Field(default=None, ge=2)
 
     @model_validator(mode="after")
     def _check_init(self) -> "DFlashSection":

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from align.drafters import drafter_for
+from align.drafters.dflash import DraftVocab
 from align.families import DrafterSpec
 from align.masks import additive_mask
 
@@ -153,8 +154,11 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: A
     """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec
     (`Drafter.window_logits`, which a DFlash drafter's verifier logits come from too). verifier: a DFlash drafter's
     (it reads the verifier's hidden states). forwards: make at least this many forwards of `model` (see
-    `window_forwards`; only a canvas decoder's count depends on the batch, the other layouts always make one)."""
-    return drafter_for(model, spec).window_logits(batch, verifier, forwards)[0]
+    `window_forwards`; only a canvas decoder's count depends on the batch, the other layouts always make one). A pruned
+    DFlash drafter's logits come over the verifier's vocabulary, its uncovered tokens at probability 0."""
+    logits = drafter_for(model, spec).window_logits(batch, verifier, forwards)[0]
+    vocab = DraftVocab.of(model)
+    return logits if vocab is None else vocab.to_verifier(logits)
 
 
 def verifier_window_logits(verifier: Any, batch: WindowBatch) -> torch.Tensor:

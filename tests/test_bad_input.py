@@ -340,6 +340,7 @@ NEW_USER_CASES = [
     # An empty mapping once passed and the first step crashed on every rank with a traceback.
     ("train", "recipes/tiny/align.yaml", ["train.losses={{}}"], "train.losses: "),
     ("train", "recipes/tiny/align.yaml", ["train.losses={{ce_streak: 0}}"], "train.losses.ce_streak: "),
+    ("train", "recipes/tiny/dflash.yaml", ["dflash.draft_vocab_size=100000"], "dflash.draft_vocab_size: 100000 is more"),
     ("evl", "recipes/tiny/eval.yaml", [], "invalid choice"),
     ("eval", None, [], "the following arguments are required: recipe"),
     ("eval", "recipes/tiny/eval.yaml", ["--num_gpus", "2"], "unrecognized arguments: --num_gpus"),

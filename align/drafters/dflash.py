@@ -7,8 +7,16 @@ at anchor position + i, so slots 1..γ are the draft. The block's queries attend
 the *context*: the verifier's hidden states at `aux_hidden_state_layer_ids` for every position before the anchor,
 concatenated, projected by `fc` and normalised by `hidden_norm`. Context K/V are the draft layers' own k/v
 projections of that projected state (with q/k RMS norms and RoPE at the context positions), never the verifier's
-K/V. Token embeddings and the LM head are the verifier's: align reads them from the verifier (they are not stored in
-an align checkpoint); the speculators export writes copies, as speculators does.
+K/V. Token embeddings are the verifier's, and so is the LM head unless the drafter has a pruned draft vocabulary:
+align reads them from the verifier (they are not stored in an align checkpoint); the speculators export writes
+copies, as speculators does.
+
+A pruned draft vocabulary (`draft_vocab_size`, EAGLE-3's and speculators' `d2t`/`t2d`) gives the drafter its own LM
+head over the verifier's most frequent output tokens, started as the verifier's rows for them. On SmolLM2 (576 wide,
+49,152 tokens) the full head is most of the drafter's cost: 8,192 rows cover 99.0% of the verifier's trajectory
+tokens, and a training step took 0.71 s against 1.11 s. A token outside it is never drafted; the runtime gives it
+zero draft probability, which speculative sampling allows (the residual max(p − q, 0) covers it), so decoding stays
+lossless.
 
 Layer ids follow speculators/vLLM: id k is the residual stream entering verifier layer k, which is
 `hidden_states[k]` of a transformers forward with `output_hidden_states=True` (0 is the embeddings).
@@ -39,8 +47,11 @@ class DFlashConfig(PretrainedConfig):
                  head_dim: Optional[int] = None, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
                  max_position_embeddings: int = 2048, hidden_act: str = "silu", initializer_range: float = 0.02,
                  target_hidden_size: Optional[int] = None, aux_hidden_state_layer_ids: Optional[list[int]] = None,
-                 block_size: int = 8, mask_token_id: int = 0, **kwargs: Any) -> None:
+                 block_size: int = 8, mask_token_id: int = 0, draft_vocab_size: Optional[int] = None,
+                 **kwargs: Any) -> None:
         self.vocab_size = vocab_size
+        # None or vocab_size: the verifier's own LM head; fewer: the drafter's pruned head over that many tokens
+        self.draft_vocab_size = None if draft_vocab_size in (None, vocab_size) else draft_vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
@@ -73,8 +84,9 @@ def default_aux_layers(num_verifier_layers: int, count: int = 3) -> list[int]:
 
 def config_for_verifier(verifier_config: Any, mask_token_id: int, num_layers: int = 1,
                         intermediate_size: Optional[int] = None, aux_layer_ids: Optional[list[int]] = None,
-                        block_size: int = 8) -> DFlashConfig:
-    """A DFlash drafter shaped to share `verifier_config`'s embeddings and LM head (same width and vocabulary)."""
+                        block_size: int = 8, draft_vocab_size: Optional[int] = None) -> DFlashConfig:
+    """A DFlash drafter shaped to share `verifier_config`'s embeddings and LM head (same width and vocabulary), or
+    with its own head over `draft_vocab_size` of the verifier's tokens."""
     v = verifier_config.get_text_config() if hasattr(verifier_config, "get_text_config") else verifier_config
     rope = getattr(v, "rope_parameters", None) or {}
     heads = v.num_attention_heads
@@ -86,7 +98,7 @@ def config_for_verifier(verifier_config: Any, mask_token_id: int, num_layers: in
         rope_theta=float(rope.get("rope_theta", getattr(v, "rope_theta", 10000.0))),
         max_position_embeddings=v.max_position_embeddings, target_hidden_size=v.hidden_size,
         aux_hidden_state_layer_ids=aux_layer_ids or default_aux_layers(v.num_hidden_layers), block_size=block_size,
-        mask_token_id=mask_token_id)
+        mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -177,8 +189,10 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(PreTrainedModel):
-    """The drafter's own weights: `fc`, `hidden_norm`, the layers and the final `norm`. Embeddings and LM head are the
-    verifier's, passed in by the functions below."""
+    """The drafter's own weights: `fc`, `hidden_norm`, the layers and the final `norm`, and with a pruned draft
+    vocabulary its `lm_head` (draft_vocab_size, H) with speculators' maps: `d2t` (draft_vocab_size,) the offset from
+    each draft id to its verifier id, `t2d` (vocab_size,) bool, the verifier ids it covers. Embeddings (and the LM
+    head otherwise) are the verifier's, passed in by the functions below."""
 
     config_class = DFlashConfig
     base_model_prefix = "dflash"
@@ -192,7 +206,16 @@ class DFlashDrafter(PreTrainedModel):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.post_init()
+
+    def get_output_embeddings(self) -> None:
+        # The head over the verifier's vocabulary is the verifier's; a pruned `lm_head` covers part of it only, so
+        # transformers must neither tie nor resize it, and align's vocab_size() reads the config's.
+        return None
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -247,6 +270,71 @@ class DFlashContext:
         self.length += m
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# the pruned draft vocabulary
+# --------------------------------------------------------------------------------------------------------------------
+def most_frequent_tokens(completions: Any, prompts: Any, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` verifier token ids a pruned draft vocabulary keeps, ascending (speculators' d2t order): the most
+    frequent in `completions` (iterables of token ids: what the verifier writes, so what the drafter drafts), ties and
+    the rest filled by frequency in `prompts`, then by id."""
+    import numpy as np
+
+    def counts(seqs: Any) -> np.ndarray:
+        ids = [np.asarray(s, dtype=np.int64) for s in seqs]
+        flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        return np.bincount(flat[(flat >= 0) & (flat < vocab_size)], minlength=vocab_size)
+
+    # lexsort orders by the last key first: completion count, then prompt count, then the lower id
+    order = np.lexsort((np.arange(vocab_size), -counts(prompts), -counts(completions)))
+    return torch.from_numpy(np.sort(order[:size]))
+
+
+def set_draft_vocab(drafter: DFlashDrafter, verifier_head: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Fill a pruned drafter's maps for `token_ids` (draft_vocab_size,) ascending verifier ids, and start its head as
+    the verifier's LM head rows for them (`verifier_head`: (V, H), the verifier's output embedding weight)."""
+    with torch.no_grad():
+        ids = token_ids.to(drafter.d2t.device)
+        drafter.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        drafter.t2d.zero_()
+        drafter.t2d[ids] = True
+        drafter.lm_head.weight.copy_(verifier_head[token_ids.to(verifier_head.device)])
+
+
+@dataclass
+class DraftVocab:
+    """A pruned drafter's vocabulary, read from its `d2t`/`t2d` buffers: maps between draft and verifier ids."""
+
+    target_ids: torch.Tensor  # (Vd,) the verifier id of each draft id, ascending
+    covered: torch.Tensor  # (V,) bool, the verifier ids it holds
+    draft_ids: torch.Tensor  # (V,) the draft id of each covered verifier id (0 elsewhere: read with `covered`)
+
+    @classmethod
+    def of(cls, model: Any) -> Optional["DraftVocab"]:
+        """The vocabulary of a pruned DFlash drafter; None for any other drafter."""
+        d2t = getattr(model, "d2t", None)
+        if d2t is None:
+            return None
+        target_ids = torch.arange(len(d2t), device=d2t.device) + d2t
+        covered = model.t2d.bool()
+        return cls(target_ids, covered, (torch.cumsum(covered.long(), 0) - 1).clamp_min(0))
+
+    def training_targets(self, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verifier-id targets (..., γ) and their mask -> draft-id targets and a mask that also drops every position
+        from the first uncovered target on: the drafter cannot draft that token, so no greedy streak reaches past it."""
+        covered = self.covered[targets]
+        return self.draft_ids[targets], mask & (covered.long().cumprod(-1) > 0)
+
+    def columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the verifier's vocabulary (..., V) -> over the draft vocabulary (..., Vd)."""
+        return logits.index_select(-1, self.target_ids)
+
+    def to_verifier(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits (..., Vd) -> (..., V), the lowest finite value at uncovered tokens: probability 0 after a
+        softmax, yet finite, so that p·log p and KL terms stay 0 rather than NaN."""
+        out = logits.new_full((*logits.shape[:-1], len(self.covered)), torch.finfo(logits.dtype).min)
+        return out.index_copy(-1, self.target_ids, logits)
+
+
 def lm_head_logits(verifier: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The verifier's LM head over drafter states (..., H) -> logits (..., V), on a fresh 2-D copy of the rows.
 
@@ -261,11 +349,21 @@ def lm_head_logits(verifier: Any, hidden: torch.Tensor) -> torch.Tensor:
     return verifier.get_output_embeddings()(rows).view(*hidden.shape[:-1], -1)
 
 
+def draft_head_logits(drafter: DFlashDrafter, verifier: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Drafter states (..., H) -> logits over the drafter's vocabulary: its pruned head's (..., Vd), else the
+    verifier's (..., V). The same 2-D copy as `lm_head_logits`, for the same reason."""
+    if drafter.config.draft_vocab_size is None:
+        return lm_head_logits(verifier, hidden)
+    rows = hidden.reshape(-1, hidden.shape[-1]).to(drafter.lm_head.weight.dtype)
+    return drafter.lm_head(rows.clone(memory_format=torch.contiguous_format)).view(*hidden.shape[:-1], -1)
+
+
 def dflash_block_logits(drafter: DFlashDrafter, verifier: Any, anchor_ids: torch.Tensor, num_draft: int,
                         context: DFlashContext) -> torch.Tensor:
     """Logits for the `num_draft` tokens after the anchor, in one drafter forward.
 
-    anchor_ids: (B, 1) the newest token, at position `context.length`. Returns (B, num_draft, V).
+    anchor_ids: (B, 1) the newest token, at position `context.length`. Returns (B, num_draft, V) over the
+    verifier's vocabulary, also for a pruned drafter (its uncovered tokens at probability 0).
     """
     B = anchor_ids.shape[0]
     mask_id = drafter.config.mask_token_id
@@ -275,7 +373,9 @@ def dflash_block_logits(drafter: DFlashDrafter, verifier: Any, anchor_ids: torch
     kv = context.kv or [(embeds.new_zeros(B, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim),) * 2
                         for layer in drafter.layers]
     hidden = drafter(embeds, positions, kv)  # no mask: the block sees the whole context and itself
-    return lm_head_logits(verifier, hidden[:, 1:])
+    logits = draft_head_logits(drafter, verifier, hidden[:, 1:])
+    vocab = DraftVocab.of(drafter)
+    return logits if vocab is None else vocab.to_verifier(logits)
 
 
 def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch.Tensor, starts: torch.Tensor,
@@ -284,7 +384,9 @@ def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch
 
     clean_ids: (B, L) prompt ⊕ completion; starts: (B, W) each window's first drafted position s (its anchor is s−1,
     its context the positions before s−1, exactly what the runtime gives it). Returns the drafter's logits and the
-    verifier's (for KD losses, from the same forward), both (B, W, γ, V).
+    verifier's (for KD losses, from the same forward), both (B, W, γ, V) over the drafter's vocabulary: a pruned
+    drafter's draft ids (`DraftVocab` maps targets to them), where the verifier's logits are its logits for those
+    tokens alone.
     """
     B, L = clean_ids.shape
     W = starts.shape[1]
@@ -295,7 +397,13 @@ def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch
         index = (starts[..., None] - 1 + torch.arange(gamma, device=starts.device)).clamp(0, L - 1)  # (B, W, γ)
         last = out.last_hidden_state
         at_windows = last.gather(1, index.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
-        verifier_logits = verifier.get_output_embeddings()(at_windows).view(B, W, gamma, -1)
+        head = verifier.get_output_embeddings()
+        vocab = DraftVocab.of(drafter)
+        if vocab is None:
+            verifier_logits = head(at_windows).view(B, W, gamma, -1)
+        else:  # the head's rows for the draft vocabulary alone: a sixth of the work on SmolLM2
+            bias = None if head.bias is None else head.bias[vocab.target_ids]
+            verifier_logits = F.linear(at_windows, head.weight[vocab.target_ids], bias).view(B, W, gamma, -1)
     ctx_positions = torch.arange(L, device=clean_ids.device).expand(B, -1)
     context_kv = drafter.context_kv(drafter.project_context(aux), ctx_positions)
     anchors = (starts - 1).clamp_min(0)  # (B, W)
@@ -313,7 +421,7 @@ def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch
     mask = torch.where(allowed, zero, torch.finfo(zero.dtype).min)[:, None]  # (B, 1, Q, L + Q)
     embeds = verifier.get_input_embeddings()(block.view(B, -1))
     hidden = drafter(embeds, positions, context_kv, mask).view(B, W, gamma + 1, -1)
-    draft_logits = lm_head_logits(verifier, hidden[:, :, 1:])
+    draft_logits = draft_head_logits(drafter, verifier, hidden[:, :, 1:])
     return draft_logits, verifier_logits
 
 
@@ -341,7 +449,8 @@ def speculators_config(config: DFlashConfig, verifier_path: str, verifier_archit
         "speculators_model_type": "dflash",
         "speculators_version": SPECULATORS_CONFIG_VERSION,
         "transformer_layer_config": layer,
-        "draft_vocab_size": config.vocab_size,
+        # vLLM gives the drafter a head of this many rows, and maps them to the verifier's ids by the weights' `d2t`
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
         "block_size": config.block_size,
         "target_hidden_size": config.target_hidden_size,
         "aux_hidden_state_layer_ids": list(config.aux_hidden_state_layer_ids),
@@ -364,11 +473,13 @@ def speculators_config(config: DFlashConfig, verifier_path: str, verifier_archit
 
 def speculators_weights(drafter: DFlashDrafter, verifier: Any) -> dict[str, torch.Tensor]:
     """The drafter's weights under the names speculators saves and vLLM's qwen3_dflash loads (its own modules keep
-    those names), plus copies of the verifier's `embed_tokens` and `lm_head`, which speculators checkpoints carry."""
+    those names: a pruned drafter's `lm_head`, `d2t` and `t2d` too), plus copies of the verifier's `embed_tokens` and,
+    without a pruned head, its `lm_head`, which speculators checkpoints carry."""
     dtype = drafter.fc.weight.dtype
     weights = {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
     weights["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().to(dtype).clone()
-    weights["lm_head.weight"] = verifier.get_output_embeddings().weight.detach().to(dtype).clone()
+    if drafter.config.draft_vocab_size is None:
+        weights["lm_head.weight"] = verifier.get_output_embeddings().weight.detach().to(dtype).clone()
     return weights
 
 
@@ -393,7 +504,8 @@ def write_speculators_folder(drafter: DFlashDrafter, verifier: Any, verifier_pat
 
 def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) -> DFlashDrafter:
     """A speculators-format DFlash folder (align's export, or speculators' own) as align's DFlash drafter. The
-    verifier's embeddings and LM head in it are not kept: align reads them from the verifier."""
+    verifier's embeddings and LM head in it are not kept: align reads them from the verifier; a pruned head (a
+    `draft_vocab_size` below the vocabulary, with `d2t`/`t2d`) is the drafter's own and is kept."""
     import json
     from pathlib import Path
 
@@ -413,11 +525,16 @@ def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) 
         rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 1000000.0))),
         max_position_embeddings=layer.get("max_position_embeddings", 2048),
         target_hidden_size=raw.get("target_hidden_size"), aux_hidden_state_layer_ids=raw["aux_hidden_state_layer_ids"],
-        block_size=raw.get("block_size", 8), mask_token_id=raw["mask_token_id"])
+        block_size=raw.get("block_size", 8), mask_token_id=raw["mask_token_id"],
+        draft_vocab_size=raw.get("draft_vocab_size"))
     weights = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         weights.update(load_file(str(path)))
-    dtype = next(iter(weights.values())).dtype
+    dtype = weights["fc.weight"].dtype
     drafter = DFlashDrafter(config).to(dtype)
-    drafter.load_state_dict({k: v for k, v in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")})
+    verifiers = ("embed_tokens.weight",) if config.draft_vocab_size else ("embed_tokens.weight", "lm_head.weight")
+    if config.draft_vocab_size and "t2d" not in weights:  # vLLM reads d2t alone; speculators writes both
+        weights["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+        weights["t2d"][torch.arange(config.draft_vocab_size) + weights["d2t"]] = True
+    drafter.load_state_dict({k: v for k, v in weights.items() if k not in verifiers})
     return drafter.to(device or torch.device("cpu")).eval()

@@ -90,14 +90,20 @@ def check_masks_are_read(model: PreTrainedModel, spec: DrafterSpec) -> None:
 def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSection, mask_token_id: int,
                        gamma: int) -> tuple[PreTrainedModel, DrafterSpec]:
     """A DFlash drafter with random weights, shaped to the verifier at `verifier.path` (settings: a DFlashSection),
-    on `drafter`'s device and dtype, marking masked positions with `mask_token_id` (mask_token.dflash_mask_token)."""
+    on `drafter`'s device and dtype, marking masked positions with `mask_token_id` (mask_token.dflash_mask_token).
+    A pruned draft vocabulary is shaped here and filled by `dflash.set_draft_vocab` from the training data."""
     verifier_config = AutoConfig.from_pretrained(verifier.path, trust_remote_code=verifier.trust_remote_code)
     num_layers = verifier_config.get_text_config().num_hidden_layers
     if settings.aux_layer_ids and max(settings.aux_layer_ids) >= num_layers:
         raise RecipeError(f"dflash.aux_layer_ids: {settings.aux_layer_ids} must be below the verifier's {num_layers} "
                           "layers (id k is the input of layer k)")
+    vocab = verifier_config.get_text_config().vocab_size
+    if settings.draft_vocab_size and settings.draft_vocab_size > vocab:
+        raise RecipeError(f"dflash.draft_vocab_size: {settings.draft_vocab_size} is more than the verifier's {vocab} "
+                          "tokens")
     config = config_for_verifier(verifier_config, mask_token_id, settings.num_layers,
-                                 settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1)
+                                 settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1,
+                                 settings.draft_vocab_size)
     model = DFlashDrafter(config)
     if settings.init_from_layers:
         copy_verifier_layers(model, verifier, verifier_config, settings.init_from_layers)

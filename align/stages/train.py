@@ -43,6 +43,7 @@ from align.decoding.specdiff import specdiff_generate
 from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
+from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab
 from align.drafters.loading import (build_drafter, check_init_layers, check_masks_are_read, drafter_reads,
                                     load_drafter)
 from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
@@ -214,8 +215,13 @@ def check_train(recipe: Recipe) -> None:
                               "(train.lora_r=0)")
     if recipe.dflash is not None:  # the mask token: chosen (or the recipe's checked) before any launcher starts
         dflash_mask_token(recipe)
+        verifier_config = load_model_config("verifier.path", recipe.verifier)
         if recipe.dflash.init_from_layers:
-            check_init_layers(load_model_config("verifier.path", recipe.verifier), recipe.dflash.init_from_layers)
+            check_init_layers(verifier_config, recipe.dflash.init_from_layers)
+        vocab = verifier_config.get_text_config().vocab_size
+        if recipe.dflash.draft_vocab_size and recipe.dflash.draft_vocab_size > vocab:
+            raise RecipeError(f"dflash.draft_vocab_size: {recipe.dflash.draft_vocab_size} is more than the verifier's "
+                              f"{vocab} tokens")
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
 
 
@@ -387,6 +393,16 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         model = get_peft_model(model, LoraConfig(r=t.lora_r, lora_alpha=t.lora_alpha, target_modules="all-linear"))
     else:
         model.requires_grad_(True)
+    # A DFlash drafter reads the verifier's hidden states in every step.
+    reads_verifier = drafter_for(model, spec).verifier_states is not None
+    verifier = load_verifier(recipe.verifier) if data.online or reads_verifier else None
+    if recipe.dflash is not None and recipe.dflash.draft_vocab_size:
+        # Before the engine copies the weights into its optimiser state; a resumed run's saved maps and head replace
+        # these (the same, as the data and the ranking are).
+        rows = data.rows.select(data.train_rows)
+        keep = most_frequent_tokens(rows["completion_ids"], rows["prompt_ids"], recipe.dflash.draft_vocab_size,
+                                    model.config.vocab_size)
+        set_draft_vocab(model, verifier.get_output_embeddings().weight, keep)
     # A torch AdamW rather than a DeepSpeed-config optimizer: no fused-Adam JIT build, and the same on CPU and GPU.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
                                   weight_decay=t.weight_decay)
@@ -398,9 +414,6 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         # load_drafter's check, now that the engine's hooks gather the weights; the mark goes on the drafter itself
         # (a peft wrapper passes reads of it through), as load_drafter puts it.
         check_masks_are_read(model.get_base_model() if t.lora_r else model, spec)
-    # A DFlash drafter reads the verifier's hidden states in every step.
-    reads_verifier = drafter_for(model, spec).verifier_states is not None
-    verifier = load_verifier(recipe.verifier) if data.online or reads_verifier else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
                    engine.device, mask_token)
@@ -499,17 +512,26 @@ def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recip
     # A DFlash drafter's verifier forward also gives KD losses their distributions (exact, not the stored top-k).
     draft_logits, verifier_logits = drafter_for(trainer.engine.module, trainer.spec).window_logits(
         batch, trainer.verifier, forwards=agreed_forwards(trainer, batch, recipe))
-    draft_logits = draft_logits.float().flatten(0, 1)  # (B·W, γ, V)
+    draft_logits = draft_logits.float().flatten(0, 1)  # (B·W, γ, V), V the drafter's vocabulary
     if verifier_logits is not None:
         verifier_logits = verifier_logits.float().flatten(0, 1)
+    # A pruned DFlash drafter's logits are over its draft vocabulary: targets become draft ids, a distribution its
+    # columns (renormalised over them by the losses' softmax, as speculators trains), and ids it cannot draft end
+    # the window's streak.
+    vocab = DraftVocab.of(trainer.engine.module)
     if recipe.train.data_mode == "on_policy":
         # The drafter's own argmax drafts, labelled by the verifier along them: targets are the verifier's greedy
         # tokens there (what greedy verification would accept), distributions its distributions there.
         with torch.no_grad():
             drafts = draft_logits.argmax(-1).view(batch.targets.shape)
+            drafts = drafts if vocab is None else vocab.target_ids[drafts]
             verifier_logits = verifier_path_logits(trainer.verifier, batch, drafts, trainer.pad_id)
             verifier_logits = verifier_logits.float().flatten(0, 1)
         targets = verifier_logits.argmax(-1)
+        if vocab is not None:
+            verifier_logits = vocab.columns(verifier_logits)
+    if vocab is not None:
+        targets, mask = vocab.training_targets(targets, mask)
     parts = {}
     for name, weight in recipe.train.losses.items():
         fn = WINDOW_LOSSES[name][0]

@@ -337,6 +337,21 @@ def test_every_method_samples_the_verifier_distribution(method):
     assert p_value > ALPHA
 
 
+@pytest.mark.parametrize("method", ["specdiff", "specdiff_tree", "specdiff_ngram_suffix_tree_cost"])
+def test_a_drafter_that_never_drafts_some_tokens_is_lossless(method):
+    """A pruned draft vocabulary (a DFlash drafter's `d2t`/`t2d`) gives the tokens it lacks the lowest finite logit:
+    q = 0 where p > 0, so only the residual can emit them. Temperature 0.9, 1,000 decodes (the power of
+    test_every_method_samples_the_verifier_distribution)."""
+    setup = table_setup()
+    table = setup.drafter.table.clone()
+    table[..., [1, 3]] = torch.finfo(table.dtype).min  # tokens 1 and 3 (of 5) are never drafted
+    drafted = set()
+    p_value = decode_pvalue(replace(setup, drafter=TableDrafter(table, TABLE_MASK)), method, TEMPERATURE, DECODES,
+                            seen=lambda stats: drafted.add(stats.verifier_forwards < NEW_TOKENS))
+    assert True in drafted  # drafts were accepted, so the pruned q was read
+    assert p_value > ALPHA
+
+
 @pytest.mark.parametrize("method", ["specdiff", "specdiff_adl", "sd_ar"])
 def test_argmax_drafts_are_lossless_when_sampling(method):
     """Deterministic drafts under sampling (decode.draft_choice=argmax; sd_ar drafting at temperature 0): a point

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
-from align.drafters.dflash import DFlashDrafter, config_for_verifier
+from align.drafters.dflash import DFlashDrafter, DraftVocab, config_for_verifier, set_draft_vocab
 from align.families import drafter_spec_from_config
 from align.losses import WINDOW_LOSSES
 
@@ -26,6 +26,17 @@ def tiny_verifier(seed: int = 0) -> LlamaForCausalLM:
 def tiny_dflash(verifier: LlamaForCausalLM, seed: int = 1) -> DFlashDrafter:
     torch.manual_seed(seed)
     return DFlashDrafter(config_for_verifier(verifier.config, MASK, num_layers=2, intermediate_size=48)).eval()
+
+
+KEEP = (0, 2, 3, 5, 8, 13, 21, 30)  # a pruned draft vocabulary: 8 of the verifier's 32 tokens
+
+
+def pruned_dflash(verifier: LlamaForCausalLM, seed: int = 1) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config_for_verifier(verifier.config, MASK, num_layers=2, intermediate_size=48,
+                                                draft_vocab_size=len(KEEP))).eval()
+    set_draft_vocab(drafter, verifier.get_output_embeddings().weight, torch.tensor(KEEP))
+    return drafter
 
 
 def test_spec_says_dflash():
@@ -48,20 +59,27 @@ def test_greedy_specdiff_with_a_dflash_drafter_is_token_identical_to_ar_greedy()
             assert stats.verifier_forwards < 24 or gamma == 1
 
 
-def test_training_windows_see_what_the_runtime_shows_the_drafter():
+@pytest.mark.parametrize("pruned", [False, True])
+def test_training_windows_see_what_the_runtime_shows_the_drafter(pruned):
     """A training window at start s must give the logits the runtime gets when it drafts after position s-1 with the
-    context grown token by token: same context (positions before the anchor), same anchor, same positions."""
+    context grown token by token: same context (positions before the anchor), same anchor, same positions. A pruned
+    drafter's windows are over its draft vocabulary, the verifier's logits there its columns for those tokens."""
     from align.drafters.dflash import DFlashContext, dflash_block_logits, dflash_window_logits
     from align.drafters.base import aux_hidden
 
     verifier = tiny_verifier()
-    drafter = tiny_dflash(verifier)
+    drafter = pruned_dflash(verifier) if pruned else tiny_dflash(verifier)
     ids = torch.randint(0, MASK, (1, 14), generator=torch.Generator().manual_seed(0))
     hidden = aux_hidden(verifier(input_ids=ids, output_hidden_states=True).hidden_states,
                         drafter.config.aux_hidden_state_layer_ids)
     starts = torch.tensor([[3, 8, 10]])
     windows, verifier_logits = dflash_window_logits(drafter, verifier, ids, starts, 4)
-    torch.testing.assert_close(verifier_logits[0, 1, 0], verifier(input_ids=ids).logits[0, 7])
+    expected_verifier = verifier(input_ids=ids).logits[0, 7]
+    if pruned:
+        assert windows.shape[-1] == verifier_logits.shape[-1] == len(KEEP)
+        expected_verifier = expected_verifier[list(KEEP)]
+        windows = DraftVocab.of(drafter).to_verifier(windows)
+    torch.testing.assert_close(verifier_logits[0, 1, 0], expected_verifier)
     for w, start in enumerate(starts[0].tolist()):
         context = DFlashContext()
         for i in range(0, start - 1, 3):  # grown in uneven steps, as accepted tokens arrive
@@ -101,6 +119,77 @@ def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(l
     assert all(p.grad is None for p in verifier.parameters())
 
 
+def test_a_pruned_draft_vocabulary_drafts_its_tokens_only_and_greedy_stays_identical_to_ar():
+    from align.drafters.base import aux_hidden
+    from align.drafters.dflash import DFlashContext, dflash_block_logits
+
+    verifier = tiny_verifier()
+    drafter = pruned_dflash(verifier)
+    # speculators' maps: draft id i is verifier id i + d2t[i]; t2d marks the verifier ids kept
+    assert (torch.arange(len(KEEP)) + drafter.d2t).tolist() == list(KEEP)
+    assert drafter.t2d.nonzero().flatten().tolist() == list(KEEP)
+    torch.testing.assert_close(drafter.lm_head.weight, verifier.lm_head.weight[list(KEEP)])
+    assert drafter.get_output_embeddings() is None  # transformers must not tie or resize the pruned head
+    ids = torch.randint(0, MASK, (1, 9), generator=torch.Generator().manual_seed(2))
+    context = DFlashContext()
+    states = verifier(input_ids=ids, output_hidden_states=True).hidden_states
+    context.extend(drafter, aux_hidden(states, drafter.config.aux_hidden_state_layer_ids)[:, :-1])
+    probs = dflash_block_logits(drafter, verifier, ids[:, -1:], 4, context).softmax(-1)  # (1, 4, 32)
+    assert probs.shape == (1, 4, VOCAB)
+    outside = [t for t in range(VOCAB) if t not in KEEP]
+    assert probs[..., outside].max() == 0 and torch.isfinite(probs.log().clamp_min(-1e30)).all()
+    torch.testing.assert_close(probs[..., list(KEEP)].sum(-1), torch.ones(1, 4))
+    spec = drafter_spec_from_config(drafter.config)
+    for seed in range(3):
+        prompt = torch.randint(0, MASK, (1, 5), generator=torch.Generator().manual_seed(seed))
+        expected = ar_generate(verifier, prompt, 24, Sampling())[0]
+        tokens, _ = specdiff_generate(verifier, drafter, spec, prompt, 3, 24)
+        assert tokens == expected
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_completion_tokens_and_ends_streaks_it_cannot_draft():
+    from align.drafters.dflash import most_frequent_tokens
+
+    completions, prompts = [[5, 5, 7], [7, 5, 9]], [[9, 9, 3]]
+    # by completion count (5, 7, 9), then prompt count (3), then the lowest id (0); returned ascending
+    assert most_frequent_tokens(completions, prompts, 4, 12).tolist() == [3, 5, 7, 9]
+    assert most_frequent_tokens(completions, prompts, 5, 12).tolist() == [0, 3, 5, 7, 9]
+    verifier = tiny_verifier()
+    vocab = DraftVocab.of(pruned_dflash(verifier))
+    targets, mask = vocab.training_targets(torch.tensor([[2, 30, 4, 5], [0, 8, 13, 21]]), torch.ones(2, 4, dtype=bool))
+    assert mask.tolist() == [[True, True, False, False], [True] * 4]  # 4 is not kept: no streak reaches past it
+    assert targets[0, :2].tolist() == [1, 7] and targets[1].tolist() == [0, 4, 5, 6]
+    logits = torch.randn(3, VOCAB)
+    assert torch.equal(vocab.to_verifier(vocab.columns(logits))[:, list(KEEP)], logits[:, list(KEEP)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss,data_mode", [("ce_streak", "offline"), ("fkl", "offline"), ("ce_streak", "on_policy")])
+def test_a_pruned_drafter_trains_its_head_on_the_targets_it_can_draft(loss, data_mode):
+    from types import SimpleNamespace
+
+    from align.recipe_files import load_recipe
+    from align.stages.train import compute_losses
+    from align.windows import block_causal_windows
+
+    verifier = tiny_verifier()
+    drafter = pruned_dflash(verifier).train()
+    spec = drafter_spec_from_config(drafter.config)
+    recipe = load_recipe("recipes/tiny/dflash.yaml", [f"train.losses={{{loss}: 1.0}}", "train.gamma=3",
+                                                      f"train.data_mode={data_mode}"])
+    # every completion token kept but 7 and 12: their windows' streaks end there
+    rows = [{"prompt_ids": [1, 2, 3, 4], "completion_ids": [5, 8, 7, 13, 21, 30, 0]},
+            {"prompt_ids": [7, 3], "completion_ids": [12, 13, 2, 3]}]
+    batch = block_causal_windows(rows, spec, 3, 2, 0, np.random.default_rng(0))
+    trainer = SimpleNamespace(engine=SimpleNamespace(module=drafter), spec=spec, verifier=verifier, pad_id=0)
+    total = sum(compute_losses(trainer, batch, rows, recipe, batch.num_windows,
+                               int(batch.target_mask.sum())).values())
+    assert torch.isfinite(total)
+    total.backward()
+    assert drafter.lm_head.weight.grad.abs().sum() > 0 and torch.isfinite(drafter.lm_head.weight.grad).all()
+    assert all(p.grad is None for p in verifier.parameters())
+
+
 def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp_path):
     """`align train` builds a new DFlash drafter on the (toy) verifier and trains it under DeepSpeed; `align eval`
     runs it beside the standalone drafter, token-identical to AR greedy."""
@@ -120,13 +209,18 @@ def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp
             f"data.dir={root / 'data'}", f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=4",
             "train.max_steps=3", "train.micro_batch_size=2", "train.eval_every=3", "train.save_every=3",
             "train.final_eval_prompts=1", "train.losses={ce_streak: 1.0, fkl: 0.5}", "dflash.aux_layer_ids=[0]",
-            "dflash.intermediate_size=48"]
+            "dflash.intermediate_size=48", "dflash.draft_vocab_size=128"]
     env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     done = subprocess.run([sys.executable, "align/train.py", "recipes/tiny/dflash.yaml", *args], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     config = json.loads((out / "step_3" / "config.json").read_text())
     assert config["model_type"] == "align_dflash" and config["drafter_spec"]["kind"] == "dflash"
+    # the pruned head and its maps are saved with the drafter (the maps from this run's trajectories)
+    from safetensors.torch import load_file
+    weights = load_file(str(out / "step_3" / "model.safetensors"))
+    assert config["draft_vocab_size"] == 128 and weights["lm_head.weight"].shape[0] == 128
+    assert int(weights["t2d"].sum()) == 128 and weights["d2t"].dtype == torch.int64
     assert "final_tau" in json.loads((out / "step_3" / "meta.json").read_text())
 
     assert align(["eval", "recipes/tiny/dflash.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
@@ -143,11 +237,16 @@ def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Weight names and shapes vLLM's qwen3_dflash `load_weights` takes from a speculators DFlash checkpoint (before
     its own stacking of q/k/v into qkv_proj and gate/up into gate_up_proj), read off that model's modules:
     `fc` over the concatenated aux hidden states, `hidden_norm`, per layer q/k/v/o projections with q/k RMS norms
-    over head_dim, a SiLU MLP and two layer norms, the final `norm`, and the optional embed_tokens/lm_head."""
+    over head_dim, a SiLU MLP and two layer norms, the final `norm`, and the optional embed_tokens/lm_head (the
+    lm_head of draft_vocab_size rows, mapped by d2t)."""
     H, hd, V = config.hidden_size, config.head_dim, config.vocab_size
     q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    draft_vocab = config.draft_vocab_size or V
     shapes = {"fc.weight": (H, len(config.aux_hidden_state_layer_ids) * config.target_hidden_size),
-              "hidden_norm.weight": (H,), "norm.weight": (H,), "embed_tokens.weight": (V, H), "lm_head.weight": (V, H)}
+              "hidden_norm.weight": (H,), "norm.weight": (H,), "embed_tokens.weight": (V, H),
+              "lm_head.weight": (draft_vocab, H)}
+    if config.draft_vocab_size:  # a pruned head: vLLM loads d2t as draft_id_to_target_id and skips t2d
+        shapes.update({"d2t": (draft_vocab,), "t2d": (V,)})
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         shapes.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
@@ -160,7 +259,9 @@ def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.slow
-def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_logits(toy_family, tmp_path):
+@pytest.mark.parametrize("draft_vocab_size", [None, 64])
+def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_logits(toy_family, tmp_path,
+                                                                                       draft_vocab_size):
     import json
 
     from safetensors.torch import load_file
@@ -177,8 +278,13 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
     verifier_path = str(root / "ck" / "verifier")
     tokenizer = load_tokenizer(verifier_path)
     torch.manual_seed(0)
-    drafter, _ = new_dflash_drafter(VerifierSection(path=verifier_path), DFlashSection(aux_layer_ids=[0]),
+    drafter, _ = new_dflash_drafter(VerifierSection(path=verifier_path),
+                                    DFlashSection(aux_layer_ids=[0], draft_vocab_size=draft_vocab_size),
                                     VerifierSection(path=verifier_path, device="cpu"), tokenizer.mask_token_id, 4)
+    if draft_vocab_size:
+        from align.drafters.dflash import set_draft_vocab
+        head = load_verifier(VerifierSection(path=verifier_path, device="cpu")).get_output_embeddings().weight
+        set_draft_vocab(drafter, head, torch.arange(3, 3 + 2 * draft_vocab_size, 2))
     save_merged(drafter, tokenizer, tmp_path / "step_1", {})
     out = tmp_path / "export"
     assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={verifier_path}",
@@ -195,6 +301,7 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
     assert (config["block_size"], config["mask_token_id"]) == (5, tokenizer.mask_token_id)
     assert config["aux_hidden_state_layer_ids"] == [0]
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == (draft_vocab_size or config["transformer_layer_config"]["vocab_size"])
     weights = load_file(str(out / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in weights.items()} == vllm_expected_shapes(drafter.config)
     assert "vllm serve" in (out / "README.md").read_text()

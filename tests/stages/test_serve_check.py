@@ -26,6 +26,7 @@ PROMPTS = [
 GAMMA = 4
 MAX_NEW_TOKENS = 32
 TRAIN_STEPS = 20
+DRAFT_VOCAB = 512  # of the tiny verifier's 8192 tokens
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +39,13 @@ def prompt_file(tmp_path_factory):
 def dflash_checkpoint(folder: Path, train_steps: int) -> Path:
     """A DFlash drafter (blocks of GAMMA + 1) on the shipped tiny verifier, trained `train_steps` passes over the
     verifier's greedy continuations of the test's own prompts, so that its acceptance is far from trivial (a random
-    one accepts almost nothing, and any two engines agree on that); saved as align train saves one."""
+    one accepts almost nothing, and any two engines agree on that); saved as align train saves one. Its draft
+    vocabulary is pruned to the DRAFT_VOCAB tokens of those continuations and prompts (and the lowest ids), so that
+    vLLM serves the d2t map: a wrong map would draft other tokens than align's, and the acceptances would part."""
     from align.checkpoint import save_merged
     from align.config import DFlashSection, VerifierSection
     from align.decoding.ar import ar_generate
-    from align.drafters.dflash import dflash_window_logits
+    from align.drafters.dflash import DraftVocab, dflash_window_logits, most_frequent_tokens, set_draft_vocab
     from align.models import load_tokenizer, load_verifier
     from align.drafters.loading import new_dflash_drafter
 
@@ -50,13 +53,18 @@ def dflash_checkpoint(folder: Path, train_steps: int) -> Path:
     section = VerifierSection(path=str(VERIFIER), device="cpu", dtype="float32")
     verifier = load_verifier(section)
     torch.manual_seed(0)
-    drafter, _ = new_dflash_drafter(section, DFlashSection(aux_layer_ids=[1, 3, 6], intermediate_size=256),
+    drafter, _ = new_dflash_drafter(section, DFlashSection(aux_layer_ids=[1, 3, 6], intermediate_size=256,
+                                                           draft_vocab_size=DRAFT_VOCAB),
                                     section, tokenizer.mask_token_id, GAMMA)
     sequences = []
     for text in PROMPTS:
         prompt_ids = tokenizer(text, return_tensors="pt").input_ids
         completion, _ = ar_generate(verifier, prompt_ids, MAX_NEW_TOKENS)
         sequences.append((torch.cat([prompt_ids, torch.tensor([completion])], dim=1), prompt_ids.shape[1]))
+    keep = most_frequent_tokens([ids[0, n:].tolist() for ids, n in sequences],
+                                [ids[0, :n].tolist() for ids, n in sequences], DRAFT_VOCAB, drafter.config.vocab_size)
+    set_draft_vocab(drafter, verifier.get_output_embeddings().weight, keep)
+    vocab = DraftVocab.of(drafter)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     drafter.train()
     for _ in range(train_steps):
@@ -65,6 +73,7 @@ def dflash_checkpoint(folder: Path, train_steps: int) -> Path:
             starts = torch.arange(prompt_len, clean_ids.shape[1] - GAMMA + 1)[None]
             draft_logits, _ = dflash_window_logits(drafter, verifier, clean_ids, starts, GAMMA)
             targets = clean_ids[0, starts[0, :, None] + torch.arange(GAMMA)]  # (W, γ): slot j drafts start + j
+            targets = vocab.draft_ids[targets]  # all of them kept
             loss = torch.nn.functional.cross_entropy(draft_logits[0].flatten(0, 1), targets.flatten())
             optimizer.zero_grad()
             loss.backward()
