@@ -105,14 +105,14 @@ class CostAwareSize:
         depths: 1 for the root's children; draft_s: what the drafter pass just made cost."""
         return self.best_size(self.gains(scores, depths), draft_s)
 
-    def best_size(self, gains: Sequence[float], draft_s: float) -> int:
+    def best_size(self, gains: Sequence[float], draft_s: float, drafter_ran: bool = True) -> int:
         """How many of the nodes to verify (≥ 1), given each one's expected acceptance in the order they are
-        verified (a prefix must be a valid draft) and what the drafter pass just made cost."""
-        self.measured_draft_s.append(draft_s)
-        if self.draft_s is not None:
-            draft_s = self.draft_s
-        else:  # one pass's time is noisy; the passes so far are a steadier estimate of the next one's
-            draft_s = statistics.fmean(self.measured_draft_s[-16:])
+        verified (a prefix must be a valid draft) and what the drafter pass just made cost. drafter_ran: False when
+        a union step skipped the drafter (`DrafterGate`): draft_s, the candidates' lookup, is then taken as it is
+        and kept out of the drafter pass's running mean."""
+        if drafter_ran:
+            self.measured_draft_s.append(draft_s)
+            draft_s = self.draft_estimate()
         best, best_rate, expected = 1, 0.0, 1.0
         for n, gain in enumerate(list(gains)[: len(self.verify_s) - 1], start=1):
             expected += gain
@@ -121,6 +121,13 @@ class CostAwareSize:
                 best, best_rate = n, rate
         self.chosen.append(best)
         return best
+
+    def draft_estimate(self) -> float:
+        """A drafter pass's seconds: the fixed cost, else the running mean of the last passes (one pass's time is
+        noisy; the passes so far are a steadier estimate of the next one's), 0 before any."""
+        if self.draft_s is not None:
+            return self.draft_s
+        return statistics.fmean(self.measured_draft_s[-16:]) if self.measured_draft_s else 0.0
 
     def update(self, scores: Sequence[float], depths: Sequence[int], num_accepted: int) -> None:
         """Fold in one verified draft: the nodes verified (as passed to choose, cut to the chosen size) and how many
@@ -136,3 +143,49 @@ class CostAwareSize:
             self.predicted[depth - 1] += math.exp(score)
         for depth in range(1, num_accepted + 1):
             self.observed[depth - 1] += 1.0
+
+
+@dataclass
+class DrafterGate:
+    """Whether a cost-sized union tree's step pays for the drafter pass, or verifies the model-free candidates alone.
+
+    The model-free candidates (n-gram, SuffixDecoding) cost almost nothing and are known before the drafter runs;
+    where they are long and likely, the drafter's nodes add little and its pass can cost more than they bring, and
+    where they are absent the drafter may or may not beat a plain step. So the choice is learnt per bucket of the
+    candidates' expected acceptance (Σ of their calibrated per-node acceptance: the expected accepted length of the
+    candidates' tree), as a two-armed bandit on the modelled tokens per second of each step taken: (accepted + 1) ÷
+    (the drafter pass's cost if it ran + the measured verify cost of the nodes verified). The modelled costs, not the
+    wall clock, so that fixed costs make the choices deterministic, as `CostAwareSize`'s. Each bucket starts with the
+    drafter, tries without it once, then takes the better arm, trying the other every `explore_every`-th visit so
+    that an arm's estimate follows the generation.
+
+    Any choice is lossless: every node of a union tree is a fixed token chosen before the verifier's randomness, and
+    the choice reads only earlier steps and this step's model-free candidates.
+    """
+
+    edges: tuple[float, ...] = (0.25, 1.0, 2.0)
+    explore_every: int = 8
+    decay: float = 0.9
+    rates: dict[tuple[int, bool], list[float]] = field(default_factory=dict)  # (bucket, ran) -> [Σ w·rate, Σ w]
+    visits: dict[int, int] = field(default_factory=dict)
+
+    def bucket(self, expected: float) -> int:
+        """The bucket of the candidates' expected acceptance (0: none or unlikely)."""
+        return sum(expected >= edge for edge in self.edges)
+
+    def rate(self, bucket: int, ran: bool) -> Optional[float]:
+        total, weight = self.rates.get((bucket, ran), (0.0, 0.0))
+        return total / weight if weight else None
+
+    def run_drafter(self, bucket: int) -> bool:
+        with_drafter, without = self.rate(bucket, True), self.rate(bucket, False)
+        if with_drafter is None or without is None:
+            return with_drafter is None  # the drafter first, then once without it
+        visit = self.visits[bucket] = self.visits.get(bucket, 0) + 1
+        better = with_drafter >= without
+        return (not better) if visit % self.explore_every == 0 else better
+
+    def record(self, bucket: int, ran: bool, tokens_per_s: float) -> None:
+        """Fold in a step's modelled rate; older steps of the same arm and bucket count `decay` times less."""
+        total, weight = self.rates.get((bucket, ran), (0.0, 0.0))
+        self.rates[(bucket, ran)] = [total * self.decay + tokens_per_s, weight * self.decay + 1.0]

@@ -28,7 +28,7 @@ from align.decoding.acceptance import accept_tree
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.ngram import NgramLookup
 from align.decoding.path_search import PathSearch, TrigramModel
-from align.decoding.sizing import CostAwareSize
+from align.decoding.sizing import CostAwareSize, DrafterGate
 from align.decoding.suffix import SuffixIndex
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
 from align.drafters import drafter_for
@@ -305,7 +305,8 @@ class TreeStep(Step):
     sources: the union tree. Each model-free source's candidates (the n-gram continuation, SuffixDecoding's tree)
     join the drafter's tree (`add_tree`), with the source's own cost-aware chooser when sizing: the nodes are then
     verified in order of expected acceptance, the drafter's from its calibrated probabilities and each source's from
-    its own scores calibrated by its measured per-depth acceptance, and each chooser learns from its own nodes. No
+    its own scores calibrated by its measured per-depth acceptance, and each chooser learns from its own nodes; a
+    `DrafterGate` then also learns on which steps to skip the drafter pass (where the candidates alone do better). No
     drafter (None): the sources' candidates alone. Every node is a fixed token chosen before the verifier's
     randomness, so `accept_tree`'s point-mass rule is lossless for nodes of any source.
     Stats: draft_lengths hold the tree's depth limit (positions drafted), tree_nodes its size."""
@@ -323,6 +324,9 @@ class TreeStep(Step):
         self.num_nodes, self.generator, self.sizing, self.path_search = num_nodes, generator, sizing, path_search
         self.verifier_states = self.drafter.verifier_states if self.drafter is not None else None
         self.sources = list(sources)
+        # A cost-sized union with a drafter learns on which steps the drafter pass pays (`DrafterGate`).
+        self.gate = DrafterGate() if sizing is not None and self.sources and self.drafter is not None else None
+        self.ran, self.bucket = self.drafter is not None, 0
         self.tree, self.accepted = DraftTree([], [], [], []), []
         # per source, its verified candidates: (the source's score, depth, tree node)
         self.kept: list[list[tuple[float, int, int]]] = []
@@ -335,45 +339,52 @@ class TreeStep(Step):
     def propose(self, context: torch.Tensor, room: int) -> Draft:
         started = time.perf_counter()
         depth_limit = min(self.decoding.gamma, room)
-        tree = DraftTree([], [], [], [])
-        if self.drafter is not None:
-            draft_logits = self.drafter.propose(self.verifier, context, depth_limit)  # (γ, V)
-            draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
-            eos_ids = self.decoding.eos_ids
-            if self.path_search is None:
-                tree = build_draft_tree(draft_log_probs, self.num_nodes, eos_ids)
-            else:
-                tail = context[0, -2:].tolist()
-                tree = build_consistent_draft_tree(draft_log_probs, self.num_nodes, tail, self.path_search, eos_ids)
-        forwards = int(self.drafter is not None)
+        # The model-free candidates first: a cost-sized union asks them whether this step pays for the drafter pass.
+        context_ids = context[0].cpu().numpy() if self.sources else None
+        found = [(source(context_ids, depth_limit), chooser) for source, chooser in self.sources]
+        self.ran = self.drafter is not None
+        if self.gate is not None:
+            self.bucket = self.gate.bucket(max(sum(chooser.gains(candidates.scores, candidates.depths))
+                                               for candidates, chooser in found))
+            self.ran = self.gate.run_drafter(self.bucket)
+        tree = self.drafter_tree(context, depth_limit) if self.ran else DraftTree([], [], [], [])
         if self.sources:
-            tree = self.add_candidates(tree, context, depth_limit, started)
+            tree = self.add_candidates(tree, found, started)
         elif self.sizing is not None:
             tree = tree.prefix(self.sizing.choose(tree.scores, tree.depths, time.perf_counter() - started))
         self.tree = tree
-        return Draft(tree, None, depth_limit, forwards=forwards, nodes=len(tree))
+        return Draft(tree, None, depth_limit, forwards=int(self.ran), nodes=len(tree))
 
-    def add_candidates(self, tree: DraftTree, context: torch.Tensor, depth_limit: int, started: float) -> DraftTree:
+    def drafter_tree(self, context: torch.Tensor, depth_limit: int) -> DraftTree:
+        """The drafter's best-first tree (or CPS's) from one pass."""
+        draft_logits = self.drafter.propose(self.verifier, context, depth_limit)  # (γ, V)
+        draft_log_probs = torch.log_softmax(draft_logits.float(), -1)
+        eos_ids = self.decoding.eos_ids
+        if self.path_search is None:
+            return build_draft_tree(draft_log_probs, self.num_nodes, eos_ids)
+        tail = context[0, -2:].tolist()
+        return build_consistent_draft_tree(draft_log_probs, self.num_nodes, tail, self.path_search, eos_ids)
+
+    def add_candidates(self, tree: DraftTree, found: list[tuple[DraftTree, Optional[CostAwareSize]]],
+                       started: float) -> DraftTree:
         """The drafter's tree with every source's candidates merged in, cut to the cost-aware size when sizing."""
-        context_ids = context[0].cpu().numpy()
-        found = []
-        for source, _ in self.sources:
-            candidates = source(context_ids, depth_limit)
+        placed = []
+        for candidates, _ in found:
             tree, nodes = add_tree(tree, candidates, self.decoding.eos_ids)
-            found.append((candidates, nodes))
+            placed.append((candidates, nodes))
         size, where = len(tree), list(range(len(tree)))
         if self.sizing is not None:
             gains = self.sizing.gains(tree.scores, tree.depths)  # a candidate-only node's score is -inf: 0
-            for (candidates, nodes), (_, chooser) in zip(found, self.sources):
+            for (candidates, nodes), (_, chooser) in zip(placed, found):
                 assert chooser is not None, "a sized union tree sizes every source"
                 for node, gain in zip(nodes, chooser.gains(candidates.scores, candidates.depths)):
                     if node >= 0:
                         gains[node] = max(gains[node], gain)
             tree, gains, where = order_by_gain(tree, gains)
-            size = self.sizing.best_size(gains, time.perf_counter() - started)
+            size = self.sizing.best_size(gains, time.perf_counter() - started, drafter_ran=self.ran)
             tree = tree.prefix(size)
         self.kept = [[(candidates.scores[i], candidates.depths[i], where[node]) for i, node in enumerate(nodes)
-                      if node >= 0 and where[node] < size] for candidates, nodes in found]
+                      if node >= 0 and where[node] < size] for candidates, nodes in placed]
         return tree
 
     def verify(self, draft: Draft, context: torch.Tensor, cache: DynamicCache) -> tuple[list[int], int]:
@@ -395,8 +406,12 @@ class TreeStep(Step):
             self.sizing.update(tree.scores, tree.depths, num_accepted)
             return
         # Each chooser learns from its own nodes: how deep the accepted path ran through them.
+        if self.gate is not None:
+            draft_s = self.sizing.draft_estimate() if self.ran else 0.0
+            verify_s = self.sizing.verify_s[min(len(tree), len(self.sizing.verify_s) - 1)]
+            self.gate.record(self.bucket, self.ran, (num_accepted + 1) / (draft_s + verify_s))
         drafted = [node for node, score in enumerate(tree.scores) if score > float("-inf")]
-        if self.drafter is not None:
+        if self.ran:
             self.sizing.update([tree.scores[n] for n in drafted], [tree.depths[n] for n in drafted],
                                leading(self.accepted, set(drafted)))
         for kept, (_, chooser) in zip(self.kept, self.sources):

@@ -13,7 +13,7 @@ from align.config import DecodeSection
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
-from align.decoding.sizing import CostAwareSize, measure_verify_costs, non_decreasing
+from align.decoding.sizing import CostAwareSize, DrafterGate, measure_verify_costs, non_decreasing
 from align.families import DrafterSpec
 from align.methods import METHODS, Setup
 
@@ -58,6 +58,22 @@ def test_a_flat_curve_verifies_every_likely_node_and_a_steep_one_few():
     assert unsure.choose([math.log(0.2) * (k + 1) for k in range(8)], depths, draft_s=0.0) < sure
     # Each choice is recorded, and the fixed drafter cost is used over the measured one.
     assert len(unsure.chosen) == 2 and unsure.chosen[0] == sure and unsure.measured_draft_s == [0.0, 0.0]
+
+
+def test_the_drafter_gate_takes_the_faster_arm_per_bucket_and_keeps_trying_the_other():
+    gate = DrafterGate(explore_every=4)
+    assert [gate.bucket(e) for e in (0.0, 0.3, 1.5, 5.0)] == [0, 1, 2, 3]
+    assert gate.run_drafter(3)  # the drafter first,
+    gate.record(3, True, 1.0)
+    assert not gate.run_drafter(3)  # then once without it
+    gate.record(3, False, 2.0)  # long candidates alone: twice the tokens per second
+    assert [gate.run_drafter(3) for _ in range(8)] == [False, False, False, True] * 2
+    gate.record(0, True, 1.5)
+    gate.record(0, False, 1.0)  # no candidates: the drafter pays, and the other bucket does not change that
+    assert [gate.run_drafter(0) for _ in range(4)] == [True, True, True, False]
+    for _ in range(30):  # the arms' estimates follow the generation: the drafter has become the faster one
+        gate.record(3, True, 3.0)
+    assert gate.run_drafter(3)
 
 
 def test_calibration_learns_an_overconfident_drafter():
