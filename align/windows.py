@@ -34,6 +34,8 @@ class WindowBatch:
     target_mask: torch.Tensor  # (B, W, γ) False where a window runs past the completion (or is padding)
     block_index: torch.Tensor  # (B, W) where each window's masked block sits in input_ids
     source_rows: torch.Tensor  # (B,) the trajectory (index into the builder's rows) each batch row comes from
+    # (B, L, n_aux·H) a DFlash drafter's verifier states for clean_ids, where the trainer has them cached
+    verifier_states: Optional[torch.Tensor] = None
 
     @property
     def num_windows(self) -> int:
@@ -42,7 +44,8 @@ class WindowBatch:
     def to(self, device: torch.device) -> "WindowBatch":
         """The batch on `device`. Builders work on the CPU (they are data loading); a step moves the batch to its
         rank's device before any model reads it."""
-        return WindowBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+        return WindowBatch(**{name: None if getattr(self, name) is None else getattr(self, name).to(device)
+                              for name in self.__dataclass_fields__})
 
 
 def pick_starts(prompt_len: int, completion_len: int, gamma: int, windows: int, rng: np.random.Generator) -> list[int]:

@@ -340,6 +340,11 @@ NEW_USER_CASES = [
     # An empty mapping once passed and the first step crashed on every rank with a traceback.
     ("train", "recipes/tiny/align.yaml", ["train.losses={{}}"], "train.losses: "),
     ("train", "recipes/tiny/align.yaml", ["train.losses={{ce_streak: 0}}"], "train.losses.ce_streak: "),
+    # The verifier-states cache keeps hidden states only: a step that reads the verifier's outputs cannot use it.
+    ("train", "recipes/tiny/dflash.yaml", ["train.cache_verifier_states=true", "train.losses={{fkl: 1.0}}"],
+     "train.cache_verifier_states: with the losses ['fkl']"),
+    ("train", "recipes/tiny/dflash.yaml", ["train.cache_verifier_states=true", "train.data_mode=on_policy"],
+     "train.cache_verifier_states: with train.data_mode=on_policy"),
     ("train", "recipes/tiny/dflash.yaml", ["dflash.draft_vocab_size=100000"], "dflash.draft_vocab_size: 100000 is more"),
     ("evl", "recipes/tiny/eval.yaml", [], "invalid choice"),
     ("eval", None, [], "the following arguments are required: recipe"),

@@ -61,6 +61,7 @@ class Windows(Protocol):
     targets: torch.Tensor  # (B, W, γ)
     target_mask: torch.Tensor  # (B, W, γ) False where a window is padding or runs past the completion
     block_index: torch.Tensor  # (B, W) where each window's masked block sits in input_ids
+    verifier_states: Optional[torch.Tensor]  # (B, L, n_aux·H) a DFlash drafter's, when cached; else None
 
     @property
     def num_windows(self) -> int: ...

@@ -53,5 +53,7 @@ class ConditionedDrafter:
     def window_logits(self, batch: Windows, verifier: Any = None,
                       forwards: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One verifier forward over the windows' rows gives the drafter its hidden states and KD losses their
-        distributions (exact, not the stored top-k): both (B, W, γ, V)."""
-        return dflash_window_logits(self.model, verifier, batch.clean_ids, batch.starts, batch.targets.shape[-1])
+        distributions (exact, not the stored top-k): both (B, W, γ, V). With the states cached on the batch, the
+        verifier does not run, and there are no verifier distributions (None)."""
+        return dflash_window_logits(self.model, verifier, batch.clean_ids, batch.starts, batch.targets.shape[-1],
+                                    batch.verifier_states)

@@ -378,32 +378,43 @@ def dflash_block_logits(drafter: DFlashDrafter, verifier: Any, anchor_ids: torch
     return logits if vocab is None else vocab.to_verifier(logits)
 
 
+@torch.no_grad()
+def verifier_states(verifier: Any, clean_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """(B, L) token ids -> (B, L, n_aux·H): the verifier's hidden states a DFlash drafter reads, from its decoder."""
+    return aux_hidden(verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True).hidden_states, layer_ids)
+
+
 def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch.Tensor, starts: torch.Tensor,
-                         gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         gamma: int, aux: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Training: every window of every row in one drafter forward, from one verifier forward.
 
     clean_ids: (B, L) prompt ⊕ completion; starts: (B, W) each window's first drafted position s (its anchor is s−1,
     its context the positions before s−1, exactly what the runtime gives it). Returns the drafter's logits and the
     verifier's (for KD losses, from the same forward), both (B, W, γ, V) over the drafter's vocabulary: a pruned
     drafter's draft ids (`DraftVocab` maps targets to them), where the verifier's logits are its logits for those
-    tokens alone.
+    tokens alone. aux: the rows' verifier states (B, L, n_aux·H) when the trainer has them already (its cache); the
+    verifier does not run then, and its logits are None.
     """
     B, L = clean_ids.shape
     W = starts.shape[1]
-    with torch.no_grad():
-        # The decoder alone: the LM head runs on the window positions only (over all L it costs as much as the rest).
-        out = verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True)
-        aux = aux_hidden(out.hidden_states, drafter.config.aux_hidden_state_layer_ids)
-        index = (starts[..., None] - 1 + torch.arange(gamma, device=starts.device)).clamp(0, L - 1)  # (B, W, γ)
-        last = out.last_hidden_state
-        at_windows = last.gather(1, index.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
-        head = verifier.get_output_embeddings()
-        vocab = DraftVocab.of(drafter)
-        if vocab is None:
-            verifier_logits = head(at_windows).view(B, W, gamma, -1)
-        else:  # the head's rows for the draft vocabulary alone: a sixth of the work on SmolLM2
-            bias = None if head.bias is None else head.bias[vocab.target_ids]
-            verifier_logits = F.linear(at_windows, head.weight[vocab.target_ids], bias).view(B, W, gamma, -1)
+    verifier_logits = None
+    if aux is None:
+        with torch.no_grad():
+            # The decoder alone: the LM head runs on the window positions only (over all L it costs as much as the
+            # rest).
+            out = verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True)
+            aux = aux_hidden(out.hidden_states, drafter.config.aux_hidden_state_layer_ids)
+            index = (starts[..., None] - 1 + torch.arange(gamma, device=starts.device)).clamp(0, L - 1)  # (B, W, γ)
+            last = out.last_hidden_state
+            at_windows = last.gather(1, index.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
+            head = verifier.get_output_embeddings()
+            vocab = DraftVocab.of(drafter)
+            if vocab is None:
+                verifier_logits = head(at_windows).view(B, W, gamma, -1)
+            else:  # the head's rows for the draft vocabulary alone: a sixth of the work on SmolLM2
+                bias = None if head.bias is None else head.bias[vocab.target_ids]
+                verifier_logits = F.linear(at_windows, head.weight[vocab.target_ids], bias).view(B, W, gamma, -1)
     ctx_positions = torch.arange(L, device=clean_ids.device).expand(B, -1)
     context_kv = drafter.context_kv(drafter.project_context(aux), ctx_positions)
     anchors = (starts - 1).clamp_min(0)  # (B, W)

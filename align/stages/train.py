@@ -43,7 +43,8 @@ from align.decoding.specdiff import specdiff_generate
 from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
-from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab
+from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
+from align.drafters.states_cache import StatesCache, batch_states
 from align.drafters.loading import (build_drafter, check_init_layers, check_masks_are_read, drafter_reads,
                                     load_drafter)
 from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
@@ -95,6 +96,7 @@ class Trainer:
     world: int
     device: torch.device  # this rank's (cuda:LOCAL_RANK on GPUs): batches and collective tensors live there
     mask_token: Optional[str] = None  # how a new DFlash drafter's mask token was chosen (kept in each meta.json)
+    states: Optional[StatesCache] = None  # train.cache_verifier_states: the rows' verifier states, once computed
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -222,6 +224,12 @@ def check_train(recipe: Recipe) -> None:
         if recipe.dflash.draft_vocab_size and recipe.dflash.draft_vocab_size > vocab:
             raise RecipeError(f"dflash.draft_vocab_size: {recipe.dflash.draft_vocab_size} is more than the verifier's "
                               f"{vocab} tokens")
+    if recipe.train.cache_verifier_states:
+        reads = [name for name in recipe.train.losses if needs_verifier_distributions(name)]
+        if reads or recipe.train.data_mode != "offline":
+            why = f"the losses {reads}" if reads else f"train.data_mode={recipe.train.data_mode}"
+            raise RecipeError(f"train.cache_verifier_states: with {why}, every step reads the verifier's outputs, "
+                              "which the cache does not keep (only its hidden states): set it to false")
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
 
 
@@ -415,8 +423,32 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         # (a peft wrapper passes reads of it through), as load_drafter puts it.
         check_masks_are_read(model.get_base_model() if t.lora_r else model, spec)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    states = (open_states_cache(recipe, data, model, verifier if reads_verifier else None, rank, world)
+              if t.cache_verifier_states else None)
     return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
-                   engine.device, mask_token)
+                   engine.device, mask_token, states)
+
+
+def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Optional[torch.nn.Module], rank: int,
+                      world: int) -> StatesCache:
+    """train.cache_verifier_states: the cache files made by rank 0 under train.out, mapped by every rank. verifier:
+    the one the drafter reads (None: it reads none)."""
+    key = "train.cache_verifier_states"
+    if verifier is None:
+        raise RecipeError(f"{key}: keeps the verifier states a DFlash drafter reads; {type(model).__name__} reads "
+                          "none: set it to false")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        raise RecipeError(f"{key}: the ranks share the cache through one machine's files, and these {world} ranks "
+                          "span several machines: set it to false")
+    cap = recipe.train.max_sequence_length or math.inf  # the builders cut each row there: so are its states
+    lengths = [min(len(p) + len(c), cap) for p, c in zip(data.rows["prompt_ids"], data.rows["completion_ids"])]
+    width = len(model.config.aux_hidden_state_layer_ids) * model.config.target_hidden_size
+    cache = StatesCache(Path(recipe.train.out), lengths, width, verifier.dtype)
+    if rank == 0:
+        cache.create()
+    if world > 1:
+        dist.barrier()  # the files exist before any rank maps them
+    return cache.open()
 
 
 def resume(trainer: Trainer, out: Path) -> int:
@@ -571,8 +603,9 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     lr = trainer.schedule.get_last_lr()[0]  # the rate this step's update uses; engine.step() moves the schedule on
     t0 = time.perf_counter()
     positions = [stream_position(step, m, rank, world, recipe) for m in range(t.gradient_accumulation_steps)]
-    micro_rows = [[data.rows[data.train_rows[i]] for i in rows_at(p, t.micro_batch_size, t.seed, len(data.train_rows))]
-                  for p in positions]
+    micro_ids = [[data.train_rows[i] for i in rows_at(p, t.micro_batch_size, t.seed, len(data.train_rows))]
+                 for p in positions]
+    micro_rows = [[data.rows[i] for i in ids] for ids in micro_ids]
     # Windows are drawn by stream position too: a row gets the same windows in any process layout.
     batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                              np.random.default_rng([t.seed, p]), max_len=t.max_sequence_length).to(trainer.device)
@@ -584,6 +617,11 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
         dist.all_reduce(counts)
     scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
     totals: dict[str, float] = {}
+    if trainer.states is not None:  # the rows' verifier states: read where a step computed them already
+        layer_ids = trainer.engine.module.config.aux_hidden_state_layer_ids
+        for ids, batch in zip(micro_ids, batches):
+            batch.verifier_states = batch_states(trainer.states, ids, batch.clean_ids,
+                                                 lambda clean: verifier_states(trainer.verifier, clean, layer_ids))
     for rows, batch in zip(micro_rows, batches):
         # max(1, ·): a step may draw no window at all (train.max_sequence_length filled by its prompts); its losses
         # are then 0 rather than 0 / 0
@@ -787,5 +825,7 @@ def main(recipe: Recipe, command: str) -> int:
     if trackers is not None:
         trackers.close()
     dist.barrier()
+    if trainer.states is not None and rank == 0:
+        trainer.states.remove()  # every rank is past its last step (the barrier)
     dist.destroy_process_group()
     return status
