@@ -88,30 +88,36 @@ def test_training_windows_see_what_the_runtime_shows_the_drafter(pruned):
         torch.testing.assert_close(windows[:, w], expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("data_mode", ["offline", "on_policy"])
-@pytest.mark.parametrize("loss", sorted(WINDOW_LOSSES))
-def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(loss, data_mode):
+def training_step_loss(drafter: DFlashDrafter, verifier: LlamaForCausalLM, loss: str, data_mode: str,
+                       rows: list[dict]) -> torch.Tensor:
+    """The training loop's losses on `rows` (γ 3, 2 windows a row), summed and back-propagated."""
     from types import SimpleNamespace
 
     from align.recipe_files import load_recipe
     from align.stages.train import compute_losses
     from align.windows import block_causal_windows
 
-    verifier = tiny_verifier()
-    drafter = tiny_dflash(verifier).train()
     spec = drafter_spec_from_config(drafter.config)
     recipe = load_recipe("recipes/tiny/dflash.yaml", [f"train.losses={{{loss}: 1.0}}", "train.gamma=3",
                                                       f"train.data_mode={data_mode}"])
-    rows = [{"prompt_ids": [1, 2, 3, 4], "completion_ids": [5, 6, 7, 8, 9, 10, 11]},
-            {"prompt_ids": [7, 3], "completion_ids": [12, 13, 14, 15]}]
     batch = block_causal_windows(rows, spec, 3, 2, 0, np.random.default_rng(0))
     # The loop's step holds the DeepSpeed engine; compute_losses reads only its module.
     trainer = SimpleNamespace(engine=SimpleNamespace(module=drafter), spec=spec, verifier=verifier, pad_id=0)
-    parts = compute_losses(trainer, batch, rows, recipe, batch.num_windows, int(batch.target_mask.sum()))
-    total = sum(parts.values())
-    assert torch.isfinite(total)
+    total = sum(compute_losses(trainer, batch, rows, recipe, batch.num_windows,
+                               int(batch.target_mask.sum())).values())
     total.backward()
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_mode", ["offline", "on_policy"])
+@pytest.mark.parametrize("loss", sorted(WINDOW_LOSSES))
+def test_a_training_step_with_every_loss_is_finite_and_trains_the_drafter_only(loss, data_mode):
+    verifier = tiny_verifier()
+    drafter = tiny_dflash(verifier).train()
+    rows = [{"prompt_ids": [1, 2, 3, 4], "completion_ids": [5, 6, 7, 8, 9, 10, 11]},
+            {"prompt_ids": [7, 3], "completion_ids": [12, 13, 14, 15]}]
+    assert torch.isfinite(training_step_loss(drafter, verifier, loss, data_mode, rows))
     grads = {name: p.grad for name, p in drafter.named_parameters()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"):
@@ -166,26 +172,12 @@ def test_the_draft_vocabulary_is_the_most_frequent_completion_tokens_and_ends_st
 @pytest.mark.slow
 @pytest.mark.parametrize("loss,data_mode", [("ce_streak", "offline"), ("fkl", "offline"), ("ce_streak", "on_policy")])
 def test_a_pruned_drafter_trains_its_head_on_the_targets_it_can_draft(loss, data_mode):
-    from types import SimpleNamespace
-
-    from align.recipe_files import load_recipe
-    from align.stages.train import compute_losses
-    from align.windows import block_causal_windows
-
     verifier = tiny_verifier()
     drafter = pruned_dflash(verifier).train()
-    spec = drafter_spec_from_config(drafter.config)
-    recipe = load_recipe("recipes/tiny/dflash.yaml", [f"train.losses={{{loss}: 1.0}}", "train.gamma=3",
-                                                      f"train.data_mode={data_mode}"])
     # every completion token kept but 7 and 12: their windows' streaks end there
     rows = [{"prompt_ids": [1, 2, 3, 4], "completion_ids": [5, 8, 7, 13, 21, 30, 0]},
             {"prompt_ids": [7, 3], "completion_ids": [12, 13, 2, 3]}]
-    batch = block_causal_windows(rows, spec, 3, 2, 0, np.random.default_rng(0))
-    trainer = SimpleNamespace(engine=SimpleNamespace(module=drafter), spec=spec, verifier=verifier, pad_id=0)
-    total = sum(compute_losses(trainer, batch, rows, recipe, batch.num_windows,
-                               int(batch.target_mask.sum())).values())
-    assert torch.isfinite(total)
-    total.backward()
+    assert torch.isfinite(training_step_loss(drafter, verifier, loss, data_mode, rows))
     assert drafter.lm_head.weight.grad.abs().sum() > 0 and torch.isfinite(drafter.lm_head.weight.grad).all()
     assert all(p.grad is None for p in verifier.parameters())
 
