@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -277,8 +278,6 @@ def most_frequent_tokens(completions: Any, prompts: Any, size: int, vocab_size: 
     """The `size` verifier token ids a pruned draft vocabulary keeps, ascending (speculators' d2t order): the most
     frequent in `completions` (iterables of token ids: what the verifier writes, so what the drafter drafts), ties and
     the rest filled by frequency in `prompts`, then by id."""
-    import numpy as np
-
     def counts(seqs: Any) -> np.ndarray:
         ids = [np.asarray(s, dtype=np.int64) for s in seqs]
         flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
