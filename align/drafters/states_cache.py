@@ -9,8 +9,9 @@ One file holds every row's states back to back (row r at `offsets[r]`, its own l
 the verifier's dtype, and a second file one byte per row saying whether it is filled. Every rank maps both: a row one
 rank computed is read by any other later (the epochs are fresh permutations, so a row rarely returns to its rank).
 Ranks must share the machine (one page cache): ranks on several machines are refused. The files are made for each
-launch (a resumed run starts empty: the verifier behind a path may have changed) and removed at the end of the run;
-the space is reserved when they are made, so a full disk is a clear error then, not a crash mid-run.
+launch (a resumed run starts empty: the verifier behind a path may have changed) and removed at the end of the run
+(a killed run leaves them until its next launch replaces them); the space is reserved when they are made, so a full
+disk is a clear error then, not a crash mid-run.
 """
 
 from __future__ import annotations
