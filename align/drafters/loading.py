@@ -97,10 +97,7 @@ def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSect
     if settings.aux_layer_ids and max(settings.aux_layer_ids) >= num_layers:
         raise RecipeError(f"dflash.aux_layer_ids: {settings.aux_layer_ids} must be below the verifier's {num_layers} "
                           "layers (id k is the input of layer k)")
-    vocab = verifier_config.get_text_config().vocab_size
-    if settings.draft_vocab_size and settings.draft_vocab_size > vocab:
-        raise RecipeError(f"dflash.draft_vocab_size: {settings.draft_vocab_size} is more than the verifier's {vocab} "
-                          "tokens")
+    check_draft_vocab_size(verifier_config, settings.draft_vocab_size)
     config = config_for_verifier(verifier_config, mask_token_id, settings.num_layers,
                                  settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1,
                                  settings.draft_vocab_size)
@@ -130,6 +127,13 @@ def check_init_layers(verifier_config: Any, layer_ids: list[int]) -> None:
                           f"(those of {', '.join(LAYER_FAMILIES)} are); leave it unset")
     if max(layer_ids) >= text.num_hidden_layers:
         raise RecipeError(f"{key}: {layer_ids} must be below the verifier's {text.num_hidden_layers} layers")
+
+
+def check_draft_vocab_size(verifier_config: Any, draft_vocab_size: Optional[int]) -> None:
+    """dflash.draft_vocab_size against the verifier's vocabulary: a one-line RecipeError when it is larger."""
+    vocab = verifier_config.get_text_config().vocab_size
+    if draft_vocab_size and draft_vocab_size > vocab:
+        raise RecipeError(f"dflash.draft_vocab_size: {draft_vocab_size} is more than the verifier's {vocab} tokens")
 
 
 def copy_verifier_layers(model: DFlashDrafter, verifier: ModelSection, verifier_config: Any,

@@ -45,8 +45,8 @@ from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, na
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
 from align.drafters.states_cache import StatesCache, batch_states
-from align.drafters.loading import (build_drafter, check_init_layers, check_masks_are_read, drafter_reads,
-                                    load_drafter)
+from align.drafters.loading import (build_drafter, check_draft_vocab_size, check_init_layers, check_masks_are_read,
+                                    drafter_reads, load_drafter)
 from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
@@ -220,10 +220,7 @@ def check_train(recipe: Recipe) -> None:
         verifier_config = load_model_config("verifier.path", recipe.verifier)
         if recipe.dflash.init_from_layers:
             check_init_layers(verifier_config, recipe.dflash.init_from_layers)
-        vocab = verifier_config.get_text_config().vocab_size
-        if recipe.dflash.draft_vocab_size and recipe.dflash.draft_vocab_size > vocab:
-            raise RecipeError(f"dflash.draft_vocab_size: {recipe.dflash.draft_vocab_size} is more than the verifier's "
-                              f"{vocab} tokens")
+        check_draft_vocab_size(verifier_config, recipe.dflash.draft_vocab_size)
     if recipe.train.cache_verifier_states:
         reads = [name for name in recipe.train.losses if needs_verifier_distributions(name)]
         if reads or recipe.train.data_mode != "offline":
