@@ -71,8 +71,8 @@ class StatesCache:
 
     def put(self, row: int, states: torch.Tensor) -> None:
         """Keep (length, width) states of row `row`; the filled mark goes after the values (same page cache)."""
-        raw = states.detach().to("cpu", self.dtype).contiguous().view(self.raw_torch)
-        self.states[self.offsets[row]:self.offsets[row + 1]] = raw.numpy()
+        raw = states.detach().to(self.dtype).contiguous().view(self.raw_torch)
+        self.states[self.offsets[row]:self.offsets[row + 1]] = raw.cpu().numpy()
         self.filled[row] = 1
 
     def remove(self) -> None:
