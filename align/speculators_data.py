@@ -69,8 +69,24 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> None:
                           f"verifier with {num_layers} layers")
 
 
+def write_draft_vocab(trajectories: Any, vocab_size: int, draft_vocab_size: int, out: Path) -> None:
+    """out/d2t-{N}.npy and out/t2d-{N}.npy: the pruned draft vocabulary align's DFlash training picks from the same
+    trajectories (dflash.most_frequent_tokens), in the files speculators' trainer reads for --draft-vocab-size N
+    (speculators/train/cli.py parse_vocab_mappings), so that both trainers draft over the same tokens."""
+    import numpy as np
+
+    from align.drafters.dflash import most_frequent_tokens
+
+    token_ids = most_frequent_tokens([row["completion_ids"] for row in trajectories],
+                                     [row["prompt_ids"] for row in trajectories], draft_vocab_size, vocab_size)
+    t2d = np.zeros(vocab_size, dtype=bool)
+    t2d[token_ids.cpu().numpy()] = True
+    np.save(out / f"d2t-{draft_vocab_size}.npy", (token_ids - torch.arange(draft_vocab_size)).cpu().numpy())
+    np.save(out / f"t2d-{draft_vocab_size}.npy", t2d)
+
+
 def convert(trajectories_dir: str | Path, verifier_path: str | Path, layer_ids: Sequence[int], out: str | Path,
-            max_rows: int = 0) -> dict[str, Any]:
+            max_rows: int = 0, draft_vocab_size: int = 0, dtype: str = "float32") -> dict[str, Any]:
     """Write `out` (the speculators dataset folder and its hidden_states/) from align trajectories; returns the summary
     also written to out/align_conversion.json."""
     from datasets import Dataset
@@ -79,9 +95,14 @@ def convert(trajectories_dir: str | Path, verifier_path: str | Path, layer_ids: 
 
     from align.data import load_trajectories
 
-    check_layer_ids(layer_ids, AutoConfig.from_pretrained(str(verifier_path)).num_hidden_layers)
+    config = AutoConfig.from_pretrained(str(verifier_path))
+    check_layer_ids(layer_ids, config.num_hidden_layers)
+    if not 0 <= draft_vocab_size < config.vocab_size:
+        raise RecipeError(f"--draft-vocab-size: {draft_vocab_size} must be in [0, {config.vocab_size}) (0: the "
+                          "verifier's whole vocabulary)")
     trajectories = load_trajectories(trajectories_dir)
-    verifier = AutoModelForCausalLM.from_pretrained(str(verifier_path), dtype=torch.float32).eval()
+    # dtype: the verifier's, as align's training runs it (verifier.dtype); the files hold float32 either way
+    verifier = AutoModelForCausalLM.from_pretrained(str(verifier_path), dtype=getattr(torch, dtype)).eval()
     rows = speculators_rows(trajectories)
     if max_rows:
         rows = rows[:max_rows]
@@ -96,8 +117,10 @@ def convert(trajectories_dir: str | Path, verifier_path: str | Path, layer_ids: 
     dataset = Dataset.from_list(rows)
     dataset.set_format(type="torch")  # as speculators' own prepare_data saves it: the trainer compares tensors
     dataset.save_to_disk(str(out))
+    if draft_vocab_size:
+        write_draft_vocab(trajectories, config.vocab_size, draft_vocab_size, out)
     summary = {"trajectories": str(trajectories_dir), "verifier": str(verifier_path), "layer_ids": list(layer_ids),
-               "rows": len(rows), "tokens": sum(r["seq_len"] for r in rows),
+               "dtype": dtype, "rows": len(rows), "tokens": sum(r["seq_len"] for r in rows),
                "max_seq_len": max(r["seq_len"] for r in rows),
                "completion_tokens": sum(sum(r["loss_mask"]) for r in rows)}
     (out / "align_conversion.json").write_text(json.dumps(summary, indent=2))
@@ -111,6 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layer-ids", required=True, help="comma-separated auxiliary layer ids (dflash.aux_layer_ids)")
     parser.add_argument("--out", required=True, help="the speculators dataset folder to write")
     parser.add_argument("--max-rows", type=int, default=0, help="convert at most this many rows (0: all)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the dtype the verifier runs in (align's verifier.dtype)")
+    parser.add_argument("--draft-vocab-size", type=int, default=0,
+                        help="also write the d2t/t2d maps of align's pruned draft vocabulary of this size "
+                             "(dflash.draft_vocab_size; 0: none)")
     args = parser.parse_args(argv)
     try:
         try:
@@ -121,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RecipeError(f"--trajectories: {args.trajectories} has no manifest.json (run align trajectories)")
         if not (Path(args.verifier) / "config.json").is_file():
             raise RecipeError(f"--verifier: {args.verifier} has no config.json")
-        summary = convert(args.trajectories, args.verifier, layer_ids, args.out, args.max_rows)
+        summary = convert(args.trajectories, args.verifier, layer_ids, args.out, args.max_rows,
+                          args.draft_vocab_size, args.dtype)
     except RecipeError as e:
         print(f"align.speculators_data: {e}", file=sys.stderr)
         return 2

@@ -88,3 +88,25 @@ def test_the_module_exits_2_on_bad_input(tmp_path):
                           "--verifier", str(VERIFIER), "--layer-ids", "1", "--out", str(tmp_path / "spec")],
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and "manifest.json" in run.stderr and run.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(not VERIFIER.is_dir(), reason="the shipped tiny verifier is missing")
+def test_draft_vocab_files_hold_the_tokens_align_keeps_in_speculators_layout(tmp_path):
+    """speculators' trainer reads d2t-{N}.npy / t2d-{N}.npy from the data folder for --draft-vocab-size N: target id =
+    draft index + d2t[draft index], t2d a mask over the verifier's vocabulary. They hold align's own choice."""
+    import numpy as np
+
+    from align.drafters.dflash import most_frequent_tokens
+
+    write_trajectories(tmp_path / "traj", ROWS)
+    convert(tmp_path / "traj", VERIFIER, [1, 3, 6], tmp_path / "spec", draft_vocab_size=8)
+    d2t, t2d = np.load(tmp_path / "spec" / "d2t-8.npy"), np.load(tmp_path / "spec" / "t2d-8.npy")
+    kept = d2t + np.arange(8)
+    vocab_size = len(t2d)
+    expected = most_frequent_tokens([r["completion_ids"] for r in ROWS], [r["prompt_ids"] for r in ROWS], 8, vocab_size)
+    assert kept.tolist() == expected.tolist()
+    assert set(kept) >= {8, 9, 10, 11, 0, 15, 16}  # every completion token is draftable (7 of them, 8 kept)
+    assert t2d.dtype == bool and t2d.sum() == 8 and t2d[kept].all()
+    code = main(["--trajectories", str(tmp_path / "traj"), "--verifier", str(VERIFIER), "--layer-ids", "1",
+                 "--out", str(tmp_path / "bad"), "--draft-vocab-size", str(vocab_size)])
+    assert code == 2 and not (tmp_path / "bad").exists()
