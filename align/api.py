@@ -34,7 +34,7 @@ from align.decoding.options import METHOD_MODELS, method_name
 from align.decoding.path_search import TrigramModel
 from align.decoding.suffix import SuffixIndex
 from align.drafters.loading import load_drafter
-from align.families import method_refusal
+from align.drafters.spec import method_refusal
 from align.methods import (METHODS, Setup, check_suffix_corpus, eos_token_ids, prompt_generator, proxy_source,
                            suffix_index, trigram_proxy)
 from align.models import load_ar_drafter, load_tokenizer, load_verifier

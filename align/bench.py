@@ -111,11 +111,11 @@ def throughput_table(run_dirs: list[Path], warmup_steps: int = 5) -> str:
 
 
 def model_configs(models: list[str]) -> dict[str, Any]:
-    """name -> config, for names of align.families.VERIFIER_ARCHITECTURES or folders / Hub ids with a config.json;
+    """name -> config, for names of align.drafters.spec.VERIFIER_ARCHITECTURES or folders / Hub ids with a config.json;
     raises ValueError naming the first that is neither."""
     from transformers import AutoConfig
 
-    from align.families import VERIFIER_ARCHITECTURES as NAMED
+    from align.drafters.spec import VERIFIER_ARCHITECTURES as NAMED
 
     configs = {}
     for name in models:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from align.config import Recipe, RecipeError
-from align.families import CANVAS_DECODER_FAMILIES
+from align.drafters.spec import CANVAS_DECODER_FAMILIES
 from align.hub import HUB_LICENSES, hub_offline, is_hub_id
 from align.provenance import HUB, Origin, origin
 
@@ -336,7 +336,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              "```python", "import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer"
              + (f", {auto_class}" if auto_class != "AutoModelForCausalLM" else ""),
              *(["import align.drafters.dflash  # registers the DFlash drafter with AutoModel"] if kind == "dflash" else []),
-             "from align.decoding.specdiff import specdiff_generate", "from align.families import DrafterSpec", "",
+             "from align.decoding.specdiff import specdiff_generate", "from align.drafters.spec import DrafterSpec", "",
              f"drafter = {auto_class}.from_pretrained(\"{name}\"{remote}, dtype=torch.float32)",
              "spec = DrafterSpec(**drafter.config.drafter_spec)",
              f"verifier = AutoModelForCausalLM.from_pretrained(\"{verifier_ref}\", dtype=torch.float32)  # {FLOAT32_WHY}",

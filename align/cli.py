@@ -27,11 +27,12 @@ from typing import Callable, NoReturn, Optional, get_args
 
 import yaml
 
-from align.config import Dtype, Recipe, RecipeError, get_key
-from align.families import VERIFIER_ARCHITECTURES
+from align.config import Recipe, RecipeError
+from align.drafters.spec import VERIFIER_ARCHITECTURES
 from align.launch import integer_in
 from align.preflight import check_inputs, check_models, check_output
-from align.recipe_files import load_recipe
+from align.recipe_fields import Dtype
+from align.recipe_files import get_key, load_recipe
 from align.stages import STAGES, Stage
 
 EXIT_BAD_INPUT = 2

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
-from align.config import Recipe, RecipeError, first_line, get_key
+from align.config import Recipe, RecipeError, first_line
+from align.recipe_files import get_key
 from align.corpus import ensure_data
 from align.disk import file_sha256
 from align.hub import hub_offline, is_hub_id

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from align.config import LOSSES
+from align.recipe_fields import LOSSES
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from align.config import Recipe, RecipeError
-from align.families import KNOWN_DLLMS, VERIFIER_ARCHITECTURES
+from align.drafters.spec import KNOWN_DLLMS, VERIFIER_ARCHITECTURES
 
 
 @contextlib.contextmanager
@@ -117,9 +117,9 @@ def _qwen_7b() -> dict[str, Any]:
 
 # Hub drafters of the GPU recipes, by id (no Hub here): sizes from their config.json as published.
 KNOWN_WIDTHS: dict[str, dict[str, Any]] = {
-    # DiffuCoder-7B is Dream adapted from Qwen2.5-Coder-7B: Qwen2.5-7B's sizes (align/families.py).
+    # DiffuCoder-7B is Dream adapted from Qwen2.5-Coder-7B: Qwen2.5-7B's sizes (align/drafters/spec.py).
     "apple/DiffuCoder-7B-cpGRPO": dict(**_qwen_7b(), attention="bidirectional",
-                                       source="Qwen2.5-7B's sizes (align/families.py; DiffuCoder is Dream on "
+                                       source="Qwen2.5-7B's sizes (align/drafters/spec.py; DiffuCoder is Dream on "
                                               "Qwen2.5-Coder-7B)"),
     # LLaDA-8B-Instruct's config.json: d_model 4096, mlp_hidden_size 12288, 32 layers, 32 heads (no GQA),
     # vocabulary 126,464; the model returns logits over the whole sequence.

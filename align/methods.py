@@ -32,11 +32,11 @@ from align.decoding.self_selection import SelectionStep
 from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import PathStep, draft_choice
 from align.decoding.speculative import Decoding, Step, speculative_generate
-from align.decoding.timers import count_forwards
 from align.decoding.suffix import SuffixIndex
+from align.decoding.timers import count_forwards
 from align.decoding.tree import CandidateSource, TreeStep, ngram_source, suffix_source
 from align.disk import atomic_folder, mark_folder
-from align.families import DrafterSpec, kind_methods
+from align.drafters.spec import DrafterSpec, kind_methods
 
 
 @dataclass
@@ -205,7 +205,7 @@ def base_method(name: str) -> str:
     return name.split("@", 1)[0]
 
 
-# What a DFlash drafter runs (align/families.py's REFUSED_METHODS says what it does not, and why).
+# What a DFlash drafter runs (align/drafters/spec.py's REFUSED_METHODS says what it does not, and why).
 DFLASH_METHODS = kind_methods("dflash")
 BASELINES = ("ar", "hf_generate")
 # HF's own methods: their draft lengths and acceptances are internal, so only τ (from forward counts) is reported.

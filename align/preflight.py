@@ -10,10 +10,11 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from align.config import ModelSection, Recipe, RecipeError, first_line, get_key
-from align.families import (KNOWN_DLLMS, SPEC_FIELDS, DrafterSpec, _stored_spec,
+from align.config import ModelSection, Recipe, RecipeError, first_line
+from align.drafters.spec import (KNOWN_DLLMS, SPEC_FIELDS, DrafterSpec, _stored_spec,
                             drafter_spec_from_config)
 from align.hub import hub_offline, hub_snapshot, is_hub_id
+from align.recipe_files import get_key
 
 def check_vocab_compatible(verifier: Any, drafter: Any, drafter_key: str = "drafter.path") -> None:
     """Verifier and drafter must share a vocabulary: draft token ids are fed to the verifier as they are.

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from align.config import Recipe, RecipeError
 
@@ -139,3 +139,17 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Re
         return Recipe.model_validate(tree)
     except ValidationError as e:
         raise RecipeError(one_line(e)) from None
+
+
+def get_key(recipe: Recipe, key: str) -> Any:
+    """The resolved value of a dotted key (a section as a plain dict); a dict's entries are keys too
+    (`eval.compare_drafters.<label>`). An unknown key is a RecipeError."""
+    node: Any = recipe
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, BaseModel) and part in type(node).model_fields:
+            node = getattr(node, part)
+        else:
+            raise RecipeError(f"unknown key '{key}'")
+    return node.model_dump(mode="json") if isinstance(node, BaseModel) else node

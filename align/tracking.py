@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from align.config import TRACKER_NAMES, RecipeError, first_line
+from align.config import RecipeError, first_line
+from align.recipe_fields import TRACKER_NAMES
 from align.disk import write_text_atomic
 
 INSTALL_TRACKERS = "pip install 'align-drafters[trackers]'"
@@ -146,8 +147,19 @@ class Trackio(Tracker):
         self.run.finish()
 
 
-# report_to name -> backend (config.TRACKER_NAMES lists the same names, for the schema).
-TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
+def _backends() -> dict[str, type[Tracker]]:
+    # The names are declared once, torch- and tracker-free, in config.TRACKER_NAMES (the schema checks a recipe's
+    # report_to against them); each is served by the Tracker class of the same name, case aside, as losses.py pairs
+    # config.LOSSES with its functions. A name without its class fails here, at import, not mid-run.
+    classes = {cls.__name__.lower(): cls for cls in Tracker.__subclasses__()}
+    missing = [name for name in TRACKER_NAMES if name not in classes]
+    if missing:
+        raise ImportError(f"align.tracking: no Tracker class for {missing} (config.TRACKER_NAMES)")
+    return {name: classes[name] for name in TRACKER_NAMES}
+
+
+# report_to name -> backend
+TRACKERS: dict[str, type[Tracker]] = _backends()
 
 
 class Trackers:

@@ -19,7 +19,7 @@ import torch
 
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.masks import additive_mask
 
 

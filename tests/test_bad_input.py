@@ -616,9 +616,9 @@ def test_self_selection_with_a_dflash_drafter_is_refused_from_its_config(capsys,
 
 
 def test_each_drafter_kind_runs_or_refuses_every_drafter_method():
-    # align/families.py's one table: what a kind runs and what it refuses cover the methods that read drafter.path.
+    # align/drafters/spec.py's one table: what a kind runs and what it refuses cover the methods that read drafter.path.
     from align.decoding.options import METHOD_MODELS
-    from align.families import DRAFTER_KINDS, REFUSED_METHODS, kind_methods
+    from align.drafters.spec import DRAFTER_KINDS, REFUSED_METHODS, kind_methods
 
     drafted = {m for m, keys in METHOD_MODELS.items() if "drafter.path" in keys}
     assert set(REFUSED_METHODS) == set(DRAFTER_KINDS)

@@ -24,7 +24,7 @@ from align.cli import main
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from test_sampling_lossless import (ALPHA, DECODES, NEW_TOKENS, PROMPT, SEED, TABLE_PROMPT, TEMPERATURE, VERIFIER_KINDS,
                                     exact_joint, lossless_pvalue, peaky, transformer_setup)
 from test_verifier_families import FAMILIES, MASK as FAMILY_MASK, SLIDING_WINDOW, peaky as family_model

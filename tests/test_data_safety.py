@@ -19,9 +19,9 @@ import pytest
 from conftest import TOY_TRAJECTORIES, checkout_env
 
 from align.cli import main
-from align.config import RecipeError, get_key
+from align.config import RecipeError
+from align.recipe_files import get_key, load_recipe
 from align.disk import HELD_LOCKS, MARKER, atomic_folder, check_output_owner, folder_kind, folder_lock, mark_folder
-from align.recipe_files import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "checkpoints" / "tiny"

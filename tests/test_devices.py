@@ -16,7 +16,7 @@ from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.losses import WINDOW_LOSSES, needs_verifier_distributions
 from align.methods import METHODS, Setup
 from align.windows import (WINDOW_BUILDERS, topk_window_logits, verifier_path_logits, verifier_window_logits,

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from align.cli import STAGES, TOOLS, build_parser
-from align.config import RecipeError, get_key
-from align.recipe_files import load_recipe
+from align.config import RecipeError
+from align.recipe_files import get_key, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])

@@ -22,10 +22,12 @@ STAGES = stage_modules()
 # the script `deepspeed align/train.py` runs (the CLI again): they sit above the stages.
 ENTRY_POINTS = {"align.cli", "align.stages", "align.stages.__init__", "align.__main__", "align.train"}
 TRAINING_CODE = {"deepspeed", "align.stages.train", "align.windows", "align.losses", "peft", "trl"}
-# What preflight (the checks every stage's refusals are built from) may import from align: the schema, the model
-# families, the Hub's address book, the nothing-is-lost layer (checksums of folders align wrote), and the DFlash
-# drafter's module, whose import registers its config with transformers' AutoConfig (reading a DFlash config.json).
-BELOW_PREFLIGHT = {"align.config", "align.families", "align.hub", "align.disk", "align.drafters.dflash"}
+# What preflight (the checks every stage's refusals are built from) may import from align: the schema (its field
+# types, and reading a recipe's keys), the model families, the Hub's address book, the nothing-is-lost layer
+# (checksums of folders align wrote), and the DFlash drafter's module, whose import registers its config with
+# transformers' AutoConfig (reading a DFlash config.json).
+BELOW_PREFLIGHT = {"align.config", "align.recipe_fields", "align.recipe_files", "align.drafters.spec", "align.hub",
+                   "align.disk", "align.drafters.dflash"}
 
 
 def modules() -> dict[str, Path]:
@@ -221,7 +223,7 @@ def test_only_the_vllm_worker_imports_vllm():
 
 # Reads of the drafter's kind (issue 23): its spec's kind or attention, the canvas-decoder test, the DFlash tap. They
 # belong in align/drafters/, whose `drafter_for` picks an implementation once; convert.py and weights.py read a GGUF
-# tensor's `source.kind`, no drafter's. What is left outside: the kind handed to families.method_refusal (the one
+# tensor's `source.kind`, no drafter's. What is left outside: the kind handed to spec.method_refusal (the one
 # refusal of a method a kind does not run) by the eval stage and the Python API, serve_check's refusal message, and
 # the memory probe's window shapes (a block-causal drafter reads all of a row's windows in one sequence, as the window
 # builders lay them out).

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from align.config import LOSS_NAMES
+from align.recipe_fields import LOSS_NAMES
 from align import losses
 from align.losses import (WINDOW_LOSSES, ce_streak, chain, dpace, first_error_focal, fkl, jsd, mdlm, position_decay_ce,
                           positional_ce, rkl, streak, streak_tv, tvd)

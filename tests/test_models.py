@@ -24,7 +24,7 @@ from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
 from align.drafters.loading import load_drafter
 from align.drafters.masked import block_logits, crop_context, encode_context, shared_context_block_logits
-from align.families import KNOWN_DLLMS, DrafterSpec, drafter_spec_from_config
+from align.drafters.spec import KNOWN_DLLMS, DrafterSpec, drafter_spec_from_config
 from align.masks import additive_mask, attention_masks, block_causal_allowed, block_diffusion_allowed
 from align.models import load_verifier
 from align.preflight import check_vocab_compatible

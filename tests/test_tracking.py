@@ -18,7 +18,8 @@ import test_bad_input
 from test_bad_input import refused
 from test_train import ROOT, env, launch, losses, overrides
 
-from align.config import TRACKER_NAMES, RecipeError
+from align.config import RecipeError
+from align.recipe_fields import TRACKER_NAMES
 from align.recipe_files import load_recipe
 from align.tracking import TRACKERS, TRACKERS_FILE, check_trackers, open_trackers, resolve
 

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from align.decoding.generation import truncate
 from align.drafters import Drafter, drafter_for
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 
 
 @dataclass

@@ -12,7 +12,7 @@ from align.decoding.acceptance import accept_multi_candidate
 from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
 from align.drafters import drafter_for
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 
 
 class SelectionStep(Step):

@@ -14,7 +14,7 @@ from align.decoding.path_search import PathSearch, TrigramModel, causal_path_sea
 from align.decoding.sizing import CostAwareSize
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate, verify_path
 from align.drafters import drafter_for
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 
 
 # --------------------------------------------------------------------------------------------------------------------

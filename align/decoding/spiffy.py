@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from align.decoding.dllm import DllmStats, StepRanks, block_probs, decode_blocks, unmask
 from align.draft_graph import DraftGraph, apply_formula, prune, ranked_positions
 from align.drafters import Drafter
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 
 
 def draft_states(block: torch.Tensor, previous: torch.Tensor, prev_probs: torch.Tensor, graph: DraftGraph,

@@ -29,11 +29,11 @@ from align.decoding.generation import GenerationStats, Sampling
 from align.decoding.ngram import NgramLookup
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sizing import CostAwareSize, DrafterGate
-from align.decoding.suffix import SuffixIndex
 from align.decoding.speculative import Decoding, Draft, Step, speculative_generate
+from align.decoding.suffix import SuffixIndex
 from align.drafters import drafter_for
 from align.drafters.base import HiddenTap, aux_hidden
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.masks import attention_masks, check_mask_layer_types
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Protocol, Union
 import torch
 from transformers import PreTrainedModel
 
-from align.families import Attention, DrafterSpec
+from align.drafters.spec import Attention, DrafterSpec
 
 # Why the rows of a batched forward over several blocks after one context (Spiffy's draft states) give what a forward
 # over each block alone gives, by attention (the DrafterSpec's): what `align eval` says of Spiffy's outputs.

@@ -15,7 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from align.drafters.base import HiddenTap, VerifiedRows, Windows
 from align.drafters.masked import DrafterContext
 from align.drafters.noise import model_input
-from align.families import REFUSED_METHODS, DrafterSpec
+from align.drafters.spec import REFUSED_METHODS, DrafterSpec
 from align.models import config_vocab_size
 
 

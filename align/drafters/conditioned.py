@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from align.config import RecipeError
 from align.drafters.base import HiddenTap, VerifiedRows, Windows
 from align.drafters.dflash import DFlashContext, dflash_block_logits, dflash_window_logits
-from align.families import REFUSED_METHODS, DrafterSpec
+from align.drafters.spec import REFUSED_METHODS, DrafterSpec
 
 
 class ConditionedDrafter:

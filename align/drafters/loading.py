@@ -2,7 +2,7 @@
 
 A diffusion drafter is a masked discrete-diffusion LM: given `context ⊕ [MASK]×γ` it returns a distribution for every
 masked position in one forward pass. Three facts describe how to read it, and getting any of them wrong silently
-destroys acceptance, so they live in one place (`DrafterSpec`, align/families.py, torch-free so that the CLI checks
+destroys acceptance, so they live in one place (`DrafterSpec`, align/drafters/spec.py, torch-free so that the CLI checks
 a drafter's config before loading anything) and one package reads logits for all of them (align/drafters,
 `drafter_for`):
 
@@ -31,9 +31,9 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from align.config import ModelSection, Recipe, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
 from align.drafters.dflash import DFlashDrafter, config_for_verifier, is_dflash
-from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec, drafter_spec_from_config
-from align.masks import check_mask_layer_types, full_mask_kwargs
+from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec, drafter_spec_from_config
 from align.mask_token import dflash_mask_token
+from align.masks import check_mask_layer_types, full_mask_kwargs
 from align.models import (_load, is_partitioned, load_tokenizer, partitioned_loading, resolve_device, resolve_dtype,
                           vocab_size)
 from align.remote_code import MASKS_IGNORED, honours_attention_masks

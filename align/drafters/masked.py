@@ -18,7 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from align.drafters.base import HiddenTap, VerifiedRows, Windows
 from align.drafters.noise import model_input
-from align.families import REFUSED_METHODS, DrafterSpec
+from align.drafters.spec import REFUSED_METHODS, DrafterSpec
 from align.masks import attention_masks, block_causal_allowed, full_mask_kwargs
 from align.models import forward_parameters, rollback_cache
 from align.remote_code import masks_ignored

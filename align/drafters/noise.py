@@ -10,7 +10,7 @@ import functools
 import torch
 from transformers import PreTrainedModel
 
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.models import config_vocab_size
 
 

@@ -1,6 +1,6 @@
-"""The model families align knows, the DrafterSpec (how to read a diffusion drafter: align/drafters/loading.py says
-why each field matters) and the methods each drafter kind runs. Plain Python, without torch, so that a drafter is
-checked from its config before any weights load (align/preflight.py).
+"""The DrafterSpec (how to read a diffusion drafter: align/drafters/loading.py says why each field matters), the model
+families align knows and the methods each drafter kind runs. Plain Python, without torch, so that a drafter is
+checked from its config before any weights load (align/preflight.py, the CLI).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from align.checkpoint import save_merged
 from align.config import PretrainSection, Recipe, RecipeError
 from align.corpus import SPLITS, build_data, prompt_sets, read_corpus, read_manifest
 from align.disk import atomic_folder, mark_folder
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.pretraining import (Schedule, leading_windows, mdlm_step, mean_loss, next_token_step, random_windows,
                                train_loop, use_bf16)
 

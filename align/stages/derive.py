@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from align.config import DeriveSection, Recipe, RecipeError
 from align.data import HELD_OUT_EVERY  # the drafter is not adapted on the prompts align train measures it on
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.provenance import installed_versions
 
 MANIFEST = "manifest.json"

@@ -126,7 +126,7 @@ def write_merged_weights(recipe: Recipe, source: Path, tmp: Path) -> None:
 
 
 def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
-    from align.families import drafter_spec_from_config
+    from align.drafters.spec import drafter_spec_from_config
     from align.models import load_tokenizer
 
     # meta.json becomes the card; the checksums (checked when read) would no longer match the files written here

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from align.checkpoint import save_merged
-from align.config import Recipe, get_key
+from align.config import Recipe
+from align.recipe_files import get_key
 from align.disk import mark_folder
 from align.models import load_tokenizer
 from align.preflight import check_inputs, check_new_tokens

@@ -33,7 +33,7 @@ from align.disk import mark_folder, write_result, write_text_atomic
 from align.drafters import ConditionedDrafter, drafter_for
 from align.drafters.dflash import load_speculators_dflash, write_speculators_folder
 from align.drafters.loading import load_drafter
-from align.families import drafter_spec_from_config
+from align.drafters.spec import drafter_spec_from_config
 from align.machine import cpu_model
 from align.methods import eos_token_ids
 from align.models import load_tokenizer, load_verifier

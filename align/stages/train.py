@@ -44,10 +44,10 @@ from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, na
                         write_text_atomic)
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
-from align.drafters.states_cache import StatesCache, batch_states
 from align.drafters.loading import (build_drafter, check_draft_vocab_size, check_init_layers, check_masks_are_read,
                                     drafter_reads, load_drafter)
-from align.families import CANVAS_DECODER_FAMILIES, DrafterSpec
+from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
+from align.drafters.states_cache import StatesCache, batch_states
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
 from align.mask_token import dflash_mask_token

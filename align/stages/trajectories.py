@@ -20,7 +20,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from align.config import Recipe, RecipeError, get_key
+from align.config import Recipe, RecipeError
+from align.recipe_files import get_key
 from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, load_prompts, prompt_ids_sha256,
                         render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate

@@ -125,7 +125,7 @@ def test_specdiff_adl_length_is_not_locked_by_its_own_drafts():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from align.decoding.specdiff import specdiff_generate
-    from align.families import DrafterSpec
+    from align.drafters.spec import DrafterSpec
 
     def tiny(seed):
         torch.manual_seed(seed)

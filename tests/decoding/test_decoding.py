@@ -13,7 +13,7 @@ from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sd_ar import sd_ar_generate
 from align.decoding.self_selection import specdiff2_select_generate
 from align.decoding.specdiff import specdiff_generate
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 
 VOCAB, MASK = 48, 47
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}

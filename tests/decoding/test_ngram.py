@@ -16,7 +16,7 @@ from align.decoding.generation import Sampling
 from align.decoding.ngram import NgramLookup
 from align.decoding.suffix import SuffixIndex, suffix_array
 from align.decoding.tree import DraftTree, add_tree, chain, leading, order_by_gain
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.methods import METHODS, Setup
 
 VOCAB, MASK, NEW_TOKENS = 64, 63, 40

@@ -43,9 +43,9 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from align.config import DecodeSection
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
-from align.decoding.suffix import SuffixIndex
 from align.decoding.sd_ar import sd_ar_generate
-from align.families import DrafterSpec
+from align.decoding.suffix import SuffixIndex
+from align.drafters.spec import DrafterSpec
 from align.methods import METHODS, Setup
 
 pytestmark = [pytest.mark.slow,  # the fast tier (-m 'not slow') leaves this file out; CI runs it

@@ -14,7 +14,7 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.sizing import CostAwareSize, DrafterGate, measure_verify_costs, non_decreasing
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.methods import METHODS, Setup
 
 VOCAB, MASK = 16, 15

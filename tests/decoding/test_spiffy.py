@@ -13,7 +13,7 @@ from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import (DraftGraph, apply_formula, calibrate, count_formulas, exhaustive_select,
                                formula_between, objective, prune, ranked_positions, replayed_forwards,
                                select_nodes, trace_chains)
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 
 VOCAB, MASK = 40, 39
 F = lambda *pairs: frozenset(pairs)  # noqa: E731

@@ -17,7 +17,7 @@ from align.decoding.tree import (DraftTree, build_consistent_draft_tree, build_d
                                  specdiff_tree_generate, tree_forward)
 from align.drafters.dflash import DFlashDrafter, config_for_verifier
 from align.drafters.loading import load_drafter
-from align.families import DrafterSpec, drafter_spec_from_config
+from align.drafters.spec import DrafterSpec, drafter_spec_from_config
 from align.models import load_tokenizer, load_verifier, rollback_cache
 from test_sampling_lossless import (ALPHA, DECODES, NEW_TOKENS, SEED, TABLE_PROMPT, TEMPERATURE, exact_joint,
                                     first_tokens, lossless_pvalue, transformer_setup)

@@ -19,7 +19,7 @@ from align.config import DecodeSection
 from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.methods import METHODS, Setup
 from align.models import load_tokenizer
 

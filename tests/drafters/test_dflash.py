@@ -10,7 +10,7 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.drafters.dflash import DFlashDrafter, DraftVocab, config_for_verifier, set_draft_vocab
-from align.families import drafter_spec_from_config
+from align.drafters.spec import drafter_spec_from_config
 from align.losses import WINDOW_LOSSES
 
 VOCAB, MASK = 32, 31

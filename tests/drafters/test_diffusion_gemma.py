@@ -36,7 +36,7 @@ from align.draft_graph import calibrate
 from align.drafters.canvas import canvas_context, canvas_logits
 from align.drafters.loading import load_drafter
 from align.drafters.noise import noise_fill
-from align.families import drafter_spec_from_config, DrafterSpec
+from align.drafters.spec import drafter_spec_from_config, DrafterSpec
 from align.losses import streak
 from align.methods import METHODS, Setup
 from align.models import load_tokenizer

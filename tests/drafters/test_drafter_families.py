@@ -31,7 +31,7 @@ from align.decoding.suffix import SuffixIndex
 from align.draft_graph import calibrate
 from align.drafters.loading import load_drafter
 from align.drafters.masked import block_logits
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.methods import METHODS, Setup
 from align.models import load_ar_drafter, load_tokenizer, load_verifier
 from remote_code_families import write_family, write_prompts, write_qwen2
@@ -39,7 +39,7 @@ from remote_code_families import write_family, write_prompts, write_qwen2
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the real configs imply (align/families.py KNOWN_DLLMS): Dream/DiffuCoder are adapted from Qwen2.5, hence shifted.
+# What the real configs imply (align/drafters/spec.py KNOWN_DLLMS): Dream/DiffuCoder are adapted from Qwen2.5, hence shifted.
 EXPECTED = {"dream": (1, "bidirectional"), "llada": (0, "bidirectional")}
 NEW_TOKENS = 24
 FAVOURED = range(100, 104)

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from align.drafters.masked import block_logits
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.windows import WINDOW_BUILDERS, topk_window_logits, verifier_window_logits, window_logits
 
 VOCAB, MASK, PAD, GAMMA = 40, 39, 38, 4

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from align.cli import main
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.recipe_files import load_recipe
 from align.stages.bootstrap import ar_step, build_model, pretrain, use_bf16
 

@@ -22,7 +22,7 @@ from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.suffix import SuffixIndex
 from align.drafters.loading import load_drafter
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
 from align.models import load_ar_drafter
 from align.recipe_files import load_recipe

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from align.cli import main
 from align.decoding.specdiff import specdiff_generate
 from align.disk import record_checksums
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from hub_server import FakeHub
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from align.decoding.ar import ar_generate
 from align.decoding.generation import Sampling
 from align.decoding.path_search import TrigramModel
 from align.decoding.suffix import SuffixIndex
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.methods import METHODS, Setup, eos_token_ids
 from align.recipe_files import load_recipe
 from align.weights import locate
@@ -255,7 +255,7 @@ def test_the_mask_token_chosen_for_the_real_verifier(smollm2):
 def test_a_dflash_drafter_on_the_real_verifier_is_greedy_identical_to_ar(verifier, tokenizer):
     from align.drafters.dflash import DFlashDrafter, config_for_verifier
     from align.decoding.specdiff import specdiff_generate
-    from align.families import drafter_spec_from_config
+    from align.drafters.spec import drafter_spec_from_config
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(config_for_verifier(verifier.config, tokenizer.unk_token_id, num_layers=1,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from align.families import DrafterSpec
+from align.drafters.spec import DrafterSpec
 from align.recipe_files import load_recipe
 from align.stages.trajectories import sample_chunk, write_chunk
 from align.windows import WINDOW_BUILDERS, topk_window_logits

@@ -10,7 +10,7 @@ from pathlib import Path
 from align.config import Recipe, RecipeError
 from align.decoding.options import METHOD_MODELS
 from align.draft_graph import DraftGraph
-from align.families import method_refusal
+from align.drafters.spec import method_refusal
 from align.methods import check_suffix_corpus
 from align.preflight import check_new_tokens, check_tiny_default, drafter_kind
 from align.stages.evaluate import dllm, speculative

@@ -29,7 +29,7 @@ from align.decoding.timers import verifier_latency
 from align.disk import mark_folder, naming_path, write_result, write_text_atomic
 from align.drafters import drafter_for
 from align.drafters.loading import load_drafter
-from align.families import method_refusal
+from align.drafters.spec import method_refusal
 from align.machine import machine, versions
 from align.methods import (BASELINES, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
                            prompt_generator, proxy_source, suffix_index, trigram_proxy)
