@@ -5,6 +5,14 @@ Python embedded in the shell script):
   python experiments/speculators_steps.py step-folder TRAIN MAX_STEPS          the first epoch folder of speculators'
                                                                                trainer at >= MAX_STEPS steps, or ""
   python experiments/speculators_steps.py table WORK                           both serve-checks as one table
+
+and of experiments/speculators_curves.sh:
+
+  python experiments/speculators_steps.py newest-state TRAIN      "FOLDER GLOBAL_STEP MTIME" of speculators' newest
+                                                                  checkpoint, or ""
+  python experiments/speculators_steps.py align-times TRAIN START "SECONDS<TAB>FOLDER" a line per align checkpoint
+  python experiments/speculators_steps.py pick TIMES SECONDS      the newest checkpoint of TIMES written by SECONDS
+  python experiments/speculators_steps.py curves WORK BUDGET...   the table of every budget, and WORK/curves.png
 """
 
 from __future__ import annotations
@@ -41,8 +49,67 @@ def table(work: str) -> str:
     return "\n".join(rows)
 
 
+def newest_state(train: str) -> str:
+    # training_state.json is the last file speculators writes for a checkpoint (trainer.py maybe_save_checkpoint)
+    states = sorted(Path(train).glob("*/training_state.json"), key=lambda p: p.stat().st_mtime)
+    if not states:
+        return ""
+    step = json.loads(states[-1].read_text())["global_step"]
+    return f"{states[-1].parent} {step} {int(states[-1].stat().st_mtime)}"
+
+
+def align_times(train: str, start: str) -> str:
+    # .align is the last file align writes into a step folder (its completion mark)
+    marks = sorted(Path(train).glob("step_*/.align"), key=lambda p: int(p.parent.name.split("_")[1]))
+    return "\n".join(f"{int(p.stat().st_mtime) - int(start)}\t{p.parent}" for p in marks)
+
+
+def read_times(times: str) -> list[tuple[int, str]]:
+    rows = [line.split("\t") for line in Path(times).read_text().splitlines() if line.strip()]
+    return [(int(seconds), folder) for seconds, folder in rows]
+
+
+def pick(times: str, seconds: str) -> str:
+    within = [(s, folder) for s, folder in read_times(times) if s <= int(seconds)]
+    return max(within)[1] if within else ""
+
+
+def curves(work: str, *budgets: str) -> str:
+    rows = ["| budget (min) | speculators: step, vLLM acceptance, align tau | align: step, vLLM acceptance, align tau "
+            "| align / speculators (vLLM acceptance) |", "|---|---|---|---|"]
+    points: dict[str, list[tuple[float, float]]] = {"spec": [], "align": []}
+    for budget in budgets:
+        cells, served = [], {}
+        for which in ("spec", "align"):
+            folder = pick(str(Path(work) / f"{which}-times.tsv"), str(int(budget) * 60))
+            path = Path(work) / f"serve-{which}-{budget}" / "serve_check.json"
+            if not folder or not path.is_file():
+                cells.append("(none)")
+                continue
+            r = json.loads(path.read_text())
+            served[which] = r["vllm_drafter"]["mean_acceptance_length"]
+            points[which].append((float(budget), served[which]))
+            cells.append(f"{Path(folder).name}, {served[which]:.2f}, {r['align']['tau']:.2f}")
+        ratio = f"{served['align'] / served['spec']:.2f}x" if len(served) == 2 else ""
+        rows.append(f"| {budget} | {cells[0]} | {cells[1]} | {ratio} |")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for which, label in (("align", "align train"), ("spec", "speculators train")):
+        if points[which]:
+            ax.plot(*zip(*points[which]), marker="o", label=label)
+    ax.set_xlabel("training wall-clock minutes (2-core CPU)")
+    ax.set_ylabel("vLLM mean acceptance length")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(work) / "curves.png", dpi=120)
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
-    steps = {"max-len": max_len, "step-folder": step_folder, "table": table}
+    steps = {"max-len": max_len, "step-folder": step_folder, "table": table, "newest-state": newest_state,
+             "align-times": align_times, "pick": pick, "curves": curves}
     if len(sys.argv) < 2 or sys.argv[1] not in steps:
         print(f"usage: speculators_steps.py {{{','.join(steps)}}} ARGS...", file=sys.stderr)
         sys.exit(2)

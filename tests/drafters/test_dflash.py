@@ -169,6 +169,20 @@ def test_the_draft_vocabulary_is_the_most_frequent_completion_tokens_and_ends_st
     assert torch.equal(vocab.to_verifier(vocab.columns(logits))[:, list(KEEP)], logits[:, list(KEEP)])
 
 
+def test_the_draft_vocabulary_kept_on_the_drafter_follows_its_maps():
+    """DraftVocab.of keeps the maps it computed on the drafter: a new vocabulary written in place, or weights loaded
+    into it, must be read anew, never served from before."""
+    verifier = tiny_verifier()
+    drafter = pruned_dflash(verifier)
+    first = DraftVocab.of(drafter)
+    assert DraftVocab.of(drafter) is first  # nothing changed: the kept one
+    other = torch.tensor(sorted(set(range(len(KEEP) + 3)) - {1, 2, 4})[:len(KEEP)])
+    set_draft_vocab(drafter, verifier.get_output_embeddings().weight, other)
+    assert DraftVocab.of(drafter).target_ids.tolist() == other.tolist()
+    drafter.load_state_dict(pruned_dflash(verifier, seed=2).state_dict())
+    assert DraftVocab.of(drafter).target_ids.tolist() == list(KEEP)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss,data_mode", [("ce_streak", "offline"), ("fkl", "offline"), ("ce_streak", "on_policy")])
 def test_a_pruned_drafter_trains_its_head_on_the_targets_it_can_draft(loss, data_mode):
