@@ -131,13 +131,15 @@ class Pair:
             raise RecipeError(f"method {method!r} {why}")
         decode = _validate({"decode": {**self.recipe.decode.model_dump(), **_settings(settings, DECODE_SETTINGS)}}
                            ).decode
-        eos_ids = self.eos_token_ids if eos_token_id is None else _eos(eos_token_id, "eos_token_id")
+        eos_ids = (self.eos_token_ids if eos_token_id is None
+                   else _in_vocabulary(_eos(eos_token_id, "eos_token_id"), self.verifier, "eos_token_id"))
         batch = _as_list(prompts)
         context = context_length(self.verifier.config)
         encoded = [self._encode(i, prompt, decode.max_new_tokens, context) for i, prompt in enumerate(batch)]
         proxy = self._proxy(decode) if "cps" in method else None
         setup = Setup(self.verifier, self.drafter, self.spec, self.ar_drafter, self.tokenizer, eos_ids, decode, proxy,
-                      self._verify_costs, suffix=self._suffix(decode) if "suffix" in method else None)
+                      decode.verify_costs_s or self._verify_costs, decode.draft_cost_s,
+                      suffix=self._suffix(decode) if "suffix" in method else None)
         sampling = Sampling(decode.temperature, decode.top_k, decode.top_p)
         device = self.verifier.device
         results = []
@@ -155,6 +157,7 @@ class Pair:
         """A prompt as the token ids the verifier reads: text and messages rendered as every stage renders them
         (data.render_prompt, with the chat template when the mode and the tokenizer give one), ids as they are."""
         where = f"prompt {index}"
+        _unicode(where, prompt)
         if isinstance(prompt, str):
             ids = render_prompt(self.tokenizer, prompt, self.chat_template)
         elif _is_messages(prompt):
@@ -197,6 +200,14 @@ class Pair:
         return self._proxies[key]
 
 
+def default_data_dir() -> str:
+    """Where the Python API keeps what it builds for the CPS methods (the tiny corpus, the fitted proxy) unless told:
+    a cache folder, as huggingface_hub keeps its own, rather than `data/tiny` under whatever folder the caller runs
+    from (the CLI's recipes name their data folder)."""
+    cache = os.environ.get("ALIGN_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "align")
+    return os.path.join(os.path.expanduser(cache), "data")
+
+
 def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Optional[ModelArg] = None, *,
          chat_template: Optional[Literal["auto", "on", "off"]] = None, data_dir: Optional[str] = None,
          eos_token_id: EosArg = None, **settings: Any) -> Pair:
@@ -207,21 +218,25 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
     need neither.
     chat_template: how text and chat prompts are rendered (data.chat_template): auto, with the verifier
     tokenizer's chat template when it has one; on: it must have one; off: plain text.
-    data_dir: where the CPS proxy is cached and the tiny corpus it is fitted on by default is built (data.dir).
+    data_dir: where the CPS proxy is cached and the tiny corpus it is fitted on by default is built (data.dir); None:
+    $ALIGN_CACHE/data, by default ~/.cache/align/data (never the caller's working directory).
     eos_token_id: the tokens that end a generation; None: the verifier's generation_config and tokenizer's.
     settings: ModelSection fields for every model (dtype, device, trust_remote_code, attn_implementation; give a
     model as a mapping to set them for it alone, or the drafter's spec fields mask_token_id, logits_shift,
     attention), and DecodeSection fields as the defaults of `generate` (max_new_tokens, gamma, temperature, ...).
     """
     shared = _settings(settings, MODEL_SETTINGS + DECODE_SETTINGS)
+    if data_dir is not None and os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise RecipeError(f"data_dir: {data_dir} is a file; name a folder to keep the CPS proxy's data in")
     tree: dict[str, Any] = {
         "decode": {k: v for k, v in shared.items() if k in DECODE_SETTINGS},
-        "data": {k: v for k, v in (("chat_template", chat_template), ("dir", data_dir)) if v is not None},
+        "data": {k: v for k, v in (("chat_template", chat_template), ("dir", data_dir or default_data_dir()))
+                 if v is not None},
     }
     models = {k: v for k, v in shared.items() if k in MODEL_SETTINGS}
     given = {"verifier": verifier, "drafter": drafter, "ar_drafter": ar_drafter}
     for name, value in given.items():
-        if value is not None:
+        if value is not None or name == "verifier":  # no verifier is no default one (the tiny family's)
             tree[name] = {**models, **_model(value, name)}
     recipe = _validate(tree)
     chosen_eos = None if eos_token_id is None else _eos(eos_token_id, "eos_token_id")  # checked before any loading
@@ -233,7 +248,8 @@ def load(verifier: ModelArg, drafter: Optional[ModelArg] = None, ar_drafter: Opt
     model = load_verifier(recipe.verifier)
     diffusion, spec = load_drafter(recipe.drafter, tokenizer) if drafter is not None else (None, None)
     autoregressive = load_ar_drafter(recipe.ar_drafter) if ar_drafter is not None else None
-    eos_ids = eos_token_ids(model, tokenizer) if chosen_eos is None else chosen_eos
+    eos_ids = eos_token_ids(model, tokenizer) if chosen_eos is None else _in_vocabulary(chosen_eos, model,
+                                                                                        "eos_token_id")
     return Pair(recipe, model, tokenizer, template, diffusion, spec, autoregressive, eos_ids)
 
 
@@ -295,6 +311,27 @@ def _eos(value: EosArg, name: str) -> frozenset[int]:
     if any(t is None or t < 0 for t in items):
         raise RecipeError(f"{name}: a token id or a list of them ([]: never stop early), got {value!r:.80}")
     return frozenset(t for t in items if t is not None)
+
+
+def _in_vocabulary(ids: frozenset[int], verifier: Any, name: str) -> frozenset[int]:
+    """End ids the verifier can emit: an id past its output vocabulary would never end a generation."""
+    vocab = verifier.get_output_embeddings().weight.shape[0]
+    outside = sorted(t for t in ids if t >= vocab)
+    if outside:
+        raise RecipeError(f"{name}: {outside[0]} is outside the verifier's vocabulary ({vocab} tokens)")
+    return ids
+
+
+def _unicode(where: str, prompt: Any) -> None:
+    """Text the tokenizer can read: a lone surrogate (from a bad decode upstream) raised a TypeError inside it."""
+    texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, Mapping)] \
+        if _is_messages(prompt) else []
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RecipeError(f"{where}: not valid Unicode text ({e.reason} at character {e.start})") from None
 
 
 def _is_messages(value: Any) -> bool:

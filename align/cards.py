@@ -229,14 +229,20 @@ def eval_results(evaluation: dict[str, Any], drafter_path: str, verifier: Origin
                 "temperature": 0, "num_prompts": m.get("num_prompts"), "gamma": decode.get("gamma"),
                 "max_new_tokens": decode.get("max_new_tokens"), "baseline": m.get("baseline")}
     settings = {k: v for k, v in settings.items() if v is not None}
+    # The Hub groups results by task and dataset (huggingface_hub's EvalResult.unique_identifier) and names the group
+    # after its first result, so the method goes in each metric's name and args, not in the task's name: every
+    # method's τ and speedup are then metrics of one result, each read back under its own method.
+    common = dict(task_type="text-generation", task_name=f"Speculative decoding with {verifier.short}",
+                  dataset_type=prompts.hub_id or re.sub(r"[^\w.-]+", "-", prompts.name).strip("-"),
+                  dataset_name=prompts.name)
     results = []
     for method, row in drafter_rows(evaluation, drafter_path).items():
-        common = dict(task_type="text-generation", task_name=f"Speculative decoding ({method}) with {verifier.short}",
-                      dataset_type=prompts.hub_id or re.sub(r"[^\w.-]+", "-", prompts.name).strip("-"),
-                      dataset_name=prompts.name, metric_args=settings)
-        results.append(EvalResult(metric_type="mean_accepted_length", metric_name="τ (tokens per verifier forward)",
+        args = {"method": method, **settings}
+        results.append(EvalResult(metric_type="mean_accepted_length", metric_args=args,
+                                  metric_name=f"{method}: τ (tokens per verifier forward)",
                                   metric_value=round(float(row["tau"]), 4), **common))
-        results.append(EvalResult(metric_type="speedup", metric_name=f"speedup vs the {m.get('baseline', 'AR baseline')}",
+        results.append(EvalResult(metric_type="speedup", metric_args=args,
+                                  metric_name=f"{method}: speedup vs the {m.get('baseline', 'AR baseline')}",
                                   metric_value=round(float(row["speedup"]), 4), **common))
     return results
 
@@ -343,8 +349,18 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              f"ids = AutoTokenizer.from_pretrained(\"{name}\")(\"def add(a, b):\", return_tensors=\"pt\").input_ids",
              "tokens, stats = specdiff_generate(verifier, drafter, spec, ids, gamma=8, max_new_tokens=64)",
              "print(stats.tau)  # tokens per verifier forward; tokens are exactly the verifier's greedy output", "```",
-             ""]
+             "", *suffix_index_lines(recipe)]
     return front + "\n".join(body)
+
+
+def suffix_index_lines(recipe: Recipe) -> list[str]:
+    """The card's word on suffix_index.npz, which `align export` writes when decode.suffix_corpus is set."""
+    if recipe.decode.suffix_corpus is None:
+        return []
+    return ["`suffix_index.npz` here is SuffixDecoding's index over the verifier's own trajectories: the model-free "
+            "candidates align's `suffix` methods draft alone and its union tree verifies with this drafter's in one "
+            "forward (`align eval recipe.yaml decode.suffix_corpus=<this folder> "
+            "\"eval.methods=[specdiff_ngram_suffix_tree_cost]\"`).", ""]
 
 
 def ships_custom_generate(config: dict[str, Any]) -> bool:
@@ -361,8 +377,8 @@ FLOAT32_WHY = "float32: greedy output identical to the verifier's own"
 
 BF16_CAVEAT = ("In bf16 (or fp16) greedy output is identical up to those numerics: a verifier forward scores γ + 1 "
                "positions where `generate()` scores one, kernels that are not batch-invariant round the two "
-               "differently, and a near-tie can flip an argmax (measured on the tiny family on a CPU: 3 prompts of 16 "
-               "diverged from `generate()` in bf16 at 64 new tokens).")
+               "differently, and a near-tie can flip an argmax (where the table above was measured in bf16, its "
+               "exact-match column says how often).")
 
 
 def verifier_reference(recipe: Recipe, verifier: Origin) -> str:
@@ -500,7 +516,8 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
              "              kv_cache_memory_bytes=1 << 30)",
              "    print(llm.generate([\"def add(a, b):\"], SamplingParams(temperature=0, max_tokens=64)))", "```", "",
              "With align's lossless runtime instead: `align.drafters.dflash.load_speculators_dflash(folder)` gives the drafter "
-             "back, and `align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes "
-             "with it.", "", "## Reproduce", "", "```bash", *([meta["command"]] if meta.get("command") else []),
-             command, "```", ""]
+             "back, `align.drafters.spec.drafter_spec_from_config(drafter.config)` the DrafterSpec it is read by, and "
+             "`align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes with both.",
+             "", *suffix_index_lines(recipe), "## Reproduce", "", "```bash",
+             *([meta["command"]] if meta.get("command") else []), command, "```", ""]
     return front + "\n".join(body)

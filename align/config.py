@@ -273,8 +273,8 @@ class GkdSection(Section):
 # decoding, calibration, evaluation, export
 # --------------------------------------------------------------------------------------------------------------------
 class DecodeSection(Section):
-    #: draft length
-    gamma: int = Field(default=8, ge=1)
+    #: draft length (bounded, as num_candidates and tree_nodes are: tree_nodes=10**6 grew a process to 23 GB)
+    gamma: int = Field(default=8, ge=1, le=256)
     #: verifier sampling temperature; 0: greedy (outputs identical to AR greedy)
     temperature: float = Field(default=0.0, ge=0.0)
     #: 0: no top-k truncation
@@ -286,7 +286,7 @@ class DecodeSection(Section):
     #: lossless; sample kept more at temperatures 0.7 and 1.0 with the tiny aligned drafter (the README's table)
     draft_choice: Literal["sample", "argmax"] = "sample"
     #: SpecDiff-2 self-selection: drafts drawn from one drafter pass and verified together
-    num_candidates: int = Field(default=4, ge=1)
+    num_candidates: int = Field(default=4, ge=1, le=64)
     #: drafter temperature for self-selection (SpecDiff-2 samples hot, ~1.5-2, for diverse candidates)
     draft_temperature: float = Field(default=1.5, gt=0.0)
     seed: Seed = 0
@@ -312,7 +312,7 @@ class DecodeSection(Section):
     #: specdiff_tree, specdiff_cps_tree: draft-tree nodes verified per forward besides the root (the tree is at most
     #: γ deep); K·γ matches the verifier tokens of self-selection with K candidates. specdiff_tree_cost,
     #: specdiff_cps_tree_cost: the largest tree, of which each step verifies the nodes that pay for their cost
-    tree_nodes: int = Field(default=32, ge=1)
+    tree_nodes: int = Field(default=32, ge=1, le=1024)
     #: tokens HF prompt lookup proposes after a match (it matches at most 2 tokens, HF's max_matching_ngram_size)
     prompt_lookup_tokens: int = Field(default=10, ge=1)
     # vLLM's n-gram speculator's defaults (prompt_lookup_max 4, prompt_lookup_min 1): a longer match predicts better,
@@ -325,7 +325,8 @@ class DecodeSection(Section):
     # SuffixDecoding's defaults, scaled to short chat answers: its trees are built from up to 64-token matches over
     # agentic traces; on a chat verifier's trajectories an 8-token match is already specific.
     #: suffix, specdiff_suffix_tree: the trajectories folder (`align trajectories`' out) whose prompts and answers the
-    #: suffix index is built over; required by those methods
+    #: suffix index is built over, or a folder holding one saved (`align export` writes suffix_index.npz beside the
+    #: drafter when this is set); required by those methods
     suffix_corpus: Optional[str] = None
     #: the longest suffix of the context looked up in it
     suffix_max_match: int = Field(default=8, ge=1)
@@ -333,9 +334,19 @@ class DecodeSection(Section):
     suffix_nodes: int = Field(default=16, ge=1)
     #: a continuation taken by fewer than this share of the matches is not proposed
     suffix_min_share: float = Field(default=0.1, gt=0.0, le=1.0)
+    # Cost-aware sizes follow seconds measured as the run goes, so a seeded sampled run draws differently each time
+    # (each output still follows the verifier's distribution); recorded costs make it reproducible.
+    #: seconds of a verifier forward over n = 1..max(γ, tree_nodes) + 1 new tokens (eval.json's meta.verify_costs_s)
+    verify_costs_s: Optional[list[Annotated[float, Field(gt=0.0)]]] = None
+    #: seconds of a drafter pass (a skipped one's model-free lookup then counts as 0); None: measured as they run
+    draft_cost_s: Optional[float] = Field(default=None, gt=0.0)
 
     @model_validator(mode="after")
     def _check(self) -> "DecodeSection":
+        most = max(self.gamma, self.tree_nodes) + 1
+        if self.verify_costs_s is not None and len(self.verify_costs_s) < most:
+            raise ValueError(f"verify_costs_s holds {len(self.verify_costs_s)} costs; a draft of up to "
+                             f"max(gamma, tree_nodes) = {most - 1} tokens needs {most} (n = 1..{most})")
         if self.adl_min_len > self.adl_max_len:
             raise ValueError(f"adl_min_len ({self.adl_min_len}) must not exceed adl_max_len ({self.adl_max_len})")
         if self.ngram_min_match > self.ngram_max_match:

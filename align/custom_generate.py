@@ -301,6 +301,7 @@ REFUSED = {
     "max_time": ((None,), "stops at end tokens and at the length only"),
     "token_healing": ((None, False), "does not rewrite the prompt"),
     "prompt_lookup_num_tokens": ((None,), "drafts with assistant_model, the diffusion drafter"),
+    "num_assistant_tokens_schedule": ((None, "constant"), "drafts gamma (num_assistant_tokens) tokens every step"),
     "assistant_early_exit": ((None,), "drafts with assistant_model, the diffusion drafter"),
     "use_mtp": ((None, False), "drafts with assistant_model, the diffusion drafter"),
     "output_scores": ((None, False), "returns sequences and τ, no scores"),
@@ -314,12 +315,16 @@ def refuse(what: str, why: str) -> None:
     raise ValueError(f"SpecDiff's custom_generate does not support {what}: it {why}")
 
 
+DEFAULT_GAMMA = 8  # draft tokens per verifier forward when neither gamma nor num_assistant_tokens is given
+
+
 def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
              stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None,
-             streamer=None, negative_prompt_ids=None, negative_prompt_attention_mask=None, gamma: int = 8,
-             **kwargs):
+             streamer=None, negative_prompt_ids=None, negative_prompt_attention_mask=None,
+             gamma: Optional[int] = None, **kwargs):
     """What `model.generate(..., custom_generate=<this repo>)` runs. model: the verifier (any causal LM);
-    assistant_model: the diffusion drafter; inputs: (1, n) prompt ids. gamma: draft tokens per verifier forward.
+    assistant_model: the diffusion drafter; inputs: (1, n) prompt ids. gamma: draft tokens per verifier forward; None:
+    `num_assistant_tokens` when the call or its generation config gives it (assisted generation's name for it), else 8.
 
     The generation config is prepared by generate()'s own steps (model's generation_config, the library's defaults:
     top_k 50, 20 new tokens..., then the arguments), and tokens are chosen through generate()'s own logits processors
@@ -354,6 +359,15 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
     if kwargs.get("assistant_tokenizer") is not None:
         refuse("assistant_tokenizer", "drafts in the verifier's vocabulary")
     kwargs.pop("assistant_tokenizer", None)
+    # Assisted generation's draft length, honoured under that name too; its other schedule (a length that grows and
+    # shrinks with acceptance) is not this loop's.
+    asked = kwargs.get("num_assistant_tokens",
+                       getattr(generation_config, "num_assistant_tokens", None) if generation_config else None)
+    if gamma is not None and asked is not None and asked != gamma:
+        raise ValueError(f"gamma={gamma} and num_assistant_tokens={asked} both set the draft length: give one")
+    gamma = gamma if gamma is not None else asked if asked is not None else DEFAULT_GAMMA
+    if not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"the draft length (gamma, num_assistant_tokens) is a positive integer, got {gamma!r}")
 
     # generate()'s own preparation, step by step (transformers/generation/utils.py `generate`, steps 1, 3 and 6):
     # the defaults, the model's generation_config and the arguments merged as there, the end tokens as tensors, and

@@ -15,6 +15,7 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -269,12 +270,24 @@ def single_local_process(args: argparse.Namespace) -> bool:
             and getattr(args, "node_rank", None) is None)  # --node_rank alone is refused by run (check_launch)
 
 
+def launch_port(args: argparse.Namespace) -> Optional[int]:
+    """The rank-0 port: --master_port when given; on one host, a port free now (DeepSpeed's default, 29500, is taken
+    by any other run on the host: a second `--num_gpus 2` run died with EADDRINUSE after it launched); across hosts
+    the runner's default, which every host must agree on."""
+    if args.master_port is not None or args.hostfile is not None or args.num_nodes not in (None, 1) \
+            or getattr(args, "node_rank", None) is not None:
+        return args.master_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))  # the OS picks a free port
+        return int(probe.getsockname()[1])
+
+
 def run(args: argparse.Namespace) -> int:
     """Launch the stage on every rank; returns its exit status. Raises RecipeError (before anything starts) for
     launcher options that do not go together."""
     check_launch(args)
     cmd = deepspeed_command(args.recipe, args.overrides, args.num_gpus, args.num_nodes, args.hostfile,
-                            args.master_addr, args.master_port, stage=args.stage, node_rank=args.node_rank)
+                            args.master_addr, launch_port(args), stage=args.stage, node_rank=args.node_rank)
     print(f"align {args.stage}:", " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores

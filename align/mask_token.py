@@ -46,6 +46,12 @@ def choose_mask_token(tokenizer: Any, vocab_size: int, chat_template: Optional[s
             raise RecipeError(f"{key}: {given} ({tokenizer.convert_ids_to_tokens(given)!r}) is a token the verifier "
                               "reads in its data (BOS, EOS, pad or a chat-template marker); the drafter would take it "
                               "for a masked position. Choose an unused special token")
+        special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        if given < len(tokenizer) and given not in special | set(tokenizer.all_special_ids):
+            raise RecipeError(f"{key}: {given} ({tokenizer.convert_ids_to_tokens(given)!r}) is an ordinary token of "
+                              "the verifier's text; the drafter would take each one in its data for a masked "
+                              f"position. Choose an unused special token, or a row past the tokenizer's "
+                              f"{len(tokenizer)} tokens")
         return given, f"id {given} ({tokenizer.convert_ids_to_tokens(given)!r}), as {key} says"
     if tokenizer.mask_token_id is not None:
         return tokenizer.mask_token_id, f"the tokenizer's mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id})"

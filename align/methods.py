@@ -10,11 +10,12 @@ search with.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -32,7 +33,7 @@ from align.decoding.self_selection import SelectionStep
 from align.decoding.sizing import CostAwareSize, measure_verify_costs
 from align.decoding.specdiff import PathStep, draft_choice
 from align.decoding.speculative import Decoding, Step, speculative_generate
-from align.decoding.suffix import SuffixIndex
+from align.decoding.suffix import FILE as SUFFIX_FILE, SuffixIndex
 from align.decoding.timers import count_forwards
 from align.decoding.tree import CandidateSource, TreeStep, ngram_source, suffix_source
 from align.disk import atomic_folder, mark_folder
@@ -76,6 +77,39 @@ class Setup:
 # --------------------------------------------------------------------------------------------------------------------
 # methods: name -> fn(setup, prompt_ids (1, n), sampling, generator) -> (new tokens, stats)
 # --------------------------------------------------------------------------------------------------------------------
+# What generate() takes from a model's generation_config.json besides these ids, it would apply on top of what every
+# method decodes: a repetition penalty (Qwen2.5's instruct models ship one), min_p, no_repeat_ngram_size, ... .
+GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def ignored_generation_settings(model: Any) -> dict[str, Any]:
+    """The settings of `model`'s generation config that no method applies (align's loops read none of them; the HF
+    baselines are handed a config without them): what eval.json records of them."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    # what generate() returns and how it caches are no choice of token: left out
+    return {k: v for k, v in config.to_diff_dict().items()
+            if k not in GENERATION_IDS and k not in ("transformers_version", "use_cache", "cache_implementation")
+            and not k.startswith(("_", "output_", "return_"))}
+
+
+@contextlib.contextmanager
+def neutral_generation_config(model: Any) -> Iterator[None]:
+    """generate() with none of `model`'s generation_config.json settings but its special-token ids, so that the HF
+    baselines decode the target align's own loops decode: the verifier's plain greedy or temperature/top-k/top-p
+    distribution. transformers fills every setting a call leaves unset from the model's generation_config
+    (GenerationMixin._prepare_generation_config), so the model's own is swapped for the call."""
+    from transformers import GenerationConfig
+
+    kept = model.generation_config
+    model.generation_config = GenerationConfig(**{k: getattr(kept, k, None) for k in GENERATION_IDS})
+    try:
+        yield
+    finally:
+        model.generation_config = kept
+
+
 def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: Optional[torch.Generator],
         **extra: Any) -> tuple[list[int], GenerationStats]:
     if sampling.temperature > 0:
@@ -86,7 +120,8 @@ def _hf(setup: Setup, prompt_ids: torch.Tensor, sampling: Sampling, generator: O
     else:
         mode = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
     assistant = extra.get("assistant_model") or torch.nn.Identity()
-    with count_forwards(setup.verifier) as verifier_calls, count_forwards(assistant) as drafts:
+    with neutral_generation_config(setup.verifier), count_forwards(setup.verifier) as verifier_calls, \
+            count_forwards(assistant) as drafts:
         # An explicit mask: generate() would otherwise infer one hiding every prompt token equal to pad_token_id
         # (Qwen2's pad token is its <|endoftext|>, which prompts hold), and decode another prompt than the verifier's.
         out = setup.verifier.generate(
@@ -125,20 +160,29 @@ def candidate_sources(method: MethodOptions, s: Setup, ids: torch.Tensor
 
 
 def suffix_index(recipe: Recipe) -> SuffixIndex:
-    """SuffixDecoding's index over decode.suffix_corpus (a trajectories folder): every row's prompt and answer.
-    Checked before any model is loaded (`check_suffix_corpus`)."""
-    rows = load_trajectories(check_suffix_corpus(recipe))
+    """SuffixDecoding's index over decode.suffix_corpus: the one saved in it (an exported drafter's folder), else built
+    over a trajectories folder's rows, every prompt and answer. Checked before any model is loaded
+    (`check_suffix_corpus`)."""
+    corpus = check_suffix_corpus(recipe)
+    if (corpus / SUFFIX_FILE).is_file():
+        try:
+            return SuffixIndex.load(corpus)
+        except ValueError as e:
+            raise RecipeError(f"decode.suffix_corpus: {e}; export it again, or name the trajectories folder") from None
+    rows = load_trajectories(corpus)
     return SuffixIndex.build(p + c for p, c in zip(rows["prompt_ids"], rows["completion_ids"]))
 
 
 def check_suffix_corpus(recipe: Recipe) -> Path:
-    """decode.suffix_corpus, which the suffix methods need: a trajectories folder. A one-line RecipeError otherwise."""
+    """decode.suffix_corpus, which the suffix methods need: a trajectories folder, or a folder holding a saved index
+    (`align export` writes suffix_index.npz beside the drafter). A one-line RecipeError otherwise."""
     corpus = recipe.decode.suffix_corpus
     if corpus is None:
         raise RecipeError("decode.suffix_corpus: the suffix methods draft from the verifier's trajectories; set it to "
-                          "a trajectories folder (align trajectories' out)")
-    if not (Path(corpus) / "manifest.json").is_file():
-        raise RecipeError(f"decode.suffix_corpus: {corpus} is not a trajectories folder (no manifest.json)")
+                          "a trajectories folder (align trajectories' out) or an export holding suffix_index.npz")
+    if not ((Path(corpus) / "manifest.json").is_file() or (Path(corpus) / SUFFIX_FILE).is_file()):
+        raise RecipeError(f"decode.suffix_corpus: {corpus} is neither a trajectories folder (no manifest.json) nor "
+                          f"an export holding {SUFFIX_FILE}")
     return Path(corpus)
 
 

@@ -139,8 +139,14 @@ def load_model_config(key: str, section: ModelSection) -> Any:
         check_weights(key, Path(section.path))
     from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
 
-    import align.drafters.dflash  # noqa: F401 - registers the DFlash drafter's config with AutoConfig
+    import align.drafters.dflash  # registers the DFlash drafter's config with AutoConfig
 
+    kind = align.drafters.dflash.speculators_type(section.path)  # a speculators folder: no model_type of its own
+    if kind == "dflash":
+        return align.drafters.dflash.speculators_dflash_config(section.path)
+    if kind is not None:
+        raise RecipeError(f"{key}: {section.path} is a speculators {kind} drafter; align runs speculators DFlash "
+                          "drafters only (speculators_model_type dflash)")
     try:
         return AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
     except Exception as e:  # OSError, ValueError, JSONDecodeError, KeyError...: to the user all mean the same

@@ -6,9 +6,11 @@ re-exports them) is: a recipe is checked before torch is imported.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NamedTuple
+from types import UnionType
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationInfo, field_validator,
+                      model_validator)
 
 from align.decoding.options import method_name
 
@@ -31,6 +33,29 @@ class Section(BaseModel):
             if isinstance(field.default, BaseModel) and isinstance(merged.get(name), dict):
                 merged[name] = {**field.default.model_dump(), **merged[name]}
         return merged
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic (and Python) read `true` as 1 where a number is wanted: train.max_steps=true trained one step,
+        # align.load(gamma=True) drafted one token. A boolean given for a number is a slip, refused.
+        if isinstance(value, bool) and info.field_name and takes_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expects a number, not a boolean")
+        return value
+
+
+def takes_number(annotation: Any) -> bool:
+    """Whether a field's type takes an int or a float and not a bool (Optional and Annotated seen through)."""
+    leaves, todo = set(), [annotation]
+    while todo:
+        kind = todo.pop()
+        if get_origin(kind) is Annotated:
+            todo.append(get_args(kind)[0])
+        elif get_origin(kind) in (Union, UnionType):
+            todo.extend(get_args(kind))
+        else:
+            leaves.add(kind)
+    return bool(leaves & {int, float}) and bool not in leaves
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

@@ -262,10 +262,12 @@ def honours_attention_masks(model: Any, mask_kwargs: Callable[[Any, torch.Tensor
     """Whether `model`'s forward reads the 4-D additive mask (1, 1, 4, 4) that `mask_kwargs(model, mask)` hands it:
     the logits at the last of 4 distinct tokens must change when the mask hides the other three from it (causal and
     bidirectional models alike see them without it)."""
-    parameter = next(model.parameters())
-    ids = torch.linspace(0, vocab - 1, 4, device=parameter.device).long()[None]  # any 4 distinct tokens
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    allowed = torch.ones(4, 4, dtype=torch.bool, device=parameter.device)
+    # Weights, or buffers for a model that holds no parameter (a lookup table)
+    tensors = [*model.parameters(), *model.buffers()]
+    device = tensors[0].device
+    ids = torch.linspace(0, vocab - 1, 4, device=device).long()[None]  # any 4 distinct tokens
+    dtype = next(t.dtype for t in tensors if t.is_floating_point())
+    allowed = torch.ones(4, 4, dtype=torch.bool, device=device)
     allowed[3, :3] = False  # the last position sees itself only
     hiding = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
     with_mask = model(input_ids=ids, **mask_kwargs(model, hiding)).logits[0, 3].float()

@@ -136,6 +136,37 @@ def test_seeded_sampling_is_reproducible(pair):
     assert [r.token_ids for r in first] != [r.token_ids for r in other]
 
 
+def test_seeded_sampling_of_a_cost_aware_method_is_reproducible_with_recorded_costs(pair):
+    """Cost-aware sizes follow measured seconds, so two seeded sampled runs may consume their random draws
+    differently; with the costs recorded (`verify_costs_s`, `draft_cost_s`) every size is a function of the tokens
+    alone (the union tree's drafter gate included), and the run is reproduced token for token (issue 33)."""
+    costs = dict(verify_costs_s=[0.05 + 0.004 * n for n in range(33)], draft_cost_s=0.01)
+    runs = [pair.generate(PROMPTS, method=method, max_new_tokens=16, temperature=1.0, seed=5, **costs)
+            for method in ("specdiff_tree_cost", "specdiff_ngram_tree_cost") for _ in range(2)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert [r.token_ids for r in runs[2]] == [r.token_ids for r in runs[3]]
+    # the recorded curve is the one sized with: where every token costs as much as the first, one node a step
+    steep = pair.generate(PROMPTS, method="specdiff_tree_cost", max_new_tokens=16,
+                          verify_costs_s=[float(n) for n in range(1, 34)], draft_cost_s=0.01)
+    assert all(set(r.stats.tree_nodes) == {1} for r in steep)
+    with pytest.raises(RecipeError, match="verify_costs_s holds 3 costs"):
+        pair.generate(PROMPTS, method="specdiff_cost", verify_costs_s=[0.1, 0.2, 0.3])
+
+
+@pytest.mark.slow
+def test_the_cps_methods_build_nothing_in_the_callers_working_directory(tmp_path):
+    """The tiny corpus and the fitted proxy a CPS method needs by default go to align's cache folder ($ALIGN_CACHE),
+    not to data/tiny under whatever folder the caller's script runs from (issue 36)."""
+    code = (f"import align\npair = align.load(verifier={VERIFIER!r}, drafter={DRAFTER!r})\n"
+            "print(pair.generate(['def add(a, b):'], method='specdiff_cps', max_new_tokens=4)[0].token_ids)")
+    (tmp_path / "work").mkdir()
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "work", capture_output=True, text=True,
+                          env=checkout_env(ALIGN_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1"), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list((tmp_path / "work").iterdir()) == []
+    assert any((tmp_path / "cache" / "data").rglob("*"))
+
+
 def test_a_method_spelled_by_its_options_is_that_method(pair):
     named = pair.generate(PROMPTS, method="specdiff_cps_tree", max_new_tokens=12, temperature=1.0, seed=3)
     spelled = pair.generate(PROMPTS, method="specdiff+tree+cps", max_new_tokens=12, temperature=1.0, seed=3)
@@ -251,6 +282,8 @@ def verifier_only():
     (lambda p: p.generate([], method="ar"), r"^prompts: the list is empty; give at least one prompt$"),
     (lambda p: p.generate("", method="ar"), r"^prompt 0: empty; the verifier needs at least one token to continue$"),
     (lambda p: p.generate([["x"]], method="ar"), r"^prompt 0: a prompt is text, chat messages .* or token ids"),
+    (lambda p: p.generate(["ok", "bad \ud800"], method="ar"),
+     r"^prompt 1: not valid Unicode text \(surrogates not allowed at character 4\)$"),
     (lambda p: p.generate([[1, 10**6]], method="ar"), r"^prompt 0: token ids must lie in \[0, 8192\)"),
     (lambda p: p.generate(torch.tensor([[1, 2]]), method="ar"), r"^prompts: give token ids as a list of ints"),
     (lambda p: p.generate([[{"role": "user", "content": 3}]], method="ar"),
@@ -261,6 +294,13 @@ def verifier_only():
     (lambda p: p.generate(["x " * 2000], method="ar"),
      r"^prompt 0 has \d+ tokens; with max_new_tokens=64 it exceeds the verifier's context of 1024$"),
     (lambda p: p.generate(PROMPTS, method="ar", eos_token_id="</s>"), r"^eos_token_id: a token id or a list of them"),
+    (lambda p: p.generate(PROMPTS, method="ar", eos_token_id=[2, 10**9]),
+     r"^eos_token_id: 1000000000 is outside the verifier's vocabulary \(8192 tokens\)$"),
+    (lambda p: p.generate(PROMPTS, method="ngram", gamma=True), r"^decode\.gamma: expects a number, not a boolean"),
+    (lambda p: p.generate(PROMPTS, method="ar", temperature=True),
+     r"^decode\.temperature: expects a number, not a boolean"),
+    (lambda p: p.generate(PROMPTS, method="suffix_ngram", tree_nodes=10**6),
+     r"^decode\.tree_nodes: Input should be less than or equal to 1024"),
     (lambda p: p.generate(PROMPTS, method="sd_ar"),
      r"^method 'sd_ar' needs an AR drafter: pass align\.load\(\.\.\., ar_drafter=<folder or Hub id>\) \(methods the "
      r"loaded models run: ar, hf_generate, prompt_lookup, ngram, suffix, ngram_cost, suffix_ngram, suffix_cost, "
@@ -285,6 +325,9 @@ def test_bad_input_is_one_line_naming_what_to_fix(verifier_only, call, message):
     (dict(chat_template="on"), r"^data\.chat_template: on, but the tokenizer of .*verifier has no chat template"),
     (dict(drafter={"path": DRAFTER, "logit_shift": 1}), r"^drafter: unknown field 'logit_shift' \(fields: "),
     (dict(drafter=3), r"^drafter: a local folder, a Hub id or a mapping of its settings \(got int\)$"),
+    (dict(verifier=None), r"^verifier: a local folder, a Hub id or a mapping of its settings \(got NoneType\)$"),
+    (dict(data_dir=__file__), r"^data_dir: .*test_api\.py is a file; name a folder"),
+    (dict(max_new_tokens=True), r"^decode\.max_new_tokens: expects a number, not a boolean"),
 ])
 def test_bad_models_and_settings_are_refused_before_loading_weights(kwargs, message):
     with pytest.raises(ValueError, match=message) as caught:

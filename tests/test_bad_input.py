@@ -346,6 +346,12 @@ NEW_USER_CASES = [
     ("train", "recipes/tiny/dflash.yaml", ["train.cache_verifier_states=true", "train.data_mode=on_policy"],
      "train.cache_verifier_states: with train.data_mode=on_policy"),
     ("train", "recipes/tiny/dflash.yaml", ["dflash.draft_vocab_size=100000"], "dflash.draft_vocab_size: 100000 is more"),
+    # Refused after train.py had written .align and run.json, which then refused the corrected rerun (issue 35).
+    ("train", "recipes/tiny/dflash.yaml", ["dflash.aux_layer_ids=[1, 30]"], "dflash.aux_layer_ids: [1, 30] must be"),
+    ("train", "recipes/tiny/dflash.yaml", ["train.activation_checkpointing=true"],
+     "train.activation_checkpointing: the DFlash drafter does not support"),
+    ("train", "recipes/tiny/align.yaml", ["train.max_steps=true"], "train.max_steps: expects a number, not a boolean"),
+    ("export", "recipes/tiny/align.yaml", ["--revision", "v1"], "export.revision: set, but nothing is pushed"),
     ("evl", "recipes/tiny/eval.yaml", [], "invalid choice"),
     ("eval", None, [], "the following arguments are required: recipe"),
     ("eval", "recipes/tiny/eval.yaml", ["--num_gpus", "2"], "unrecognized arguments: --num_gpus"),

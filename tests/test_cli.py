@@ -104,6 +104,31 @@ def test_train_forwards_launcher_options():
     assert result.returncode == 2 and "train.zero_stage: Input should be 0, 1, 2 or 3" in result.stderr
 
 
+def test_a_single_host_launch_takes_a_free_port_and_several_hosts_the_agreed_one():
+    """Two `--num_gpus 2` runs on one host both took DeepSpeed's default port and the second died with EADDRINUSE
+    after it launched (issue 35): on one host a port free now is chosen; across hosts every host must agree, so the
+    runner's default (or --master_port) stays."""
+    import argparse
+    import socket
+
+    from align.launch import launch_port
+
+    def args(**given):
+        return argparse.Namespace(**{"master_port": None, "hostfile": None, "num_nodes": None, "node_rank": None,
+                                     **given})
+
+    chosen = launch_port(args())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", chosen))  # it was free
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        assert launch_port(args()) != held.getsockname()[1]  # never a port a run already listens on
+    assert launch_port(args(master_port=29600)) == 29600
+    assert launch_port(args(hostfile="hosts")) is None and launch_port(args(num_nodes=2)) is None
+    assert launch_port(args(node_rank=1)) is None
+
+
 def test_version():
     from importlib.metadata import version
 

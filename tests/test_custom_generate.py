@@ -206,6 +206,33 @@ def test_every_spec_decodes_as_align_does(tmp_path, attention, shift):
     assert shift == 0 or min(out.accept_counts[:-1]) >= 1
 
 
+def test_num_assistant_tokens_is_the_draft_length():
+    """Assisted generation's name for the draft length is honoured (it was ignored: τ unchanged at 4, issue 36); given
+    with a different gamma, or with a schedule this loop does not follow, it is refused by name."""
+    from align.custom_generate import generate
+
+    verifier, drafter = peaky(0), peaky(1)
+    verifier.generation_config.eos_token_id = None
+    drafter.config.drafter_spec = DrafterSpec(7, 1, "block_causal").to_dict()
+    prompt = torch.tensor([[1, 5, 2, 3, 6]])
+    verified = []  # tokens each verifier forward after the prefill reads: the draft and the token before it
+    hook = verifier.register_forward_pre_hook(
+        lambda module, args, kwargs: verified.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    lengths = {}
+    try:
+        for given in ({}, {"num_assistant_tokens": 3}, {"gamma": 3}):
+            verified.clear()
+            generate(verifier, prompt, assistant_model=drafter, max_new_tokens=24, **given)
+            lengths[tuple(given.items())] = max(verified[1:])
+    finally:
+        hook.remove()
+    assert lengths == {(): 9, (("num_assistant_tokens", 3),): 4, (("gamma", 3),): 4}
+    with pytest.raises(ValueError, match="give one"):
+        generate(verifier, prompt, assistant_model=drafter, gamma=3, num_assistant_tokens=2)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule='heuristic'"):
+        generate(verifier, prompt, assistant_model=drafter, num_assistant_tokens_schedule="heuristic")
+
+
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
 def test_a_sliding_window_drafter_decodes_as_align_does(family, shift):

@@ -274,6 +274,18 @@ def test_docs_pages_named_in_code_and_recipes_exist():
     assert not missing, f"pages named but missing: {missing}"
 
 
+def test_the_tiny_familys_parameter_counts_are_its_manifests():
+    """docs/models.md's table of the shipped tiny family says what each part's manifest.json records (it said 3.5M
+    for 5,310,720: issue 36)."""
+    import json
+
+    table = (ROOT / "docs" / "models.md").read_text()
+    for part in ("verifier", "drafter-base", "ar-drafter"):
+        manifest = json.loads((ROOT / "checkpoints" / "tiny" / part / "manifest.json").read_text())
+        shown = re.search(rf"^\| `{part}` \|.*\| ([\d.]+)M \|$", table, re.M)
+        assert shown and float(shown.group(1)) == round(manifest["parameters"] / 1e6, 1), part
+
+
 def test_the_readme_stays_short():
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move the detail to docs/"

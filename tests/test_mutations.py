@@ -28,6 +28,8 @@ SAMPLING = "tests/decoding/test_sampling_lossless.py::"
 EVERY_METHOD = SAMPLING + "test_every_method_samples_the_verifier_distribution"
 SLIDING = SAMPLING + "test_every_method_samples_a_sliding_window_verifiers_distribution"
 CUSTOM = "tests/test_custom_generate.py::"
+LOW_TEMPERATURE = SAMPLING + "test_the_verifier_distribution_is_sampled_at_a_low_temperature"
+RULES = "tests/decoding/test_acceptance.py::test_sampled_rules_reproduce_the_verifier_distribution"
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,36 @@ MUTATIONS = (
              "return Draft(draft, None, len(tokens), forwards=0)",
              "return Draft(draft, torch.nn.functional.one_hot(draft, 6) * 0.5 + 0.5 / 6, len(tokens), forwards=0)",
              (EVERY_METHOD + "[ngram]", EVERY_METHOD + "[ngram_cost]")),
+    # Issue 33: three that passed the tests of the time, and one caught only as a crash. At temperature 0.9 the
+    # verifier's tempered and untempered distributions barely differ; at 0.5 they are far apart.
+    Mutation("the residual from the verifier's distribution at temperature 1 (the ratio at the temperature)",
+             "decoding/acceptance.py", "    return accept_sampled(draft_tokens, draft_probs, verifier_probs, generator)",
+             "    num_accepted, token = accept_sampled(draft_tokens, draft_probs, verifier_probs, generator)\n"
+             "    if num_accepted == len(draft_tokens):\n        return num_accepted, token\n"
+             "    untempered = Sampling(1.0, sampling.top_k, sampling.top_p).probs(verifier_logits)\n"
+             "    return num_accepted, int(sample(residual(untempered[num_accepted], draft_probs[num_accepted]), "
+             "generator))",
+             (LOW_TEMPERATURE + "[specdiff]",)),
+    Mutation("the acceptance ratio from the verifier's distribution at temperature 1 (the residual at the temperature)",
+             "decoding/acceptance.py", "    return accept_sampled(draft_tokens, draft_probs, verifier_probs, generator)",
+             "    untempered = Sampling(1.0, sampling.top_k, sampling.top_p).probs(verifier_logits)\n"
+             "    num_accepted, _ = accept_sampled(draft_tokens, draft_probs, untempered, generator)\n"
+             "    if num_accepted == len(draft_tokens):\n"
+             "        return num_accepted, int(sample(verifier_probs[num_accepted], generator))\n"
+             "    return num_accepted, int(sample(residual(verifier_probs[num_accepted], draft_probs[num_accepted]), "
+             "generator))",
+             (LOW_TEMPERATURE + "[specdiff]",)),
+    Mutation("custom_generate: the bonus token drawn from the last draft position's row", "custom_generate.py",
+             "return gamma, int(torch.multinomial(verifier_probs[gamma], 1))",
+             "return gamma, int(torch.multinomial(verifier_probs[gamma - 1], 1))",
+             (RULES + "[custom_generate]",)),
+    Mutation("self-selection: the first candidate's cache rows kept, not the chosen one's", "decoding/self_selection.py",
+             "cache.batch_select_indices(torch.tensor([chosen], device=inputs.device))",
+             "cache.batch_select_indices(torch.tensor([0], device=inputs.device))",
+             (SAMPLING + "test_truncated_sampling_is_lossless[specdiff2_select-top_k]",)),
+    Mutation("a tree walk that stays on the accepted child's parent row", "decoding/acceptance.py",
+             "        path.append(chosen)\n        row = chosen + 1", "        path.append(chosen)\n        row = chosen",
+             (RULES + "[tree]",)),
     Mutation("HF's baselines without an attention mask: generate() hides every prompt token equal to the pad token",
              "methods.py", "prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens",
              "prompt_ids, max_new_tokens",

@@ -113,6 +113,8 @@ class CostAwareSize:
         if drafter_ran:
             self.measured_draft_s.append(draft_s)
             draft_s = self.draft_estimate()
+        elif self.draft_s is not None:
+            draft_s = 0.0  # fixed costs: the lookup (microseconds) is not timed, so that every size is reproducible
         best, best_rate, expected = 1, 0.0, 1.0
         for n, gain in enumerate(list(gains)[: len(self.verify_s) - 1], start=1):
             expected += gain

@@ -13,7 +13,7 @@ it is two flat integer arrays, which save and load as they are; a lookup is a bi
 
 from __future__ import annotations
 
-import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -55,14 +55,24 @@ class SuffixIndex:
         tokens = np.concatenate(parts) if parts else np.array([SEPARATOR], dtype=np.int64)
         return cls(tokens, suffix_array(tokens))
 
-    def save(self, folder: Path, **about: object) -> None:
+    def save(self, folder: Path) -> None:
+        """folder/suffix_index.npz: the two arrays as they are (an export carries it beside the drafter)."""
         np.savez(folder / FILE, tokens=self.tokens, suffixes=self.suffixes)
-        (folder / "manifest.json").write_text(json.dumps({"tokens": int(len(self.tokens)), **about}, indent=2))
 
     @classmethod
     def load(cls, folder: Path) -> "SuffixIndex":
-        with np.load(folder / FILE) as saved:
-            return cls(saved["tokens"], saved["suffixes"])
+        """The index `save` wrote in `folder`. ValueError, in one line, when the file is not one (truncated, edited,
+        another npz): a wrong suffix array would not be caught later, only draft worse."""
+        try:
+            with np.load(folder / FILE) as saved:
+                tokens, suffixes = saved["tokens"], saved["suffixes"]
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # np.load reads a zip
+            raise ValueError(f"{folder / FILE} is not a suffix index ({type(e).__name__})") from None
+        if (tokens.ndim != 1 or suffixes.shape != tokens.shape or tokens.dtype != np.int64
+                or suffixes.dtype != np.int64 or not len(tokens) or tokens[-1] != SEPARATOR
+                or not np.array_equal(np.sort(suffixes), np.arange(len(tokens)))):
+            raise ValueError(f"{folder / FILE} is not a suffix index (its arrays do not make one)")
+        return cls(tokens, suffixes)
 
     def _bound(self, pattern: tuple[int, ...], low: int, high: int, above: bool) -> int:
         """The first suffix in [low, high) whose first len(pattern) tokens are ≥ pattern (> pattern when `above`)."""

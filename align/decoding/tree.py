@@ -34,7 +34,8 @@ from align.decoding.suffix import SuffixIndex
 from align.drafters import drafter_for
 from align.drafters.base import HiddenTap, aux_hidden
 from align.drafters.spec import DrafterSpec
-from align.masks import attention_masks, check_mask_layer_types
+from align.masks import attention_masks, check_mask_layer_types, full_mask_kwargs
+from align.remote_code import honours_attention_masks
 
 
 @dataclass(frozen=True)
@@ -229,13 +230,33 @@ def leading(path: list[int], nodes: set[int]) -> int:
     return count
 
 
+# Set (True) on a verifier once a forward has shown that it reads the 4-D mask it is handed (check_tree_verifier).
+TREE_MASK_READ = "_align_reads_tree_masks"
+
+
 def check_tree_verifier(verifier: PreTrainedModel) -> None:
-    """Refuse, with a one-line RecipeError, a verifier whose tree forward this module cannot make exact."""
+    """Refuse, with a one-line RecipeError, a verifier whose tree forward this module cannot make exact: an attention
+    that takes no 4-D float mask, or a forward that drops the mask it is handed (remote code that builds its own
+    causal mask would score every node as if the nodes before it in the forward were its ancestors). The second is
+    asked of the model itself, once per verifier: two forwards over 4 tokens, with the last one's view of the others
+    hidden and not (`honours_attention_masks`)."""
     implementation = getattr(verifier.config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager"):
         raise RecipeError(f"specdiff_tree: the verifier's attention ({implementation}) does not take the tree's 4-D "
                           "float mask; use verifier.attn_implementation=sdpa or eager")
     check_mask_layer_types(verifier, "specdiff_tree")
+    if getattr(verifier, TREE_MASK_READ, False):
+        return
+    was_training = verifier.training
+    verifier.eval()
+    with torch.no_grad():
+        honoured = honours_attention_masks(verifier, full_mask_kwargs, verifier.config.get_text_config().vocab_size)
+    verifier.train(was_training)
+    if not honoured:
+        raise RecipeError(f"specdiff_tree: the verifier ({type(verifier).__name__}) ignores the 4-D attention mask it "
+                          "is handed, so a tree's nodes cannot be scored apart; use a chain method (specdiff, "
+                          "specdiff_cps, specdiff_cost)")
+    setattr(verifier, TREE_MASK_READ, True)
 
 
 def tree_attention_mask(

@@ -521,14 +521,27 @@ def write_speculators_folder(drafter: DFlashDrafter, verifier: Any, verifier_pat
     return config
 
 
-def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) -> DFlashDrafter:
-    """A speculators-format DFlash folder (align's export, or speculators' own) as align's DFlash drafter. The
-    verifier's embeddings and LM head in it are not kept: align reads them from the verifier; a pruned head (a
-    `draft_vocab_size` below the vocabulary, with `d2t`/`t2d`) is the drafter's own and is kept."""
+def speculators_type(folder: str) -> Optional[str]:
+    """The `speculators_model_type` of a local folder's config.json (dflash, eagle3, ...): None for any other folder.
+    speculators' configs carry no transformers model_type, so AutoConfig cannot read them."""
     import json
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    kind = raw.get("speculators_model_type") if isinstance(raw, dict) else None
+    return str(kind) if kind is not None else None
+
+
+def speculators_dflash_config(folder: str) -> DFlashConfig:
+    """A speculators-format DFlash folder's config.json as align's DFlashConfig (its DrafterSpec included)."""
+    import json
+    from pathlib import Path
 
     raw = json.loads((Path(folder) / "config.json").read_text())
     if raw.get("speculators_model_type") != "dflash":
@@ -536,7 +549,7 @@ def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) 
                          f"{raw.get('speculators_model_type')!r})")
     layer = raw["transformer_layer_config"]
     rope = layer.get("rope_parameters") or {}
-    config = DFlashConfig(
+    return DFlashConfig(
         vocab_size=layer["vocab_size"], hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
         num_hidden_layers=layer["num_hidden_layers"], num_attention_heads=layer["num_attention_heads"],
         num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
@@ -546,6 +559,17 @@ def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) 
         target_hidden_size=raw.get("target_hidden_size"), aux_hidden_state_layer_ids=raw["aux_hidden_state_layer_ids"],
         block_size=raw.get("block_size", 8), mask_token_id=raw["mask_token_id"],
         draft_vocab_size=raw.get("draft_vocab_size"))
+
+
+def load_speculators_dflash(folder: str, device: Optional[torch.device] = None) -> DFlashDrafter:
+    """A speculators-format DFlash folder (align's export, or speculators' own) as align's DFlash drafter. The
+    verifier's embeddings and LM head in it are not kept: align reads them from the verifier; a pruned head (a
+    `draft_vocab_size` below the vocabulary, with `d2t`/`t2d`) is the drafter's own and is kept."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    config = speculators_dflash_config(folder)
     weights = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         weights.update(load_file(str(path)))

@@ -30,7 +30,8 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from align.config import ModelSection, Recipe, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
-from align.drafters.dflash import DFlashDrafter, config_for_verifier, is_dflash
+from align.drafters.dflash import (DFlashDrafter, config_for_verifier, is_dflash, load_speculators_dflash,
+                                  speculators_type)
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec, drafter_spec_from_config
 from align.mask_token import dflash_mask_token
 from align.masks import check_mask_layer_types, full_mask_kwargs
@@ -44,7 +45,13 @@ def load_drafter(
 ) -> tuple[PreTrainedModel, DrafterSpec]:
     """The diffusion drafter and its spec. `section` is a DrafterSection (its spec fields override the config's).
     Inside `partitioned_loading` the weights come partitioned, and the check that remote code reads its masks (a
-    forward, which needs whole weights) is left to `check_masks_are_read` once DeepSpeed's engine gathers them."""
+    forward, which needs whole weights) is left to `check_masks_are_read` once DeepSpeed's engine gathers them. A
+    speculators-format DFlash folder (align's export, or speculators' own) loads as align's DFlash drafter."""
+    if speculators_type(section.path) == "dflash":
+        device = resolve_device(section.device)
+        model = load_speculators_dflash(section.path, device).to(dtype=resolve_dtype(section.dtype, device))
+        return model, drafter_spec_from_config(model.config, tokenizer, section.mask_token_id, section.logits_shift,
+                                               section.attention)
     config = AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
     spec = drafter_spec_from_config(
         config, tokenizer, section.mask_token_id, section.logits_shift, section.attention
@@ -93,10 +100,7 @@ def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSect
     on `drafter`'s device and dtype, marking masked positions with `mask_token_id` (mask_token.dflash_mask_token).
     A pruned draft vocabulary is shaped here and filled by `dflash.set_draft_vocab` from the training data."""
     verifier_config = AutoConfig.from_pretrained(verifier.path, trust_remote_code=verifier.trust_remote_code)
-    num_layers = verifier_config.get_text_config().num_hidden_layers
-    if settings.aux_layer_ids and max(settings.aux_layer_ids) >= num_layers:
-        raise RecipeError(f"dflash.aux_layer_ids: {settings.aux_layer_ids} must be below the verifier's {num_layers} "
-                          "layers (id k is the input of layer k)")
+    check_aux_layer_ids(verifier_config, settings.aux_layer_ids)
     check_draft_vocab_size(verifier_config, settings.draft_vocab_size)
     config = config_for_verifier(verifier_config, mask_token_id, settings.num_layers,
                                  settings.intermediate_size, settings.aux_layer_ids, settings.block_size or gamma + 1,
@@ -127,6 +131,14 @@ def check_init_layers(verifier_config: Any, layer_ids: list[int]) -> None:
                           f"(those of {', '.join(LAYER_FAMILIES)} are); leave it unset")
     if max(layer_ids) >= text.num_hidden_layers:
         raise RecipeError(f"{key}: {layer_ids} must be below the verifier's {text.num_hidden_layers} layers")
+
+
+def check_aux_layer_ids(verifier_config: Any, aux_layer_ids: Optional[list[int]]) -> None:
+    """dflash.aux_layer_ids against the verifier's depth: a one-line RecipeError for an id past its last layer."""
+    num_layers = verifier_config.get_text_config().num_hidden_layers
+    if aux_layer_ids and max(aux_layer_ids) >= num_layers:
+        raise RecipeError(f"dflash.aux_layer_ids: {aux_layer_ids} must be below the verifier's {num_layers} layers "
+                          "(id k is the input of layer k)")
 
 
 def check_draft_vocab_size(verifier_config: Any, draft_vocab_size: Optional[int]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -27,6 +28,11 @@ def prompts(recipe: Recipe) -> tuple[tuple[str, str], ...]:
     return (("calibrate.prompts", "drafter.path"),)
 
 
+# Below this many prompts a draft graph is calibrated on too few traces to say anything of other prompts (Spiffy
+# calibrates on 20-50); said, not refused: a quick look at a drafter is a fair use.
+FEW_PROMPTS = 10
+
+
 def check(recipe: Recipe) -> None:
     """`align calibrate`'s checks beyond its models': the new tokens leave room for a prompt in the drafter's
     context (each prompt is checked by the stage, before the drafter's weights load)."""
@@ -49,6 +55,9 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"calibrate.prompts: every prompt of {path} is too long: with decode.max_new_tokens="
                           f"{recipe.decode.max_new_tokens} none fits the drafter's context of {context} tokens "
                           f"(the shortest has {min(map(len, prompt_ids))})")
+    if len(usable) < FEW_PROMPTS:
+        print(f"align calibrate: warning: {len(usable)} prompt(s) to calibrate from; Spiffy's graphs are calibrated on "
+              f"20-50: a graph from fewer may fit these prompts alone (calibrate.num_prompts)", file=sys.stderr)
     model, spec = load_drafter(recipe.drafter, tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
     t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from align.cards import check_eval_rows, licence, model_card, ships_custom_generate, speculators_card
 from align.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, adapter_base, is_adapter_folder
-from align.config import Recipe, RecipeError
+from align.config import ExportSection, Recipe, RecipeError
 from align.disk import CHECKSUMS, MARKER, atomic_folder, non_finite_weights
 from align.hub import hub_offline
 from align.preflight import check_file, check_inputs, drafter_kind, read_eval
@@ -37,13 +37,19 @@ def hub_token() -> Optional[str]:
 
 
 def check_push(recipe: Recipe) -> None:
-    """Refuse a push that cannot happen, before any work."""
+    """Refuse a push that cannot happen, or whose card could not name its verifier, before any work."""
     if recipe.export.push_to_hub is None:
         return
     if hub_offline():
         raise RecipeError("export.push_to_hub: the Hub is offline (HF_HUB_OFFLINE=1); unset it to push")
     if not hub_token():
         raise RecipeError("export.push_to_hub: no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+    if recipe.export.format == "speculators" and recipe.export.verifier_hub_id is None \
+            and origin(recipe.verifier.path).hub_id is None:
+        # A speculators config names the verifier vLLM serves the drafter with: a local folder's name would leave
+        # the Hub's readers nothing to load (the align format's card shows a placeholder for the reader's copy).
+        raise RecipeError(f"export.verifier_hub_id: the verifier ({recipe.verifier.path}) is a local folder with no "
+                          "Hub id on record; name the Hub model it is (export.verifier_hub_id=org/name) to push")
 
 
 def model_folder(path: str) -> Path:
@@ -87,6 +93,12 @@ def build_folder(recipe: Recipe, command: str, out: Path) -> None:
             fill_speculators_folder(recipe, command, source, tmp)
         else:
             fill_folder(recipe, command, source, tmp)
+        if recipe.decode.suffix_corpus is not None:
+            # SuffixDecoding's index over the verifier's trajectories travels with the drafter it was measured with:
+            # decode.suffix_corpus=<the export> runs the suffix methods without the trajectories.
+            from align.methods import suffix_index
+
+            suffix_index(recipe).save(tmp)
         scrub_folder(tmp)  # the run records and loading hints name this machine's paths
 
 
@@ -189,6 +201,11 @@ def check(recipe: Recipe) -> None:
     """`align export`'s checks beyond its models' (only configs and the files named are read): a speculators export
     takes a DFlash drafter; export.eval is an eval.json of speculative methods (the card's table reads τ and speedup);
     the checkpoint's meta.json, when there, is readable; calibrate.graph is a draft graph."""
+    if recipe.export.push_to_hub is None:  # push settings without a push would be ignored without a word
+        for key in ("revision", "commit_message"):
+            if getattr(recipe.export, key) != ExportSection.model_fields[key].default:
+                raise RecipeError(f"export.{key}: set, but nothing is pushed (no export.push_to_hub, --push-to-hub "
+                                  "org/name): the folder is written locally only")
     if recipe.export.format == "speculators" and drafter_kind(recipe) != "dflash":
         raise RecipeError(f"export.format: speculators takes a DFlash drafter; {recipe.drafter.path} is a standalone "
                           "diffusion drafter (export.format=align)")
@@ -208,6 +225,10 @@ def check(recipe: Recipe) -> None:
         from align.draft_graph import DraftGraph
 
         DraftGraph.load(Path(recipe.calibrate.graph))
+    if recipe.decode.suffix_corpus is not None:
+        from align.methods import check_suffix_corpus
+
+        check_suffix_corpus(recipe)
 
 
 def main(recipe: Recipe, command: str) -> None:

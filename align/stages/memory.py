@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from align.config import Recipe, RecipeError
+from align.disk import write_text_atomic
 from align.memory_probe import (Measured, PerGpu, Shape, Width, drafter_width, lora_parameters, measure,
                                 micro_batch_shape, per_gpu)
 
@@ -50,12 +51,28 @@ def report(recipe: Recipe, width: Width, shape: Shape, measured: Measured, gpu: 
     return "\n".join(lines)
 
 
+def written_by_memory(path: Path) -> bool:
+    """Whether `path` holds what `align memory` writes (its JSON of figures), so that a rerun may replace it."""
+    try:
+        figures = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(figures, dict) and str(figures.get("command", "")).startswith("align memory") \
+        and {"width", "shape", "per_gpu_bytes"} <= set(figures)
+
+
 def check(recipe: Recipe) -> None:
     """What `align memory` reads, refused before it builds anything: the drafter's sizes, and a GPU to measure on
-    where memory.device is cuda."""
+    where memory.device is cuda; and where it writes: memory.out replaces only a file `align memory` wrote (never a
+    folder, the recipe or anything else that happens to have that name)."""
     drafter_width(recipe)
     if recipe.memory.device == "cuda" and not torch.cuda.is_available():
         raise RecipeError("memory.device: cuda was asked for, but no CUDA device is visible (use cpu)")
+    out = recipe.memory.out
+    if out is not None and Path(out).is_dir():
+        raise RecipeError(f"memory.out: {out} is a folder; name the JSON file to write")
+    if out is not None and Path(out).exists() and not written_by_memory(Path(out)):
+        raise RecipeError(f"memory.out: {out} exists and align memory did not write it; name a new file (it is kept)")
 
 
 def main(recipe: Recipe, command: str) -> int:
@@ -67,7 +84,8 @@ def main(recipe: Recipe, command: str) -> int:
     if recipe.memory.out is not None:
         out = Path(recipe.memory.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": command, "width": asdict(width), "shape": asdict(shape),
-                                   "measured_bytes": asdict(measured), "per_gpu_bytes": asdict(gpu)}, indent=2))
+        write_text_atomic(out, json.dumps({"command": command, "width": asdict(width), "shape": asdict(shape),
+                                           "measured_bytes": asdict(measured), "per_gpu_bytes": asdict(gpu)},
+                                          indent=2))
         print(f"align memory: wrote {out}", file=sys.stderr)
     return 0

@@ -44,8 +44,8 @@ from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, na
                         write_text_atomic)
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
-from align.drafters.loading import (build_drafter, check_draft_vocab_size, check_init_layers, check_masks_are_read,
-                                    drafter_reads, load_drafter)
+from align.drafters.loading import (build_drafter, check_aux_layer_ids, check_draft_vocab_size, check_init_layers,
+                                    check_masks_are_read, drafter_reads, load_drafter)
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.drafters.states_cache import StatesCache, batch_states
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
@@ -220,7 +220,11 @@ def check_train(recipe: Recipe) -> None:
         verifier_config = load_model_config("verifier.path", recipe.verifier)
         if recipe.dflash.init_from_layers:
             check_init_layers(verifier_config, recipe.dflash.init_from_layers)
+        check_aux_layer_ids(verifier_config, recipe.dflash.aux_layer_ids)
         check_draft_vocab_size(verifier_config, recipe.dflash.draft_vocab_size)
+        if recipe.train.activation_checkpointing:  # said before any folder is written, not once the models are built
+            raise RecipeError("train.activation_checkpointing: the DFlash drafter does not support gradient "
+                              "checkpointing (two layers: little to save); set train.activation_checkpointing=false")
     if recipe.train.cache_verifier_states:
         reads = [name for name in recipe.train.losses if needs_verifier_distributions(name)]
         if reads or recipe.train.data_mode != "offline":

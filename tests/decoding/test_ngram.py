@@ -132,6 +132,21 @@ def test_the_longest_suffix_that_occurs_is_matched_and_its_continuations_counted
     assert index.continuations(np.array([8, 2, 3, 4]), depth=3, num_nodes=1)[0] == [5]
 
 
+def test_a_saved_suffix_index_loads_as_it_was_and_a_damaged_one_is_refused(tmp_path):
+    index = SuffixIndex.build([[1, 2, 3, 4, 5], [9, 2, 3, 4, 7]])
+    index.save(tmp_path)
+    loaded = SuffixIndex.load(tmp_path)
+    assert np.array_equal(loaded.tokens, index.tokens) and np.array_equal(loaded.suffixes, index.suffixes)
+    saved = tmp_path / "suffix_index.npz"
+    np.savez(saved, tokens=index.tokens, suffixes=index.suffixes[::-1][:-1])  # a suffix array of the wrong length
+    with pytest.raises(ValueError, match="not a suffix index") as refused:
+        SuffixIndex.load(tmp_path)
+    assert "\n" not in str(refused.value)
+    saved.write_bytes(saved.read_bytes()[:40])  # cut short
+    with pytest.raises(ValueError, match="not a suffix index"):
+        SuffixIndex.load(tmp_path)
+
+
 @pytest.mark.parametrize("method", ["suffix", "suffix_ngram_cost", "specdiff_ngram_suffix_tree_cost"])
 def test_greedy_suffix_decoding_equals_ar_and_its_candidates_are_kept(setup, method):
     prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])

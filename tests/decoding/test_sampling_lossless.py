@@ -213,6 +213,9 @@ DECODES, COST_DECODES = 1000, 4000  # per test
 # 1 and 3-8 give 0.1-1 at 1,000 decodes, seed 2 0.5 at 8,000): what α = 1e-4 allows about once in 10^4 tests.
 SEED = 1
 TEMPERATURE = Sampling(temperature=0.9)
+# Far from 1, so that the verifier's distribution at the temperature and at 1 differ (at 0.9 they barely do, and a
+# residual or acceptance ratio computed from the untempered distribution passed: issue 33).
+LOW_TEMPERATURE = Sampling(temperature=0.5)
 TOP_K = Sampling(temperature=1.0, top_k=2)
 TOP_P = Sampling(temperature=1.0, top_p=0.75)
 
@@ -335,6 +338,15 @@ def test_every_method_samples_the_verifier_distribution(method):
     if method.endswith("_cost"):
         assert len(sizes) > 1, sizes
     assert p_value > ALPHA
+
+
+@pytest.mark.parametrize("method", ["sd_ar", "specdiff", "specdiff2_select", "specdiff_cost", "specdiff_tree"])
+def test_the_verifier_distribution_is_sampled_at_a_low_temperature(method):
+    """Temperature 0.5, 1,000 decodes: as above, a marginal deviation of w ≥ 0.231 at α = 1e-4 with power 0.99 (the
+    joint's w ≥ 0.35 at this temperature). Planted in tests/test_mutations.py: a residual taken from the verifier's
+    distribution at temperature 1 while the ratio uses the temperature (p = 0.34 at 0.9, ~1e-51 here), and the
+    reverse (p = 0.011 at 0.9, ~4e-25 here)."""
+    assert decode_pvalue(table_setup(), method, LOW_TEMPERATURE, DECODES) > ALPHA
 
 
 @pytest.mark.parametrize("method", ["specdiff", "specdiff_tree", "specdiff_ngram_suffix_tree_cost"])
@@ -481,6 +493,9 @@ def test_each_test_has_the_power_its_docstring_claims():
     joint = exact_joint(setup.verifier, TABLE_PROMPT, TEMPERATURE)
     _, df = chi_square(joint * DECODES, joint)
     assert detectable_effect(df, DECODES, ALPHA / (NEW_TOKENS + 1)) <= 0.32
+    low = exact_joint(setup.verifier, TABLE_PROMPT, LOW_TEMPERATURE)
+    _, df = chi_square(low * DECODES, low)
+    assert detectable_effect(df, DECODES, ALPHA / (NEW_TOKENS + 1)) <= 0.35
     # The sliding verifiers' windows matter: run without them (every key visible), the joint of their first NEW_TOKENS
     # tokens moves by w ≈ 3.6 (mistral_sliding) and 0.63 (qwen2_sliding), above what 1,000 decodes detect.
     for kind in ("mistral_sliding", "qwen2_sliding"):

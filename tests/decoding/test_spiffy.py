@@ -217,6 +217,8 @@ def test_calibrate_and_dllm_eval_stages(toy_family, tmp_path, capsys):
               "decode.max_new_tokens=16"]
     assert main(["calibrate", "recipes/tiny/spiffy.yaml", *common, f"calibrate.out={tmp_path}", "calibrate.num_prompts=3",
                  "calibrate.budget=4"]) == 0
+    # 3 prompts run, as asked, and it is said that a graph from so few may fit them alone (issue 35)
+    assert "align calibrate: warning: 3 prompt(s) to calibrate from" in capsys.readouterr().err
     graph = DraftGraph.load(tmp_path / "draft_graph.json", block_length=8)
     assert graph.budget == 4 and graph.meta["num_prompts"] == 3 and graph.meta["prompts"].endswith("train.jsonl")
     out = tmp_path / "eval"

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from align.config import DrafterSection, ModelSection, RecipeError
 from align.decoding.ar import ar_generate
 from align.decoding.path_search import PathSearch, TrigramModel
-from align.decoding.tree import (DraftTree, build_consistent_draft_tree, build_draft_tree, keep_path,
+from align.decoding.tree import (TREE_MASK_READ, DraftTree, build_consistent_draft_tree, build_draft_tree, keep_path,
                                  specdiff_tree_generate, tree_forward)
 from align.drafters.dflash import DFlashDrafter, config_for_verifier
 from align.drafters.loading import load_drafter
@@ -110,6 +110,23 @@ def test_tree_forward_scores_each_node_as_a_plain_forward_over_its_path(family):
         after = verifier(input_ids=following, position_ids=positions, cache=cache, use_cache=True).logits[0, -1]
         ids = torch.cat([prompt, torch.tensor([[tree.tokens[n] for n in path]]), following], 1)
         torch.testing.assert_close(after, verifier(input_ids=ids).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_verifier_that_drops_the_mask_it_is_handed_is_refused_by_the_tree_methods():
+    """Remote code that builds its own causal mask would score each node as if the nodes before it in the forward
+    were its ancestors: the tree's output would differ from AR greedy with no word said (issue 33). The tree methods
+    ask the verifier itself, once, and refuse it in one line."""
+    verifier, drafter = build("llama", 1), build("llama", 2)
+    spec, prompt = DrafterSpec(MASK, 1, "block_causal"), torch.tensor([[1, 2, 3, 4, 5]])
+    reads = specdiff_tree_generate(verifier, drafter, spec, prompt, 4, 6, 12)[0]
+    assert reads == ar_generate(verifier, prompt, 12)[0] and getattr(verifier, TREE_MASK_READ)
+
+    dropping = build("llama", 1)
+    forward = dropping.forward
+    dropping.forward = lambda *args, attention_mask=None, **kwargs: forward(*args, **kwargs)  # a causal mask of its own
+    with pytest.raises(RecipeError, match="ignores the 4-D attention mask") as refused:
+        specdiff_tree_generate(dropping, drafter, spec, prompt, 4, 6, 12)
+    assert "\n" not in str(refused.value) and not getattr(dropping, TREE_MASK_READ, False)
 
 
 @pytest.mark.slow

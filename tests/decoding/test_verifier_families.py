@@ -111,6 +111,30 @@ def test_greedy_hf_baselines_equal_ar_for_every_verifier_family(family, drafters
         assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, (family, name)
 
 
+def test_the_hf_baselines_decode_the_same_target_whatever_the_verifiers_generation_config(drafters):
+    """Instruct models ship generation_config.json settings (Qwen2.5's a repetition penalty); transformers fills every
+    setting a generate() call leaves unset from it, so HF's rows decoded another target than align's loops (issue 33).
+    The baselines are handed none of them, eval.json lists them, and the model's own config is left as it was."""
+    from align.methods import ignored_generation_settings
+
+    _, ar_drafter, proxy = drafters
+    tokenizer = load_tokenizer(str(ROOT / "checkpoints" / "tiny" / "tokenizer"))
+    verifier = peaky(FAMILIES["llama"], 1)
+    settings = dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=NEW_TOKENS)
+    verifier.generation_config.update(**settings)
+    prompt = PROMPTS[0]
+    expected = ar_generate(verifier, prompt, NEW_TOKENS)[0]
+    plain = verifier.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                              do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert plain != expected  # what generate() alone decodes under those settings: another target
+    setup = Setup(verifier, None, DrafterSpec(MASK, 1, "block_causal"), ar_drafter, tokenizer, frozenset(),
+                  DecodeSection(gamma=4, max_new_tokens=NEW_TOKENS), proxy)
+    for name in ("hf_generate", "hf_assisted", "prompt_lookup"):
+        assert METHODS[name](setup, prompt, Sampling(), None)[0] == expected, name
+    assert ignored_generation_settings(verifier) == settings
+    assert verifier.generation_config.repetition_penalty == 1.5  # restored after each call
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral_sliding", "qwen2_sliding"])
 def test_greedy_outputs_equal_ar_with_a_sliding_window_drafter(family, drafters):

@@ -267,7 +267,8 @@ def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_vocab_size", [None, 64])
 def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_logits(toy_family, tmp_path,
-                                                                                       draft_vocab_size):
+                                                                                       draft_vocab_size, monkeypatch,
+                                                                                       capsys):
     import json
 
     from safetensors.torch import load_file
@@ -322,6 +323,32 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
         context.extend(model, hidden[:, :-1])
         logits.append(dflash_block_logits(model, verifier, ids[:, -1:], 4, context))
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+    # align reads its own speculators export back as a drafter (issue 36): the Python API decodes AR's greedy tokens
+    # with it, and a speculators drafter of another algorithm is refused by name before any weights load
+    import align as align_api
+    from align.config import RecipeError
+
+    pair = align_api.load(verifier=verifier_path, drafter=str(out))
+    drafted = pair.generate(["def add(a, b):"], method="specdiff_tree", max_new_tokens=12)[0]
+    assert drafted.token_ids == pair.generate(["def add(a, b):"], method="ar", max_new_tokens=12)[0].token_ids
+    eagle = tmp_path / "eagle3"
+    eagle.mkdir()
+    (eagle / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    (eagle / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    with pytest.raises(RecipeError, match=r"^drafter\.path: .*eagle3 is a speculators eagle3 drafter; align runs"):
+        align_api.load(verifier=verifier_path, drafter=str(eagle))
+
+    # Pushed, the config would name its verifier "verifier": refused before any work unless the Hub id is given
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    capsys.readouterr()
+    never = tmp_path / "never"
+    assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={verifier_path}",
+                  f"drafter.path={tmp_path / 'step_1'}", "export.format=speculators", f"export.out={never}",
+                  "--push-to-hub", "me/drafter"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("align export: error: export.verifier_hub_id: the verifier") and not never.exists()
 
 
 @pytest.mark.slow

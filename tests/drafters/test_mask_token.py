@@ -68,6 +68,11 @@ def test_a_given_id_is_checked_by_the_same_rules():
             choose_mask_token(tokenizer, len(tokenizer), TEMPLATE, given=reserved)
     with pytest.raises(RecipeError, match=r"^dflash.mask_token_id: \d+ is outside the verifier's vocabulary"):
         choose_mask_token(tokenizer, len(tokenizer), TEMPLATE, given=len(tokenizer))
+    # a piece of text (issue 35: SmolLM2's 'Ġthe' was taken): every one in the data would read as a masked position
+    word = max(set(range(len(tokenizer))) - set(tokenizer.all_special_ids) - set(tokenizer.added_tokens_decoder))
+    with pytest.raises(RecipeError, match=r"^dflash.mask_token_id: \d+ \(.*\) is an ordinary token"):
+        choose_mask_token(tokenizer, len(tokenizer), TEMPLATE, given=word)
+    assert choose_mask_token(tokenizer, len(tokenizer) + 8, TEMPLATE, given=len(tokenizer))[0] == len(tokenizer)
 
 
 @pytest.fixture(autouse=True)

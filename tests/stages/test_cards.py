@@ -285,6 +285,34 @@ def test_a_speculators_card_names_the_verifier_as_its_base():
     assert validate_card(text) == []
 
 
+def test_each_methods_numbers_read_back_under_its_own_name():
+    """huggingface_hub groups model-index results by task and dataset and names a group after its first result: the
+    card's τ and speedup of specdiff_tree read back as specdiff's when the method was in the task's name (issue 36).
+    Read back with ModelCard.load as a Hub user's code would, every number is named by its own method."""
+    from align.recipe_files import load_recipe
+    from align.cards import speculators_card
+
+    recipe = load_recipe("recipes/tiny/dflash.yaml", ["verifier.path=Qwen/Qwen3-8B", "export.license=apache-2.0",
+                                                      "drafter.path=org/drafter"])
+    config = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 7}]}, "block_size": 8,
+              "aux_hidden_state_layer_ids": [1, 3], "mask_token_id": 2,
+              "transformer_layer_config": {"num_hidden_layers": 1}}
+    rows = {"specdiff": (2.0, 0.72), "specdiff_tree": (2.56, 0.79)}
+    evaluation = {"methods": {name: {"tau": tau, "speedup": speedup, "exact_match": 1.0}
+                              for name, (tau, speedup) in rows.items()},
+                  "meta": {"prompts": "openai/gsm8k", "num_prompts": 8, "baseline": "fastest of ar and hf_generate",
+                           "drafters": [{"rows": "", "path": "org/drafter", "resolved": "org/drafter"}]}}
+    text = speculators_card(config, {}, evaluation, recipe, "align export x")
+    read = {}
+    for result in ModelCard(text).data.eval_results:
+        method, what = result.metric_name.split(": ", 1)
+        assert result.metric_args["method"] == method and method not in result.task_name
+        read[method, result.metric_type] = result.metric_value
+    assert read == {(name, kind): value for name, (tau, speedup) in rows.items()
+                    for kind, value in (("mean_accepted_length", tau), ("speedup", speedup))}
+    assert validate_card(text) == []
+
+
 def metadata_load_text(text: str) -> dict:
     return ModelCard(text).data.to_dict()
 
@@ -490,8 +518,10 @@ def test_the_readmes_custom_generate_snippet_runs_as_written(tmp_path):
 
     cwd = checkout_like(tmp_path)
     assert align(["export", "recipes/tiny/align.yaml", f"export.out={cwd / 'out' / 'tiny-drafter'}"]) == 0
-    blocks = code_blocks(readme_section("export.md", "## Decoding an exported drafter with transformers alone"))
+    section = readme_section("export.md", "## Decoding an exported drafter with transformers alone")
+    blocks = code_blocks(section)
     assert len(blocks) == 1 and 'custom_generate="out/tiny-drafter"' in blocks[0]
+    assert "export.out=out/tiny-drafter" in code_blocks(section, "bash")[0]  # the page's command writes that folder
     assert re.search(r"\d\.\d", run_snippet(blocks[0], cwd))
 
 

@@ -120,7 +120,7 @@ def check_records(methods, ids):
 @pytest.mark.slow
 def test_records_agree_with_the_aggregates_and_versions_are_recorded(toy_family, evaluated):
     _, result = evaluated
-    assert result["schema_version"] == 3
+    assert result["schema_version"] == 4
     ids = tiny_test_ids(toy_family[0], 2)
     check_records(result["methods"], ids)
     check_records(result["sampling"]["methods"], ids)
@@ -147,6 +147,21 @@ def run_refused(args, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     return err
+
+
+@pytest.mark.slow
+def test_a_sampled_run_that_fails_keeps_the_greedy_one(toy_family, tmp_path, capsys):
+    """At a temperature so low that the probabilities overflow (1e-300), the sampled run raises after the greedy run
+    has finished: the greedy results were lost with it (issue 35). They are written, and the failure is one line,
+    exit code 1."""
+    root, _ = toy_family
+    out = tmp_path / "eval"
+    code = main(eval_args(root, out, "eval.methods=[specdiff]", "eval.sampling_temperature=1e-300"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("align eval: error: the temperature 1e-300 run stopped (")
+    assert err[-1].endswith("; eval.json holds the greedy run")
+    result = json.loads((out / "eval.json").read_text())
+    assert result["methods"]["specdiff"]["exact_match"] == 1.0 and "sampling" not in result
 
 
 def test_prompt_longer_than_the_context_is_refused(toy_family, tmp_path, capsys):

@@ -51,9 +51,9 @@ def test_folder_contents_and_model_card(exported):
     assert "base_model" not in metadata and "set by the export recipe" in card
     tau = json.loads((out / "eval.json").read_text())["methods"]["specdiff"]["tau"]
     assert f"| specdiff | {tau:.2f} |" in card and "align export recipes/tiny/align.yaml" in card
-    assert metadata["model-index"][0]["results"][0]["metrics"][0] == {
-        "type": "mean_accepted_length", "value": round(tau, 4), "name": "τ (tokens per verifier forward)",
-        "args": metadata["model-index"][0]["results"][0]["metrics"][0]["args"]}
+    first = metadata["model-index"][0]["results"][0]["metrics"][0]
+    assert first == {"type": "mean_accepted_length", "value": round(tau, 4), "args": first["args"],
+                     "name": "specdiff: τ (tokens per verifier forward)"} and first["args"]["method"] == "specdiff"
     assert not (out / "tokenizer_config.json").read_text().count("local_files_only")
 
 
@@ -137,6 +137,31 @@ def test_no_token_is_refused_before_any_work(exported, tmp_path, monkeypatch, ca
     assert main([*args[:-2], args[-1], "--push-to-hub", "me/x", f"export.out={out}"]) == 2
     assert "no Hugging Face token" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_the_suffix_index_travels_with_the_export_and_the_suffix_methods_read_it_there(exported, toy_trajectories,
+                                                                                     tmp_path, capsys):
+    import numpy as np
+
+    from align.decoding.suffix import SuffixIndex
+    from align.methods import suffix_index
+    from align.recipe_files import load_recipe
+
+    _, _, args = exported
+    _, trajectories = toy_trajectories
+    out = tmp_path / "with-index"
+    assert main([*args[:-2], args[-1], f"export.out={out}", f"decode.suffix_corpus={trajectories}"]) == 0
+    built = suffix_index(load_recipe("recipes/tiny/align.yaml", [f"decode.suffix_corpus={trajectories}"]))
+    kept = suffix_index(load_recipe("recipes/tiny/align.yaml", [f"decode.suffix_corpus={out}"]))
+    assert np.array_equal(kept.tokens, built.tokens) and np.array_equal(kept.suffixes, built.suffixes)
+    assert "suffix_index.npz" in (out / "README.md").read_text()
+    assert np.array_equal(SuffixIndex.load(out).tokens, built.tokens)
+    # neither a trajectories folder nor an export with an index: refused in one line before the folder is made
+    capsys.readouterr()
+    assert main([*args[:-2], args[-1], f"export.out={tmp_path / 'never'}", f"decode.suffix_corpus={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "decode.suffix_corpus" in err and err.count("\n") == 1 and not (tmp_path / "never").exists()
 
 
 @pytest.mark.slow

@@ -112,6 +112,16 @@ def test_align_memory_prints_the_table_and_writes_only_when_asked(tmp_path, caps
     assert align(["memory", TINY, "train.micro_batch_size=1", "memory.prompt_tokens=32", f"memory.out={out}"]) == 0
     written = json.loads(out.read_text())
     assert written["per_gpu_bytes"]["total"] > written["measured_bytes"]["layer_kept"] > 0
+    # a rerun replaces its own figures; nothing else of that name is written over: not a recipe, not a folder
+    assert align(["memory", TINY, "train.micro_batch_size=1", "memory.prompt_tokens=32", f"memory.out={out}"]) == 0
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(Path(TINY).read_text())
+    capsys.readouterr()
+    for taken in (recipe, tmp_path):
+        assert align(["memory", str(recipe), "train.micro_batch_size=1", f"memory.out={taken}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("align memory: error: memory.out: ") and err.count("\n") == 1
+    assert recipe.read_text() == Path(TINY).read_text()
 
 
 def test_a_drafter_of_unknown_width_is_refused_in_one_line(capsys):

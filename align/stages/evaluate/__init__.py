@@ -56,8 +56,8 @@ def check(recipe: Recipe) -> None:
             graph.prefix(budget)
 
 
-def main(recipe: Recipe, command: str) -> None:
+def main(recipe: Recipe, command: str) -> int:
     if recipe.eval.mode == "dllm":
         dllm.evaluate(recipe, command)
-    else:
-        speculative.evaluate(recipe, command, models(recipe))
+        return 0
+    return speculative.evaluate(recipe, command, models(recipe))

@@ -11,6 +11,7 @@ description.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from transformers import AutoConfig
 
 from align.bench import Run, interleaved, report_json
 from align.checkpoint import drafter_identity
-from align.config import Recipe, RecipeError
+from align.config import Recipe, RecipeError, first_line
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
 from align.decoding.generation import GenerationStats, Sampling, mean_accepted_length
@@ -31,7 +32,7 @@ from align.drafters import drafter_for
 from align.drafters.loading import load_drafter
 from align.drafters.spec import method_refusal
 from align.machine import machine, versions
-from align.methods import (BASELINES, METHODS, OPAQUE, Setup, base_method, eos_token_ids,
+from align.methods import (BASELINES, METHODS, OPAQUE, Setup, base_method, eos_token_ids, ignored_generation_settings,
                            prompt_generator, proxy_source, suffix_index, trigram_proxy)
 from align.models import load_ar_drafter, load_tokenizer, load_verifier
 from align.preflight import context_length
@@ -51,7 +52,7 @@ def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sam
     return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
 
 
-SCHEMA_VERSION = 3  # of eval.json: what each version holds is in docs/evaluation.md
+SCHEMA_VERSION = 4  # of eval.json: what each version holds is in docs/evaluation.md
 
 
 def exact_match_semantics(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -66,7 +67,8 @@ def exact_match_semantics(device: torch.device, dtype: torch.dtype) -> dict[str,
     return {
         "compares": "each prompt's new tokens with the ar method's (greedy, one token per verifier forward)",
         "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-        "guarantee": ("token-identical to AR greedy: float32, where align's tests check every method token for token"
+        "guarantee": ("token-identical to AR greedy (float32 is what align's tests check every method in, token for "
+                      "token)"
                       if exact else
                       f"identical to AR greedy up to {str(dtype).removeprefix('torch.')} numerics: a method that "
                       "verifies several tokens (or candidates) per forward can flip an argmax at a near-tie where "
@@ -331,7 +333,7 @@ def write_report(result: dict[str, Any], recipe: Recipe, command: str, out: Path
 # --------------------------------------------------------------------------------------------------------------------
 # the stage
 # --------------------------------------------------------------------------------------------------------------------
-def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
+def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> int:
     """Run the methods on the prompts; `needed`: the model keys the stage loads (align.stages.evaluate.models)."""
     d, e = recipe.decode, recipe.eval
     names = list(dict.fromkeys([*BASELINES, *e.methods]))  # both baselines always run: speedup needs the faster
@@ -355,7 +357,7 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
     ar_drafter = load_ar_drafter(recipe.ar_drafter) if uses_ar_drafter else None
     eos_ids = eos_token_ids(verifier, tokenizer)  # generation_config's end tokens too, as the Python API stops
     proxy = trigram_proxy(source, recipe.data.dir, tokenizer) if source is not None else None
-    setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy)
+    setup = Setup(verifier, drafter, spec, ar_drafter, tokenizer, eos_ids, d, proxy, d.verify_costs_s, d.draft_cost_s)
     if any("suffix" in base_method(n) for n in names):
         setup.suffix = suffix_index(recipe)
     if any(base_method(n).endswith("_cost") for n in names):  # one cost curve for every drafter compared
@@ -377,10 +379,17 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
     greedy = run_all(setups, prompts, Sampling(), e.warmup, e.repeats, d.seed, "temperature 0")
     result: dict[str, Any] = {"schema_version": SCHEMA_VERSION,
                               "methods": summarise(greedy, setup, prompts, greedy["ar"].tokens, where)}
+    failed = None
     if e.sampling_temperature > 0:
         sampling = Sampling(e.sampling_temperature, d.top_k, d.top_p)
-        sampled = run_all(setups, prompts, sampling, e.warmup, e.repeats, d.seed, f"temperature {sampling.temperature}")
-        result["sampling"] = {"temperature": sampling.temperature, "methods": summarise(sampled, setup, prompts, None, where)}
+        try:
+            sampled = run_all(setups, prompts, sampling, e.warmup, e.repeats, d.seed,
+                              f"temperature {sampling.temperature}")
+        except RuntimeError as error:  # e.g. non-finite probabilities (a NaN drafter): the greedy run is not lost
+            failed = f"the temperature {sampling.temperature} run stopped ({first_line(error)})"
+        else:
+            result["sampling"] = {"temperature": sampling.temperature,
+                                  "methods": summarise(sampled, setup, prompts, None, where)}
     result["meta"] = {
         "command": command, "recipe": recipe.to_dict(), "prompts": e.prompts or "tiny test split",
         "num_prompts": len(prompts), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -397,6 +406,9 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
         "drafters": ([{"rows": "", **drafter_identity(recipe.drafter.path)}] if uses_drafter else []) +
                     [{"rows": f"@{label}", **drafter_identity(section.path)} for label, section in compared.items()],
         "exact_match_semantics": exact_match_semantics(next(verifier.parameters()).device, verifier.dtype),
+        # the verifier's generation_config.json settings no method applied (the HF baselines are handed none of
+        # them): every row decodes the same target, plain greedy or the recipe's temperature/top-k/top-p
+        "generation_config_ignored": ignored_generation_settings(verifier),
         # the cost-aware methods' measured curve: seconds of a verifier forward over n = 1.. new tokens
         "verify_costs_s": None if setup.verify_costs is None else [round(t, 6) for t in setup.verify_costs],
     }
@@ -405,3 +417,7 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> None:
         report = write_report(result, recipe, command, out)
     print(report.split("\n![")[0])
     print(f"wrote {out / 'eval.json'}, {out / 'report.md'} and its plots")
+    if failed is not None:
+        print(f"align eval: error: {failed}; eval.json holds the greedy run", file=sys.stderr)
+        return 1
+    return 0
