@@ -70,7 +70,9 @@ def read_times(times: str) -> list[tuple[int, str]]:
 
 
 def pick(times: str, seconds: str) -> str:
-    within = [(s, folder) for s, folder in read_times(times) if s <= int(seconds)]
+    # a snapshot copied while speculators rewrote its epoch folder can be empty: only complete ones (config.json)
+    within = [(s, folder) for s, folder in read_times(times)
+              if s <= int(seconds) and (Path(folder) / "config.json").is_file()]
     return max(within)[1] if within else ""
 
 
