@@ -261,7 +261,19 @@ def honours_attention_masks(model: Any, mask_kwargs: Callable[[Any, torch.Tensor
                             vocab: int) -> bool:
     """Whether `model`'s forward reads the 4-D additive mask (1, 1, 4, 4) that `mask_kwargs(model, mask)` hands it:
     the logits at the last of 4 distinct tokens must change when the mask hides the other three from it (causal and
-    bidirectional models alike see them without it)."""
+    bidirectional models alike see them without it). Both forwards run in eval mode (dropout would tell them apart)
+    and without gradients; the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _changes_under_mask(model, mask_kwargs, vocab)
+    finally:
+        model.train(was_training)
+
+
+def _changes_under_mask(model: Any, mask_kwargs: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]],
+                        vocab: int) -> bool:
     # Weights, or buffers for a model that holds no parameter (a lookup table)
     tensors = [*model.parameters(), *model.buffers()]
     device = tensors[0].device

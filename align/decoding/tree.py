@@ -247,12 +247,7 @@ def check_tree_verifier(verifier: PreTrainedModel) -> None:
     check_mask_layer_types(verifier, "specdiff_tree")
     if getattr(verifier, TREE_MASK_READ, False):
         return
-    was_training = verifier.training
-    verifier.eval()
-    with torch.no_grad():
-        honoured = honours_attention_masks(verifier, full_mask_kwargs, verifier.config.get_text_config().vocab_size)
-    verifier.train(was_training)
-    if not honoured:
+    if not honours_attention_masks(verifier, full_mask_kwargs, verifier.config.get_text_config().vocab_size):
         raise RecipeError(f"specdiff_tree: the verifier ({type(verifier).__name__}) ignores the 4-D attention mask it "
                           "is handed, so a tree's nodes cannot be scored apart; use a chain method (specdiff, "
                           "specdiff_cps, specdiff_cost)")

@@ -81,12 +81,7 @@ def check_masks_are_read(model: PreTrainedModel, spec: DrafterSpec) -> None:
     marked (`MASKS_IGNORED`) so that no padded batch relies on one (`full_mask_kwargs` refuses, the training windows
     run row by row unpadded); a block-causal drafter, whose every forward needs its block mask, is refused. Two
     forwards in eval mode (dropout would tell the two apart): under ZeRO-3 every rank must make them (collectives)."""
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        honoured = honours_attention_masks(model, full_mask_kwargs, vocab_size(model))
-    model.train(was_training)
-    if honoured:
+    if honours_attention_masks(model, full_mask_kwargs, vocab_size(model)):
         return
     if spec.attention == "block_causal":
         raise RecipeError(f"drafter.attention: {type(model).__name__} ignores attention masks, and block_causal "
