@@ -405,7 +405,11 @@ def custom_generate_usage(name: str, auto_class: str, remote: str, recipe: Recip
             "samples as `generate()` does, with its defaults and every logits processor it builds (`temperature`, "
             "`top_k` (50 when unset), `top_p`, `min_p`, `typical_p`, `repetition_penalty`, `no_repeat_ngram_size`, "
             "`bad_words_ids`, ...); what it cannot reproduce (beams, stop strings, guidance, a `logits_processor` "
-            "list) it refuses by name.", "", BF16_CAVEAT, ""]
+            "list) it refuses by name. `union=True` verifies the drafter's tree (`tree_nodes`, 32), the n-gram "
+            "continuation of the prompt and output so far and, where this folder has `suffix_index.npz`, "
+            "SuffixDecoding's candidates over the verifier's own answers in one tree per forward (align's union tree at "
+            "a fixed size; sdpa or eager attention): copied numbers, names and code are kept where the drafter is "
+            "weak, still lossless.", "", BF16_CAVEAT, ""]
 
 
 def drafter_auto_class(config: dict[str, Any]) -> str:

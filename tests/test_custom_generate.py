@@ -135,15 +135,17 @@ def test_refuses_drafters_it_cannot_read(exported):
 
 # The sliding-window kinds cost ~15 s each and verify as the full-attention one does (the model's own masks over a
 # cropped cache, which test_sampling_lossless's sliding tests check for specdiff): marked slow.
-@pytest.mark.parametrize("kind", [kind if kind == "llama" else pytest.param(kind, marks=pytest.mark.slow)
-                                  for kind in VERIFIER_KINDS])
-def test_sampling_is_the_verifiers_distribution(tmp_path, kind):
+@pytest.mark.parametrize("kind, union", [
+    (kind, union) if kind == "llama" and not union else pytest.param(kind, union, marks=pytest.mark.slow)
+    for union in (False, True) for kind in VERIFIER_KINDS], ids=lambda v: {True: "union", False: "chain"}.get(v, v))
+def test_sampling_is_the_verifiers_distribution(tmp_path, kind, union):
     """Through what generate(custom_generate=folder) runs (`load_custom_generate`), on a transformer verifier with full
     attention, one whose every layer slides (`sliding_window` alone) and one with `layer_types` (a sliding and a full
     layer), all spread out, decoded past the window, with the table drafter of test_sampling_lossless (a spread-out q
     of its own: drafts are rejected and residuals drawn) at γ 2. Temperature 0.9, 1,000 decodes: a marginal deviation
     of w ≥ 0.231 (a 0.093 shift of a probability of 0.2) and a joint one of w ≥ 0.32 are detected at α = 1e-4 with
-    power 0.99 (test_sampling_lossless's power test)."""
+    power 0.99 (test_sampling_lossless's power test). union: the same through the union tree's point-mass walk, whose
+    tree forward masks each node's window over the cached prefix and whose kept branch moves keys in the cache."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: threads cost more than they give
     setup = transformer_setup(kind)
@@ -156,7 +158,7 @@ def test_sampling_is_the_verifiers_distribution(tmp_path, kind):
         samples = []
         for _ in range(DECODES):
             out = decode(model=setup.verifier, inputs=TABLE_PROMPT, assistant_model=setup.drafter, gamma=2,
-                         do_sample=True, temperature=TEMPERATURE.temperature, max_new_tokens=NEW_TOKENS)
+                         do_sample=True, temperature=TEMPERATURE.temperature, max_new_tokens=NEW_TOKENS, union=union)
             samples.append(out[0, TABLE_PROMPT.shape[1]:].tolist())
     finally:
         torch.set_num_threads(threads)
@@ -279,10 +281,11 @@ def test_tensors_follow_the_models_device(attention):
     verifier, drafter = peaky(0), peaky(0)
     drafter.config.drafter_spec = DrafterSpec(7, 1, attention).to_dict()
     for sample in (False, True):
-        with torch.device("meta"):
-            out = generate(verifier, PROMPT, assistant_model=drafter, max_new_tokens=6, gamma=2, do_sample=sample,
-                           eos_token_id=None)
-        assert out.device.type == "cpu" and out.shape == (1, PROMPT.shape[1] + 6)
+        for union in (False, True):
+            with torch.device("meta"):
+                out = generate(verifier, PROMPT, assistant_model=drafter, max_new_tokens=6, gamma=2,
+                               do_sample=sample, eos_token_id=None, union=union)
+            assert out.device.type == "cpu" and out.shape == (1, PROMPT.shape[1] + 6)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -359,9 +362,10 @@ SAMPLED_SETTINGS = [
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("union", [False, True], ids=["chain", "union"])
 @pytest.mark.parametrize("setting", SAMPLED_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or
                          "defaults")
-def test_sampling_draws_what_generate_draws(spread_pair, setting):
+def test_sampling_draws_what_generate_draws(spread_pair, setting, union):
     # 200 decodes of 3 tokens with γ = 2: t1 from the prefill, t2 and t3 through the draft's acceptance, residual or
     # bonus. Every token must lie where generate() puts mass after its prefix (a truncation or cutoff that is not
     # applied, or applied at the wrong position, shows there: the default top_k=50 alone leaves ~13% of the mass out,
@@ -373,7 +377,7 @@ def test_sampling_draws_what_generate_draws(spread_pair, setting):
     prompt = torch.tensor([SPREAD_PROMPTS[0]])
     torch.manual_seed(0)
     samples = [generate(verifier, prompt, assistant_model=drafter, gamma=2, max_new_tokens=3, do_sample=True,
-                        **setting)[0, prompt.shape[1]:].tolist() for _ in range(SAMPLES)]
+                        union=union, **setting)[0, prompt.shape[1]:].tolist() for _ in range(SAMPLES)]
     assert all(len(s) == 3 for s in samples)
     if setting.get("no_repeat_ngram_size") == 1:  # no token twice, prompt included
         assert all(len(set(SPREAD_PROMPTS[0] + s)) == len(SPREAD_PROMPTS[0]) + 3 for s in samples)
@@ -421,9 +425,10 @@ GREEDY_SETTINGS = [
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("union", [False, True], ids=["chain", "union"])
 @pytest.mark.parametrize("own_drafter", [True, False], ids=["accepting-drafter", "rejected-drafter"])
 @pytest.mark.parametrize("setting", GREEDY_SETTINGS, ids=lambda s: ",".join(s) or "defaults")
-def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_factory, setting, own_drafter):
+def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_factory, setting, own_drafter, union):
     # Through verifier.generate(custom_generate=folder) itself: generate()'s argument passing, then generate()'s own
     # processors applied at every draft position. Token 11 ends a sequence, so that the processors that read the end
     # token (min_new_tokens, forced_eos_token_id, exponential_decay_length_penalty) act.
@@ -444,7 +449,7 @@ def test_greedy_is_generates_greedy_with_every_processor(spread_pair, tmp_path_f
     for ids in SPREAD_PROMPTS:
         prompt = torch.tensor([ids])
         out = verifier.generate(prompt, assistant_model=drafter, custom_generate=str(folder), trust_remote_code=True,
-                                gamma=4, return_dict_in_generate=True, **length, **setting)
+                                gamma=4, return_dict_in_generate=True, union=union, **length, **setting)
         plain = verifier.generate(prompt, do_sample=False, **length, **setting)
         assert out.sequences[0].tolist() == plain[0].tolist()
         drafted += sum(out.accept_counts)

@@ -6,7 +6,7 @@ plants into moves (then move the replacement with it). The named tests run in a 
 holds the mutant copy, which `import align` finds before any installed one, two subprocesses at a time. A test counts
 as catching a bug only if it fails an assertion (a crash or an import error would not say the test has the power).
 
-Run alone: `python -m pytest -q tests/test_mutations.py` (18 mutants over two processes; the 12 of 2026-12-01 took 618
+Run alone: `python -m pytest -q tests/test_mutations.py` (20 mutants over two processes; the 12 of 2026-12-01 took 618
 s of wall time on a 2-core machine shared with other jobs; marked slow).
 """
 
@@ -116,6 +116,17 @@ MUTATIONS = (
              "return gamma, int(torch.multinomial(verifier_probs[gamma], 1))",
              "return gamma, int(torch.multinomial(verifier_probs[gamma - 1], 1))",
              (RULES + "[custom_generate]",)),
+    # Issue 37: custom_generate's union walk restates the tree rule: its own planted bugs, caught by its own tests.
+    Mutation("custom_generate: a rejected union node's token left in the distribution the next child is tried against",
+             "custom_generate.py", "            target = target.clone()\n            target[token] = 0\n",
+             "            target = target.clone()\n",
+             (RULES + "[custom_generate_tree]",)),
+    Mutation("custom_generate: a union row's scores processed after the context, not after the row's own path",
+             "custom_generate.py",
+             "prefix = torch.cat([context, context.new_tensor([[tree.tokens[n] for n in path]])], dim=1)",
+             "prefix = context",
+             (CUSTOM + "test_greedy_is_generates_greedy_with_every_processor[repetition_penalty-accepting-drafter-union]",
+              CUSTOM + "test_greedy_is_generates_greedy_with_every_processor[no_repeat_ngram_size-accepting-drafter-union]")),
     Mutation("self-selection: the first candidate's cache rows kept, not the chosen one's", "decoding/self_selection.py",
              "cache.batch_select_indices(torch.tensor([chosen], device=inputs.device))",
              "cache.batch_select_indices(torch.tensor([0], device=inputs.device))",

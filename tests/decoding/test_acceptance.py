@@ -7,6 +7,7 @@ distribution of the first two emitted tokens.
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 
 from align import custom_generate
 from align.decoding.acceptance import (accept_greedy, accept_multi_candidate, accept_point_mass, accept_sampled,
@@ -102,19 +103,34 @@ def run_rule(rule_name, seed=0):
         assert all(parents[node] == (path[i - 1] if i else -1) for i, node in enumerate(path)), path  # a real path
         return [tokens[node] for node in path], nxt
 
+    def shipped_tree(state, gen):
+        # custom_generate's union walk over the same tree, each row's distribution processed after its own path (no
+        # processors here: the softmax of the row's logits); it samples from the global generator.
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        first, second = draft_probs[0].topk(2).indices.tolist()
+        grandchild = int(draft_probs[1].argmax())
+        tree = custom_generate.Tree([first, second, grandchild], [-1, -1, 0], [1, 1, 2])
+        rows = transitions[[state, first, second, grandchild]]
+        choice = custom_generate.TokenChoice(LogitsProcessorList(), do_sample=True)
+        path, nxt = custom_generate.walk(tree, rows.log(), torch.tensor([[state]]), choice)
+        assert all(tree.parents[node] == (path[i - 1] if i else -1) for i, node in enumerate(path)), path
+        return [tree.tokens[node] for node in path], nxt
+
     rule = {"sampled": sampled, "point_mass": point_mass, "multi_candidate": multi, "broken": broken,
-            "custom_generate": shipped, "tree": tree}[rule_name]
+            "custom_generate": shipped, "tree": tree, "custom_generate_tree": shipped_tree}[rule_name]
     samples = [first_two_tokens(rule, transitions, gen) for _ in range(TRIALS)]
     return chi_square_pvalue(samples, joint_of_two(transitions))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", ["sampled", "point_mass", "multi_candidate", "custom_generate", "tree"])
+@pytest.mark.parametrize("rule", ["sampled", "point_mass", "multi_candidate", "custom_generate", "tree",
+                                  "custom_generate_tree"])
 def test_sampled_rules_reproduce_the_verifier_distribution(rule):
     """12,000 draws of the first two emitted tokens (36 cells, sparse ones merged): at the 1e-3 level a deviation of
     w ≥ 0.045 on their joint is detected with power 0.99. Planted in tests/test_mutations.py and caught here:
     custom_generate's bonus token from the last draft position's row (w ≈ 0.5 on these chains), and a tree walk that
-    stays on the accepted child's parent row (its path fails the assertion above)."""
+    stays on the accepted child's parent row (its path fails the assertion above); custom_generate's union walk that
+    keeps a rejected token in the distribution the next child is tried against."""
     assert run_rule(rule) > 1e-3
 
 
