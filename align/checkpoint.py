@@ -117,7 +117,7 @@ def adapter_base(folder: str | os.PathLike) -> str:
     weights are not the ones the adapter was trained on."""
     record = json.loads((Path(folder) / BASE_RECORD).read_text())
     base = record["resolved"]
-    now = _base_sha256(base)
+    now = weights_sha256_of(base)
     if now is None and not Path(base).is_dir():
         raise RecipeError(f"drafter.path: {folder} is a LoRA adapter on {base}, which is not on this machine; put the "
                           "base drafter back there, or export the merged model where it is")
@@ -128,7 +128,7 @@ def adapter_base(folder: str | os.PathLike) -> str:
     return base
 
 
-def _base_sha256(path: str) -> Optional[str]:
+def weights_sha256_of(path: str) -> Optional[str]:
     """weights_sha256 of a local folder or a Hub id's cached snapshot, cached on the files' sizes and times (a 7B
     base is hashed once per process, not at every load)."""
     from align.hub import hub_snapshot, is_hub_id

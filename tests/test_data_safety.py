@@ -231,6 +231,36 @@ def test_a_run_resumes_only_with_its_settings_and_a_finished_one_adds_nothing(to
                                     "train.save_every=1", "train.report_to=none")[2:])) == 2
 
 
+def test_a_run_resumes_only_from_the_weights_it_started_from(toy_trajectories, tmp_path, capsys):
+    # run.json keeps the sha256 of the weights behind each model path (issue 35: it kept paths only, so a base drafter
+    # derived again behind the same path was continued from without a word).
+    from safetensors.torch import load_file, save_file
+
+    from align.checkpoint import weights_sha256
+
+    root, _ = toy_trajectories
+    base = shutil.copytree(root / "ck" / "drafter-base", tmp_path / "base")
+    out = tmp_path / "run"
+    done = align_process(*train_args(toy_trajectories, out, f"drafter.path={base}", "train.max_steps=1",
+                                     "train.final_eval_prompts=0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "run.json").read_text())["weights"] == {"drafter.path": weights_sha256(base)}
+    longer = train_args(toy_trajectories, out, f"drafter.path={base}", "train.max_steps=2", "train.final_eval_prompts=0")
+    from align.stages.train import check
+
+    check(load_recipe("recipes/tiny/align.yaml", longer[2:]))  # the same weights: it resumes
+    weights = load_file(base / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    (base / "sha256.json").unlink()  # the documented route for a deliberate edit: the check below must still see it
+    before = snapshot(out)
+    line = refused(capsys, *longer)
+    assert line.startswith(f"align train: error: drafter.path: the weights at {base} are not the ones the run in "
+                           f"{out} started from"), line
+    assert snapshot(out) == before
+
+
 def test_a_run_from_before_run_json_is_compared_with_its_checkpoints_recipe(toy_trajectories, tmp_path):
     from align.stages.train import check_resume
 

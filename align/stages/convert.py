@@ -7,7 +7,9 @@ refuses `save_pretrained` (it carries a GGUF quantisation config), so a plain mo
 it and given its state dict: every key matches. The saved folder is then loaded back and its logits compared with the
 GGUF-loaded model's on a chat-templated prompt (identical in float32), and a greedy answer to that prompt is recorded.
 
-Cached: a second run with the same source (by sha256) and settings finds the folder up to date and does nothing.
+The folder carries sha256.json, which every reader verifies. Cached: a second run with the same source (by sha256)
+and settings finds the folder up to date and does nothing; a file changed since (its sha256 against the manifest's) is
+said, and the folder converted again.
 Everything that can be refused (a package not installed, a file missing, corrupt or not a GGUF, an output folder that
 is not align convert's) is refused by `check`, before any conversion (align/weights.py locates and checks sources).
 """
@@ -44,6 +46,7 @@ class Plan:
     files: dict[str, str]  # a folder source's files -> sha256
     settings: dict[str, Any]
     cached: bool
+    changed: Optional[str] = None  # a file of an earlier conversion in the output folder that is not as it was written
 
 
 def _read_manifest(out: Path) -> Optional[dict[str, Any]]:
@@ -64,11 +67,20 @@ def _check_out(c: ConvertSection, source: Source) -> None:
                           "folder or empty it")
 
 
-def _up_to_date(out: Path, settings: dict[str, Any]) -> bool:
+def _up_to_date(out: Path, settings: dict[str, Any]) -> tuple[bool, Optional[str]]:
+    """Whether `out` holds this conversion with every file as written, by its sha256, not its size (one flipped byte
+    in the weights kept the size and was served as up to date); and, when an earlier conversion's file was changed,
+    which one."""
+    from align.disk import file_sha256
+
     made = _read_manifest(out)
     if not made or made.get("stage") != "convert" or made.get("settings") != settings:
-        return False
-    return all((out / name).is_file() and (out / name).stat().st_size == f["bytes"] for name, f in made["files"].items())
+        return False, None
+    for name, f in made["files"].items():
+        if not (out / name).is_file() or (out / name).stat().st_size != f["bytes"] or \
+                file_sha256(out / name) != f["sha256"]:
+            return False, name
+    return True, None
 
 
 def plan(recipe: Recipe, assemble_parts: bool = False) -> Plan:
@@ -87,7 +99,7 @@ def plan(recipe: Recipe, assemble_parts: bool = False) -> Plan:
     digest, files = source_sha256(source)
     check_sha256(source, digest)
     settings = {"format": FORMAT, "source_sha256": digest, "dtype": c.dtype, "license": c.license}
-    return Plan(source, digest, files, settings, _up_to_date(Path(c.out), settings))
+    return Plan(source, digest, files, settings, *_up_to_date(Path(c.out), settings))
 
 
 def check(recipe: Recipe) -> None:
@@ -224,13 +236,18 @@ def main(recipe: Recipe, command: str) -> int:
     source, out = p.source, Path(c.out)
     what = f"{source.path.name}" + (f" ({source.package} {source.version})" if source.package else "")
     if p.cached:  # said before torch is imported: a cached run takes a second
+        from align.disk import CHECKSUMS, record_checksums
+
+        if not (out / CHECKSUMS).is_file():  # converted before align recorded them: every reader checks them now
+            record_checksums(out)
         print(f"convert: {out} is up to date: converted from {what}, sha256 {p.sha256[:12]}…, {c.dtype}; nothing to do")
         return 0
-    from align.disk import atomic_folder
-    from align.disk import file_sha256
+    from align.disk import atomic_folder, file_sha256, record_checksums
     from align.data import template_sha256
     from align.models import DTYPES
 
+    if p.changed:
+        print(f"convert: {out / p.changed} is not the file the conversion there wrote; converting again")
     gguf = _gguf_metadata(source.path, p.sha256) if source.kind == "gguf" else {}
     print(f"convert: {what}, sha256 {p.sha256[:12]}… -> {out} ({c.dtype})")
     model, tokenizer, generation, reference = _load(source, DTYPES[c.dtype])
@@ -272,6 +289,7 @@ def main(recipe: Recipe, command: str) -> int:
         manifest["files"] = {f.name: {"sha256": file_sha256(f), "bytes": f.stat().st_size}
                              for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        record_checksums(tmp)  # sha256.json: every later reader (models.load, the stages' checks) verifies the folder
     print(f"convert: {manifest['model']['architecture']}, {manifest['model']['parameters'] / 1e6:.1f}M parameters, "
           f"vocabulary {config.vocab_size}, licence {licence['id']}; logits vs the source max |Δ| "
           f"{checked['max_abs_logit_diff']:.3g}; {PROBE!r} -> {checked['greedy_answer'][:60]!r}; "

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from align.checkpoint import (commit_state, is_adapter_folder, merged_model, save_adapter, save_merged, state_to_resume,
-                              step_folders)
+                              step_folders, weights_sha256_of)
 from align.config import Recipe, RecipeError, first_line
 from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
@@ -54,6 +54,7 @@ from align.mask_token import dflash_mask_token
 from align.memory_probe import peak_per_gpu
 from align.models import is_partitioned, load_tokenizer, load_verifier
 from align.preflight import load_model_config
+from align.recipe_files import get_key
 from align.tracking import check_trackers, open_trackers
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,
                            verifier_window_logits, window_forwards, window_logits)
@@ -198,10 +199,12 @@ def models(recipe: Recipe) -> tuple[str, ...]:
 
 def check(recipe: Recipe) -> None:
     """`align train`'s checks before any launcher starts, beyond its models': the configs (check_train), then the run
-    folder's settings (check_resume: a changed recipe is refused before launching), then the memory warning (last:
-    after every refusal, since it measures; only with CUDA)."""
+    folder's settings and the weights it started from (check_resume, check_resumed_weights: a changed recipe or
+    re-saved weights are refused before launching), then the memory warning (last: after every refusal, since it
+    measures; only with CUDA)."""
     check_train(recipe)
     check_resume(recipe)
+    check_resumed_weights(recipe)
     warn_train_memory(recipe, lambda r, world_size: peak_per_gpu(r, world_size).total)
 
 
@@ -297,6 +300,29 @@ def check_resume(recipe: Recipe) -> int:
     return step
 
 
+def weights_read(recipe: Recipe) -> dict[str, Optional[str]]:
+    """The sha256 of the weights behind each model key the run reads (`models`), of a local folder or a Hub id's cached
+    snapshot (None when neither is here): what run.json keeps, so that a resume notices re-saved weights behind the
+    same path. Hashed once per process and state of the files (`weights_sha256_of`); only rank 0 and the check before
+    launching ask."""
+    return {key: weights_sha256_of(str(get_key(recipe, key))) for key in models(recipe)}
+
+
+def check_resumed_weights(recipe: Recipe) -> None:
+    """Refuse (RecipeError, before any launcher starts) to resume a run whose models' weights changed since it began
+    (a verifier re-converted, a base drafter derived again): its checkpoints and optimizer state would continue from
+    other weights without a word. Runs recorded before run.json kept weights are not compared."""
+    recorded = recorded_run(Path(recipe.train.out))
+    then = (recorded or {}).get("weights") or {}
+    if not then:
+        return
+    for key, now in weights_read(recipe).items():
+        if then.get(key) and now and then[key] != now:
+            raise RecipeError(f"{key}: the weights at {get_key(recipe, key)} are not the ones the run in "
+                              f"{recipe.train.out} started from (sha256 {then[key][:12]}…, now {now[:12]}…); restore "
+                              "them, or choose another train.out")
+
+
 def finished(recipe: Recipe, step: int) -> bool:
     """Whether the run resumed at `step` has nothing left to do: every step, and the final τ when asked for."""
     t = recipe.train
@@ -315,7 +341,7 @@ def record_run(recipe: Recipe) -> None:
     if not (out / RUN_RECORD).is_file():
         write_text_atomic(out / RUN_RECORD, json.dumps({
             "settings": run_settings(recipe.to_dict()), "trajectories": trajectory_settings_hash(recipe),
-            "may_change_on_resume": sorted(MAY_CHANGE_ON_RESUME)}, indent=2))
+            "weights": weights_read(recipe), "may_change_on_resume": sorted(MAY_CHANGE_ON_RESUME)}, indent=2))
 
 
 def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:

@@ -148,6 +148,31 @@ def test_a_second_run_does_nothing_and_says_so(smollm2, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in smollm2.iterdir()} == before
 
 
+def test_a_changed_byte_in_a_converted_folder_is_caught(smollm2, tmp_path):
+    # The folder carries sha256.json, which every reader checks, and convert itself compares the files' sha256 with
+    # its manifest's: one flipped byte keeps the size, which was all it compared (issue 35).
+    from align.config import RecipeError
+    from align.disk import verify_checksums
+    from align.recipe_files import load_recipe
+    from align.stages.convert import plan
+
+    copy = tmp_path / "verifier"
+    shutil.copytree(smollm2, copy)
+    assert verify_checksums(copy)
+    recipe = load_recipe(str(RECIPE), [f"convert.out={copy}"])
+    assert plan(recipe).cached
+    weights = copy / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.seek(weights.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(RecipeError, match="model.safetensors"):
+        verify_checksums(copy)
+    p = plan(recipe)
+    assert not p.cached and p.changed == "model.safetensors"
+
+
 def test_a_missing_package_or_file_is_refused_before_any_work(tmp_path, capsys):
     out = tmp_path / "out"
     for args, expected in [
