@@ -79,12 +79,20 @@ _OS_ERROR_IN_MESSAGE = re.compile(r"(?:os error|errno) (\d+)", re.IGNORECASE)
 _TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
 
 
+def through_links(path: str | os.PathLike) -> Path:
+    """`path`, or, when it is a symbolic link, what it points to: an atomic write renames a new file or folder into
+    place, which would replace the link itself with a real one and leave its target stale (a symlinked export.out)."""
+    path = Path(path)
+    return path.resolve() if path.is_symlink() else path
+
+
 @contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; when the block ends without an error it replaces `path` in one rename.
+    """Yield a temporary path beside `path` (beside its target, for a link); when the block ends without an error it
+    replaces `path` in one rename.
 
     The temporary name carries the pid, so ranks that write the same file at once do not collide."""
-    path = Path(path)
+    path = through_links(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with naming_path(path):
@@ -144,10 +152,10 @@ def discard_folder(folder: Path) -> None:
 
 @contextmanager
 def atomic_folder(final: str | os.PathLike, kind: str) -> Iterator[Path]:
-    """Yield an empty temporary folder beside `final`; when the block ends without an error it is marked as `kind`'s
-    output and published as `final` (publish_folder). On an error the temporary folder is removed and `final` is left
-    as it was."""
-    final = Path(final)
+    """Yield an empty temporary folder beside `final` (beside its target, for a link); when the block ends without an
+    error it is marked as `kind`'s output and published as `final` (publish_folder). On an error the temporary folder
+    is removed and `final` is left as it was."""
+    final = through_links(final)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -33,6 +33,23 @@ def test_a_folder_is_replaced_whole(tmp_path):
     assert sorted(p.name for p in final.iterdir()) == [".align", "new.txt"]  # the marker: align wrote it
 
 
+def test_a_symlinked_output_is_written_through_its_link(tmp_path):
+    # A user's export.out (or eval.json) that is a link to another disk: the new folder or file replaces the link's
+    # target, and the link stays a link (it was replaced by a real folder, leaving the target stale: issue 35).
+    target, link = tmp_path / "disk" / "export", tmp_path / "export"
+    with atomic_folder(target, "export") as tmp:
+        (tmp / "old.txt").write_text("x")
+    link.symlink_to(target)
+    with atomic_folder(link, "export") as tmp:
+        (tmp / "new.txt").write_text("y")
+    assert link.is_symlink() and sorted(p.name for p in target.iterdir()) == [".align", "new.txt"]
+    real, linked = tmp_path / "disk" / "eval.json", tmp_path / "eval.json"
+    real.write_text("old")
+    linked.symlink_to(real)
+    write_text_atomic(linked, "new")
+    assert linked.is_symlink() and real.read_text() == "new"
+
+
 def test_a_failed_file_write_leaves_the_old_file(tmp_path):
     path = tmp_path / "eval.json"
     write_text_atomic(path, "old")
