@@ -103,6 +103,15 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def set_aside(path: str | os.PathLike, name: str) -> Path:
+    """Rename `path` to `name` in its folder (replacing what has that name) and return the new path: a file a stage
+    will not use but must not lose (a damaged resume state, or one of other settings)."""
+    path = Path(path)
+    aside = path.with_name(name)
+    os.replace(path, aside)
+    return aside
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_file(path) as tmp:
         tmp.write_text(text)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from align.disk import atomic_file
+from align.disk import atomic_file, set_aside
 from align.losses import mdlm, next_token
 from align.masks import attention_masks, block_diffusion_allowed
 
@@ -122,6 +122,28 @@ class Schedule:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
 
+def saved_state(part: str, state_path: Path, config_hash: str) -> Optional[dict[str, Any]]:
+    """The state a killed run of these settings left at `state_path`, to resume from; None for a fresh start. A state
+    that cannot be read (a damaged disk: align writes it atomically) or one saved by a run with other settings is set
+    aside under another name and said, never resumed from silently nor overwritten by this run's saves:
+    `state.damaged.pt`, `state-<its settings hash>.pt` (the work folder goes when a run in it finishes)."""
+    if not state_path.is_file():
+        return None
+    try:
+        state = torch.load(state_path, weights_only=False)
+        saved_hash = state["config_hash"]
+    except Exception as error:  # noqa: BLE001 (torch.load raises what its unpickler and zip reader raise)
+        aside = set_aside(state_path, "state.damaged.pt")
+        print(f"[{part}] {state_path} cannot be read ({type(error).__name__}); kept as {aside.name}, starting at step 0")
+        return None
+    if saved_hash != config_hash:
+        aside = set_aside(state_path, f"state-{str(saved_hash)[:12]}.pt")
+        print(f"[{part}] {state_path} was saved by a run with other settings (step {state.get('step')}); kept as "
+              f"{aside.name}, starting at step 0 with these")
+        return None
+    return state
+
+
 def train_loop(part: str, model: torch.nn.Module, step_fn: StepFn, window_at: Callable[[np.random.Generator], torch.Tensor],
                schedule: Schedule, work: Path, config_hash: str, seed: int, bf16: bool) -> dict[str, Any]:
     """Train `model`'s trainable parameters until the budget is spent, resuming from `work/state.pt` if a killed run
@@ -135,14 +157,13 @@ def train_loop(part: str, model: torch.nn.Module, step_fn: StepFn, window_at: Ca
     )
     step, elapsed, tokens_seen, last_loss = 0, 0.0, 0, float("nan")
     state_path = work / "state.pt"
-    if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
-        if state["config_hash"] == config_hash:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            step, elapsed, tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
-            last_loss = state.get("train_loss", last_loss)
-            print(f"[{part}] resuming at step {step} ({elapsed / 60:.1f} min spent)")
+    state = saved_state(part, state_path, config_hash)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed, tokens_seen = state["step"], state["elapsed"], state["tokens_seen"]
+        last_loss = state.get("train_loss", last_loss)
+        print(f"[{part}] resuming at step {step} ({elapsed / 60:.1f} min spent)")
     by_steps = schedule.max_steps is not None
     budget = schedule.max_steps if by_steps else schedule.budget_minutes * 60
 

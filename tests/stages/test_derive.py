@@ -192,6 +192,23 @@ def test_a_killed_run_resumes_where_it_was_and_ends_where_an_unbroken_one_does(f
         assert torch.equal(resumed[name], unbroken[name]), name
 
 
+def test_a_damaged_state_or_one_of_other_settings_is_set_aside_and_said(tmp_path, capsys):
+    # Issue 35: a killed derive whose settings then changed restarted from step 0 without a word (and overwrote the
+    # state), and a torn state.pt failed every rerun with torch's own error.
+    from align.pretraining import saved_state
+
+    path = tmp_path / "state.pt"
+    torch.save({"config_hash": "settings-a", "step": 3}, path)
+    assert saved_state("derive", path, "settings-a")["step"] == 3
+    capsys.readouterr()
+    assert saved_state("derive", path, "settings-b") is None
+    assert "was saved by a run with other settings (step 3); kept as state-settings-a.pt" in capsys.readouterr().out
+    assert not path.exists() and torch.load(tmp_path / "state-settings-a.pt", weights_only=False)["step"] == 3
+    path.write_bytes(b"PK\x03\x04 torn")
+    assert saved_state("derive", path, "settings-b") is None
+    assert "cannot be read" in capsys.readouterr().out and (tmp_path / "state.damaged.pt").is_file()
+
+
 @pytest.mark.parametrize("override, expected", [
     ("derive.layers=[0, 9]", "derive.layers: [9] are not layers of the verifier, which has 6"),
     ("derive.num_layers=6", "derive.num_layers: 6 keeps every one of the verifier's 6 layers"),
