@@ -182,7 +182,32 @@ def plan(recipe: Recipe) -> Plan:
     if made is not None and made.get("settings_hash") != digest:
         raise RecipeError(f"prompts.out: {p.out} holds samples drawn with other settings (verifier, template or "
                           "sampling); choose another folder or delete it")
+    check_raw_chunks(Path(p.out), digest)
     return Plan(tokenizer, template, prefixes, prefix_ids, stop_ids, settings, digest)
+
+
+def samples_sha256(samples: list[dict[str, Any]]) -> str:
+    """What a raw chunk records of its samples, so that an edited or damaged chunk is never read as the verifier's."""
+    return hashlib.sha256(json.dumps(samples, sort_keys=True).encode()).hexdigest()
+
+
+def check_raw_chunks(out: Path, settings_hash: str) -> None:
+    """Every raw chunk already in prompts.out is whole, of these settings and as it was written: refused in one line
+    naming the chunk, before any sampling (a torn or missing manifest let chunks of other settings be sampled over,
+    and an edited chunk that was still JSON became training data). Chunks from before the checksum have none."""
+    for path in sorted((out / "raw").glob("chunk-*.json")):
+        chunk = _read_json(path)
+        samples = chunk.get("samples") if isinstance(chunk, dict) else None
+        if not isinstance(samples, list) or not all(isinstance(s, dict) and {"ids", "ended", "text"} <= s.keys()
+                                                      for s in samples):
+            raise RecipeError(f"prompts.out: {path} is not a chunk of samples (damaged or edited); delete it to "
+                              "sample it again")
+        if chunk.get("settings_hash") != settings_hash:
+            raise RecipeError(f"prompts.out: {path} holds samples drawn with other settings (verifier, template or "
+                              "sampling); choose another folder or delete it")
+        if "samples_sha256" in chunk and chunk["samples_sha256"] != samples_sha256(samples):
+            raise RecipeError(f"prompts.out: {path} is not as it was written (its samples' sha256 differs); delete it "
+                              "to sample it again")
 
 
 def models(recipe: Recipe) -> tuple[str, ...]:
@@ -284,7 +309,8 @@ def main(recipe: Recipe, command: str) -> int:
                 sampling_s += time.perf_counter() - started
                 for s in samples:
                     s["text"] = tokenizer.decode(s["ids"]).strip()
-                chunk = {"settings_hash": plan_.settings_hash, "chunk": c, "seed": seed, "samples": samples}
+                chunk = {"settings_hash": plan_.settings_hash, "chunk": c, "seed": seed, "samples": samples,
+                         "samples_sha256": samples_sha256(samples)}
                 write_text_atomic(path, json.dumps(chunk))
                 sampled += len(samples)
             for k, s in enumerate(chunk["samples"]):

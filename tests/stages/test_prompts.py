@@ -136,9 +136,26 @@ def test_the_stage_resumes_and_counts_what_it_dropped(chat_verifier, tmp_path, c
     assert "of 8 samples (4 sampled this run" in capsys.readouterr().out
     assert (out / "raw" / "chunk-00000.json").read_text() == first
     assert json.loads((out / "raw" / "chunk-00001.json").read_text())["seed"] == 1
-    # Other sampling settings in the same folder are refused, before the verifier loads.
+    # Other sampling settings in the same folder are refused, before the verifier loads; also when the manifest is
+    # torn or gone (issue 35: the chunks of the earlier settings were then sampled over), by the chunks' own hash.
     assert main([*args, "prompts.temperature=0.7"]) == 2
     assert "holds samples drawn with other settings" in one_line_refusal(capsys)
+    (out / "manifest.json").write_text('{"settings_hash": "')
+    before = {path.name: path.read_text() for path in (out / "raw").iterdir()}
+    assert main([*args, "prompts.temperature=0.7"]) == 2
+    assert "chunk-00000.json holds samples drawn with other settings" in one_line_refusal(capsys)
+    # An edited chunk that is still JSON is never read as the verifier's samples, nor a chunk missing a field.
+    chunk = json.loads(first)
+    chunk["samples"][0]["text"] = "an edited prompt"
+    (out / "raw" / "chunk-00000.json").write_text(json.dumps(chunk))
+    assert main(args) == 2
+    assert "chunk-00000.json is not as it was written" in one_line_refusal(capsys)
+    del chunk["samples"][0]["ended"]
+    (out / "raw" / "chunk-00000.json").write_text(json.dumps(chunk))
+    assert main(args) == 2
+    assert "chunk-00000.json is not a chunk of samples" in one_line_refusal(capsys)
+    assert {path.name: path.read_text() for path in (out / "raw").iterdir() if path.name != "chunk-00000.json"} == \
+        {name: text for name, text in before.items() if name != "chunk-00000.json"}
 
 
 def test_a_verifier_without_a_chat_template_is_refused(tmp_path, capsys):
