@@ -179,6 +179,17 @@ class DraftGraph:
         return graph
 
 
+def check_graph_drafter(graph: DraftGraph, path: Path, drafter_path: str, weights_sha256: Optional[str]) -> None:
+    """Refuse (RecipeError, one line) a graph calibrated on other weights than the drafter it is to decode or ship
+    with (`weights_sha256`, the drafter's): its nodes are that drafter's likely replays, not this one's. A graph from
+    before calibrate recorded the weights is not compared."""
+    recorded = graph.meta.get("drafter_weights_sha256")
+    if recorded and weights_sha256 and recorded != weights_sha256:
+        raise RecipeError(f"calibrate.graph: {path} was calibrated on the drafter {graph.meta.get('model')} (weights "
+                          f"sha256 {recorded[:12]}…), not on drafter.path {drafter_path} ({weights_sha256[:12]}…); "
+                          "calibrate a graph for this drafter (align calibrate)")
+
+
 def is_parent(parent: Formula, child: Formula, tokens_per_step: int) -> bool:
     """One step leads from `parent` to `child`: the child adds `tokens_per_step` pairs to it."""
     return parent < child and len(child) - len(parent) == tokens_per_step

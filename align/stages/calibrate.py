@@ -13,6 +13,7 @@ from align.data import (chat_template, load_prompts, prompt_ids_sha256, render_p
                         tiny_prompts_path)
 from align.decoding.dllm import BlockTrace, dllm_generate
 from align.disk import mark_folder
+from align.checkpoint import weights_sha256_of
 from align.draft_graph import POSITION_ORDERS, calibrate
 from align.drafters.loading import load_drafter
 from align.methods import eos_token_ids
@@ -74,7 +75,8 @@ def main(recipe: Recipe, command: str) -> None:
     graph = calibrate(
         traces, spec.mask_token_id, c.block_length, c.budget, c.tokens_per_step, c.max_position_rank,
         c.max_token_rank, POSITION_ORDERS if c.position_order == "auto" else (c.position_order,), c.objective,
-        meta={"model": recipe.drafter.path, "drafter_spec": spec.to_dict(), "num_prompts": len(prompts),
+        meta={"model": recipe.drafter.path, "drafter_weights_sha256": weights_sha256_of(recipe.drafter.path),
+              "drafter_spec": spec.to_dict(), "num_prompts": len(prompts),
               "prompts": path, "prompts_sha256": prompt_ids_sha256(prompt_ids),
               "chat_template_sha256": template_sha256(template),
               "max_new_tokens": recipe.decode.max_new_tokens, "vanilla_nfe": nfe, "command": command},

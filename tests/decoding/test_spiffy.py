@@ -1,6 +1,7 @@
 """Spiffy: the draft graph's structure, calibration's search, and outputs identical to vanilla dLLM decoding."""
 
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -248,6 +249,25 @@ def test_calibrate_and_dllm_eval_stages(toy_family, tmp_path, capsys):
     assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={tmp_path / 'draft_graph.json'}",
                  "calibrate.block_length=16", f"eval.out={out}"]) == 2
     assert "calibrated for block length 8, decoding uses 16" in capsys.readouterr().err
+    # A graph calibrated on other weights (the drafter trained further, here one weight moved) is refused before any
+    # work, by eval and by export (issue 35: it was exported and used without a word).
+    from safetensors.torch import load_file, save_file
+
+    from align.checkpoint import weights_sha256
+
+    assert graph.meta["drafter_weights_sha256"] == weights_sha256(root / "ck" / "drafter-base")
+    moved = shutil.copytree(root / "ck" / "drafter-base", tmp_path / "drafter-moved")
+    weights = load_file(moved / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, moved / "model.safetensors", metadata={"format": "pt"})
+    (moved / "sha256.json").unlink(missing_ok=True)
+    other = [f"drafter.path={moved}", *common[1:], f"calibrate.graph={tmp_path / 'draft_graph.json'}"]
+    assert main(["eval", "recipes/tiny/spiffy.yaml", *other, f"eval.out={tmp_path / 'eval-other'}"]) == 2
+    assert "was calibrated on the drafter" in capsys.readouterr().err
+    assert main(["export", "recipes/tiny/spiffy.yaml", *other, f"export.out={tmp_path / 'export'}"]) == 2
+    assert "was calibrated on the drafter" in capsys.readouterr().err
+    assert not (tmp_path / "eval-other").exists() and not (tmp_path / "export").exists()
 
 
 @pytest.mark.parametrize("attention", ["block_causal", "bidirectional"])

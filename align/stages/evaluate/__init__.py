@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from align.checkpoint import weights_sha256_of
 from align.config import Recipe, RecipeError
 from align.decoding.options import METHOD_MODELS
-from align.draft_graph import DraftGraph
+from align.draft_graph import DraftGraph, check_graph_drafter
 from align.drafters.spec import method_refusal
 from align.methods import check_suffix_corpus
 from align.preflight import check_new_tokens, check_tiny_default, drafter_kind
@@ -52,6 +53,7 @@ def check(recipe: Recipe) -> None:
             raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align "
                               "calibrate)")
         graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)
+        check_graph_drafter(graph, c.graph, recipe.drafter.path, weights_sha256_of(recipe.drafter.path))
         for budget in e.spiffy_budgets:
             graph.prefix(budget)
 
