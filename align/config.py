@@ -199,6 +199,11 @@ class TrainSection(Section):
     grad_clip: float = Field(default=1.0, ge=0.0)
     #: DeepSpeed ZeRO stage
     zero_stage: Literal[0, 1, 2, 3] = 0
+    #: your DeepSpeed JSON config, merged with what align derives from this section (micro batch, accumulation,
+    #: clipping, ZeRO stage, bf16, the accumulation dtype): its other keys apply (ZeRO-Offload of optimizer state or
+    #: parameters, communication and bucket sizes, ...); a key align derives set to another value, an optimizer or a
+    #: scheduler (align builds AdamW and the cosine schedule from train.lr) is refused naming the key. None: align's own
+    deepspeed_config: Optional[str] = None
     bf16: bool = True
     #: under bf16, the dtype gradients are accumulated (and reduced) in across micro-batches: fp32 or bf16; None:
     #: fp32 with ZeRO (stages 1-3), bf16 at stage 0, where DeepSpeed has no fp32 accumulation for bf16 weights

@@ -165,7 +165,9 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
         (tmp / "custom_generate").mkdir()
         shutil.copy2(Path(__file__).parents[1] / "custom_generate.py", tmp / "custom_generate" / "generate.py")
     evaluation, meta = copy_run_records(recipe, source, tmp)
-    base_model = meta.get("drafter_base") or recipe.drafter.path
+    # A DFlash drafter was built on the verifier (meta.json's drafter_base is None): that is its base.
+    base_model = meta.get("drafter_base") or (recipe.verifier.path if recipe.dflash is not None
+                                              else recipe.drafter.path)
     (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
     copy_licence_file(recipe, origin(base_model), tmp)
 

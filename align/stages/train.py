@@ -210,6 +210,7 @@ def check(recipe: Recipe) -> None:
 
 def check_train(recipe: Recipe) -> None:
     """`align train`'s checks beyond its models' (only configs are read)."""
+    deepspeed_config(recipe)  # a user's DeepSpeed file: read and merged now, refused before any launcher starts
     if recipe.train.lora_r and recipe.dflash is None:
         model_type = getattr(load_model_config("drafter.path", recipe.drafter), "model_type", None)
         if model_type in CANVAS_DECODER_FAMILIES:
@@ -380,12 +381,13 @@ def init_distributed() -> tuple[int, int]:
 
 
 def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
-    """The DeepSpeed config, derived from the recipe (never hand-maintained beside it)."""
+    """The DeepSpeed config: what align derives from the recipe (never hand-maintained beside it), with the user's
+    own file (train.deepspeed_config) merged in under it (`merge_deepspeed_config`)."""
     t = recipe.train
     # bf16 gradients summed over many micro-batches lose the small ones: fp32 where DeepSpeed accumulates so (ZeRO
     # stages 1-3; at stage 0 it has no such mode for bf16 weights and accumulates in their dtype).
     accumulate = t.grad_accum_dtype or ("fp32" if t.zero_stage > 0 else None)
-    return {
+    derived = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "gradient_clipping": t.grad_clip,
@@ -395,6 +397,66 @@ def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
         "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with the progress bar
         "wall_clock_breakdown": False,
     }
+    if t.deepspeed_config is None:
+        return derived
+    given = read_deepspeed_config(t.deepspeed_config)
+    merged = merge_deepspeed_config(derived, given)
+    if "offload_optimizer" in merged["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in given:
+        # align's optimizer is a torch AdamW (no C++ build), which DeepSpeed refuses to offload unless told: it steps
+        # the offloaded fp32 state on the CPU as its own CPU Adam would, more slowly.
+        merged["zero_force_ds_cpu_optimizer"] = False
+    return merged
+
+
+# The recipe key each derived DeepSpeed setting comes from: a user's file may repeat it, not change it.
+DERIVED_FROM = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
+                "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+                "gradient_clipping": "train.grad_clip", "zero_optimization.stage": "train.zero_stage",
+                "bf16.enabled": "train.bf16", "data_types.grad_accum_dtype": "train.grad_accum_dtype"}
+# align's own preferences, which a user's file may change (DeepSpeed's printing).
+YOURS_TO_CHANGE = {"steps_per_print", "wall_clock_breakdown"}
+# What align builds itself (a torch AdamW and the warm-up cosine schedule, from train.lr and train.warmup_steps), the
+# batch size it computes from the ranks, and a precision it does not train in.
+NOT_YOURS = {"optimizer": "align builds AdamW from train.lr and train.weight_decay",
+             "scheduler": "align builds the warm-up cosine schedule from train.warmup_steps and train.max_steps",
+             "train_batch_size": "it is train.micro_batch_size × train.gradient_accumulation_steps × the ranks",
+             "fp16": "align trains in bf16 (train.bf16) or fp32"}
+
+
+def read_deepspeed_config(path: str) -> dict[str, Any]:
+    """train.deepspeed_config read as a JSON object; RecipeError (one line) for a missing or unreadable file."""
+    try:
+        config = json.loads(Path(path).expanduser().read_text())
+    except OSError as e:
+        raise RecipeError(f"train.deepspeed_config: {path} cannot be read ({e.strerror or type(e).__name__})") from None
+    except ValueError as e:
+        raise RecipeError(f"train.deepspeed_config: {path} is not JSON ({first_line(str(e))})") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"train.deepspeed_config: {path} is not a JSON object")
+    return config
+
+
+def merge_deepspeed_config(derived: dict[str, Any], given: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`given` (a user's DeepSpeed config) merged under `derived` (align's): nested objects are merged key by key;
+    a key of both must hold the same value. RecipeError naming the key otherwise, or for a key align sets up itself
+    (NOT_YOURS; `fp16` only when enabled)."""
+    merged = dict(derived)
+    for key, value in given.items():
+        dotted = prefix + key
+        why = NOT_YOURS.get(dotted)
+        if why and not (dotted == "fp16" and isinstance(value, dict) and not value.get("enabled", False)):
+            raise RecipeError(f"train.deepspeed_config: {dotted} is not taken from your file: {why}")
+        if key not in derived or dotted in YOURS_TO_CHANGE:
+            merged[key] = value
+        elif isinstance(derived[key], dict) and isinstance(value, dict):
+            merged[key] = merge_deepspeed_config(derived[key], value, dotted + ".")
+        elif value != derived[key]:
+            # (an object align derives given as a plain value, "bf16": true, names the keys inside it)
+            source = DERIVED_FROM.get(dotted) or ", ".join(
+                recipe_key for derived_key, recipe_key in DERIVED_FROM.items() if derived_key.startswith(dotted + "."))
+            raise RecipeError(f"train.deepspeed_config: {dotted} is {value!r} in your file, but align sets it from "
+                              f"{source} ({derived[key]!r}); set {source} instead, or leave it out of the file")
+    return merged
 
 
 def apply_activation_checkpointing(model: Any, enabled: bool) -> None:
@@ -445,6 +507,11 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         0.5 * (1 + math.cos(math.pi * min(1.0, s / t.max_steps)))))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=deepspeed_config(recipe))
+    # What ZeRO's optimizer does with it (its own flags, not the config's), said once: a user's offload is visible.
+    offloaded = [what for what, flag in (("optimizer state", "offload_optimizer"), ("parameters", "offload_param"))
+                 if getattr(engine.optimizer, flag, False)]
+    if offloaded and rank == 0:
+        print(f"align train: ZeRO-{t.zero_stage} offloads its {' and '.join(offloaded)} to the CPU", flush=True)
     if recipe.dflash is None and is_partitioned(model) and recipe.drafter.trust_remote_code:
         # load_drafter's check, now that the engine's hooks gather the weights; the mark goes on the drafter itself
         # (a peft wrapper passes reads of it through), as load_drafter puts it.
@@ -818,7 +885,9 @@ def main(recipe: Recipe, command: str) -> int:
     start = resume(trainer, out)
     # The experiment trackers (train.report_to) live on rank 0, which holds every metric after the step's reductions.
     trackers = open_trackers(t.report_to, out, t.project, t.run_name, recipe.to_dict(), start) if rank == 0 else None
-    meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path, "verifier": recipe.verifier.path,
+    # A DFlash drafter is built new on the verifier: it has no base drafter (drafter.path is only the recipe's default).
+    meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path if recipe.dflash is None else None,
+            "verifier": recipe.verifier.path,
             "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
             "command": command, **({"mask_token": trainer.mask_token} if trainer.mask_token else {})}
     status = 0

@@ -97,6 +97,23 @@ def test_two_processes_and_zero3_match_one_process(trajectories, tmp_path):
         assert torch.allclose(p, q, atol=1e-5), name
 
 
+def test_zero_offload_from_your_deepspeed_config_trains_as_one_process(trajectories, tmp_path):
+    # train.deepspeed_config (issue 36): ZeRO-Offload of the optimizer state and ZeRO-3 parameters to the CPU, for
+    # real, on 2 ranks: the same losses as one process without DeepSpeed's partitioning.
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"},
+                                                    "offload_param": {"device": "cpu"}}}))
+    one, two = tmp_path / "one", tmp_path / "offload"
+    rc, log = launch(1, overrides(trajectories, one, "train.max_steps=3", "train.micro_batch_size=2",
+                                  "train.gradient_accumulation_steps=2"))
+    assert rc == 0, log[-3000:]
+    rc, log = launch(2, overrides(trajectories, two, "train.max_steps=3", "train.micro_batch_size=2",
+                                  "train.zero_stage=3", f"train.deepspeed_config={ds}"))
+    assert rc == 0, log[-3000:]
+    assert "ZeRO-3 offloads its optimizer state and parameters to the CPU" in log, log[-3000:]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-4, abs=1e-6)
+
+
 def test_sigkill_after_a_checkpoint_resumes_with_the_same_losses(trajectories, tmp_path):
     args = ["train.max_steps=24", "train.save_every=3", "train.micro_batch_size=2"]
     full = tmp_path / "full"

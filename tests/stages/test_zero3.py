@@ -21,6 +21,7 @@ import torch
 from conftest import checkout_env
 from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
 
+from align.config import RecipeError
 from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
 from align.models import load_tokenizer
 from align.recipe_files import load_recipe
@@ -193,6 +194,50 @@ def test_bad_values_of_the_new_keys_are_refused_in_one_line(overrides, says, cap
     assert main(["validate", "recipes/tiny/align.yaml", *overrides]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and says in err, err
+
+
+def test_your_deepspeed_config_is_merged_and_conflicts_are_refused_by_key(tmp_path, capsys):
+    # train.deepspeed_config (issue 36): a user's DeepSpeed JSON joins what align derives; a key align derives may be
+    # repeated, not changed, and what align builds itself (optimizer, scheduler) is refused, each in one line naming
+    # the key, before any launcher starts (`align validate` reads the recipe only; the stage's check reads the file).
+    from align.cli import main
+    from align.stages.train import check_train, deepspeed_config
+
+    def recipe_with(config) -> list[str]:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(config) if not isinstance(config, str) else config)
+        return ["train.zero_stage=2", "train.bf16=true", f"train.deepspeed_config={path}"]
+
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": False},
+               "train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer": True}
+    config = deepspeed_config(load_recipe("recipes/tiny/align.yaml",
+                                          [*recipe_with(offload), "train.micro_batch_size=4"]))
+    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": False}
+    assert config["zero_allow_untested_optimizer"] is True and config["bf16"] == {"enabled": True}
+    assert config["zero_force_ds_cpu_optimizer"] is False  # align's torch AdamW steps the offloaded state
+    for given, says in [
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage is 3 in your file, but align sets it from "
+                                              "train.zero_stage (2); set train.zero_stage instead"),
+        ({"gradient_clipping": 0.5}, "gradient_clipping is 0.5 in your file, but align sets it from train.grad_clip"),
+        ({"bf16": True}, "bf16 is True in your file, but align sets it from train.bf16"),
+        ({"optimizer": {"type": "AdamW"}}, "optimizer is not taken from your file: align builds AdamW"),
+        ({"scheduler": {"type": "WarmupLR"}}, "scheduler is not taken from your file"),
+        ({"fp16": {"enabled": True}}, "fp16 is not taken from your file"),
+        ("[1, 2]", "is not a JSON object"), ("{'stage': 2}", "is not JSON"),
+    ]:
+        with pytest.raises(RecipeError, match="^train.deepspeed_config: ") as refused:
+            check_train(load_recipe("recipes/tiny/align.yaml", recipe_with(given)))
+        assert says in str(refused.value) and "\n" not in str(refused.value), refused.value
+    quiet = deepspeed_config(load_recipe("recipes/tiny/align.yaml", recipe_with({"fp16": {"enabled": False},
+                                                                               "steps_per_print": 5})))
+    assert quiet["steps_per_print"] == 5 and quiet["fp16"] == {"enabled": False}  # DeepSpeed's printing is yours
+    out = tmp_path / "run"
+    assert main(["train", "recipes/tiny/align.yaml", "train.deepspeed_config=/nonexistent/ds.json",
+                 f"train.out={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("align train: error: train.deepspeed_config: /nonexistent/ds.json cannot be read") \
+        and "\n" not in err, err
+    assert not out.exists()
 
 
 def test_keep_last_prunes_older_checkpoints_never_the_latest(tmp_path):
