@@ -4,10 +4,9 @@
 # DeepSpeed on 2 ranks (a DFlash drafter, and a standalone block-diffusion drafter cut from its own layers), both
 # exported, then one interleaved eval per benchmark (GSM8K test at temperature 0 and 1, HumanEval and Spec-Bench's
 # MT-Bench questions at 0), and vLLM without a drafter, with its n-gram speculator and with the DFlash drafter at 1, 4
-# and 16 requests in flight. 59 minutes with 512 prompts (2560 now, not timed whole) on an idle 2-core AMD EPYC
-# (docs/results/2026-12-02-smollm2-whole-command.md); the recipes' step counts are chosen to fit 90 minutes on the
-# slower 2-core Xeon of the earlier runs. Every stage resumes or skips finished work, so a rerun after an interruption
-# continues where it stopped. Leaves:
+# and 16 requests in flight. 115 minutes on a fresh 2-core AMD EPYC VM, 25 over the 90 aimed at
+# (docs/results/2026-12-04-smollm2-fresh-machine.md, which says where the time went). Every stage resumes or skips
+# finished work, so a rerun after an interruption continues where it stopped. Leaves:
 #
 #   checkpoints/smollm2/verifier/            the converted verifier
 #   checkpoints/smollm2/dflash/export/       the DFlash drafter in the speculators format (vLLM serves it)
