@@ -86,7 +86,7 @@ MUTATIONS = (
     # custom_generate restates the acceptance rule: its own planted bug, caught by its own sampled test.
     Mutation("custom_generate: after a rejection, sample the verifier's p, not norm(max(p - q, 0))",
              "custom_generate.py", "residual = diff / diff.sum() if diff.sum() > 0 else verifier_probs[num_accepted]",
-             "residual = verifier_probs[num_accepted]", (CUSTOM + "test_sampling_is_the_verifiers_distribution[llama]",)),
+             "residual = verifier_probs[num_accepted]", (CUSTOM + "test_sampling_is_the_verifiers_distribution[llama-chain]",)),
     # Issue 37: a model-free draft has no q; accepting it as if drawn from one (here half the mass on the token, the
     # rest spread over the table models' 6 tokens) keeps it too often and corrects from the wrong residual.
     Mutation("an n-gram continuation accepted against a drafter's q instead of as a point mass", "decoding/ngram.py",
