@@ -491,11 +491,12 @@ def walk(tree: Tree, logits: torch.Tensor, context: torch.Tensor, choice: TokenC
         row = path[-1] + 1 if path else 0
         prefix = torch.cat([context, context.new_tensor([[tree.tokens[n] for n in path]])], dim=1)
         target = choice.probs(prefix, logits[row])
+        best = int(target.argmax())  # greedy: the one token that can be kept here
         chosen = None
         for node in children[row]:
             token = tree.tokens[node]
             if not choice.do_sample:
-                if token == int(target.argmax()):
+                if token == best:
                     chosen = node
                     break
                 continue
@@ -506,7 +507,7 @@ def walk(tree: Tree, logits: torch.Tensor, context: torch.Tensor, choice: TokenC
             target[token] = 0
             target = target / target.sum()  # a rejection means p(x) < 1: mass is left elsewhere
         if chosen is None:
-            return path, int(target.argmax()) if not choice.do_sample else int(torch.multinomial(target, 1))
+            return path, best if not choice.do_sample else int(torch.multinomial(target, 1))
         path.append(chosen)
 
 
@@ -541,6 +542,10 @@ def union_tree(verifier, drafter: Drafter, prompt: torch.Tensor, gamma: int, num
     return truncated(tokens, max_new_tokens, eos_ids), accept_counts
 
 
+# Set on a verifier once check_tree_verifier has passed it.
+TREE_MASK_READ = "_custom_generate_reads_tree_masks"
+
+
 def check_tree_verifier(verifier) -> None:
     """Refuse, before any work, a verifier whose tree forward would not be exact: an attention that takes no 4-D float
     mask, layers whose masks block_masks cannot build, a cache whose layers cannot keep one branch (not key/value
@@ -552,6 +557,8 @@ def check_tree_verifier(verifier) -> None:
         raise ValueError(f"union=True verifies a tree through a 4-D float mask, which the verifier's attention "
                          f"({implementation}) does not take: load it with attn_implementation='sdpa' or 'eager'")
     layer_types = mask_layer_types(verifier, "verifier")
+    if getattr(verifier, TREE_MASK_READ, False):  # the forwards below asked once per verifier, as align's runtime
+        return
     ids = torch.arange(4, device=verifier.device)[None]
     last = []
     for hide in (False, True):
@@ -568,6 +575,7 @@ def check_tree_verifier(verifier) -> None:
     if torch.equal(*last):
         raise ValueError(f"the verifier ({type(verifier).__name__}) ignores the 4-D attention mask it is handed, so a "
                          "tree's nodes cannot be scored apart: decode without union=True")
+    setattr(verifier, TREE_MASK_READ, True)  # asked once per verifier, not at every generate() call
 
 
 SUFFIX_FILE = "suffix_index.npz"  # what `align export` writes beside the drafter when decode.suffix_corpus is set
@@ -589,6 +597,17 @@ def find_suffix_index(drafter_model, given: Optional[str]) -> Optional[str]:
 
     return cached_file(source, SUFFIX_FILE, _raise_exceptions_for_missing_entries=False,
                        _raise_exceptions_for_connection_errors=False)
+
+
+def suffix_candidates(drafter_model, given: Optional[str]) -> Optional[SuffixCandidates]:
+    """find_suffix_index's index, loaded once per drafter and `given` (kept on the drafter): not found and read again
+    (for a Hub drafter, asked of the Hub again) at every generate() call."""
+    cached = getattr(drafter_model, "_custom_generate_suffix", None)
+    if cached is None or cached[0] != given:
+        file = find_suffix_index(drafter_model, given)
+        cached = (given, SuffixCandidates(file) if file is not None else None)
+        drafter_model._custom_generate_suffix = cached
+    return cached[1]
 
 
 # Settings of generate() this loop refuses, each with its plain value(s) and why (every other setting is generate()'s
@@ -717,8 +736,7 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
     drafter, choice = Drafter(assistant_model), TokenChoice(processors, bool(config.do_sample))
     if union:
         check_tree_verifier(model)
-        file = find_suffix_index(assistant_model, suffix_index)
-        suffix = SuffixCandidates(file) if file is not None else None
+        suffix = suffix_candidates(assistant_model, suffix_index)
         tokens, accept_counts = union_tree(model, drafter, prompt, gamma, tree_nodes, config.max_length - n, choice,
                                            eos_ids, suffix)
     else:
