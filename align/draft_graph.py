@@ -31,6 +31,7 @@ from typing import Any, Iterable, Literal, Optional
 
 import torch
 
+from align.checkpoint import weights_sha256_of
 from align.config import RecipeError
 from align.decoding.dllm import BlockTrace, StepRanks
 from align.disk import write_text_atomic
@@ -179,11 +180,12 @@ class DraftGraph:
         return graph
 
 
-def check_graph_drafter(graph: DraftGraph, path: Path, drafter_path: str, weights_sha256: Optional[str]) -> None:
-    """Refuse (RecipeError, one line) a graph calibrated on other weights than the drafter it is to decode or ship
-    with (`weights_sha256`, the drafter's): its nodes are that drafter's likely replays, not this one's. A graph from
-    before calibrate recorded the weights is not compared."""
+def check_graph_drafter(graph: DraftGraph, path: str | Path, drafter_path: str) -> None:
+    """Refuse (RecipeError, one line) a graph calibrated on other weights than the drafter at `drafter_path`, which it
+    is to decode or ship with: its nodes are that drafter's likely replays, not this one's. A graph from before
+    calibrate recorded the weights is not compared."""
     recorded = graph.meta.get("drafter_weights_sha256")
+    weights_sha256 = weights_sha256_of(drafter_path) if recorded else None
     if recorded and weights_sha256 and recorded != weights_sha256:
         raise RecipeError(f"calibrate.graph: {path} was calibrated on the drafter {graph.meta.get('model')} (weights "
                           f"sha256 {recorded[:12]}…), not on drafter.path {drafter_path} ({weights_sha256[:12]}…); "

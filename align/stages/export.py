@@ -224,11 +224,10 @@ def check(recipe: Recipe) -> None:
             raise RecipeError(f"drafter.path: {meta} is not a JSON object (align train writes it with each "
                               "checkpoint); restore it, or delete it to export without the run's records")
     if recipe.calibrate.graph is not None:
-        from align.checkpoint import weights_sha256_of
         from align.draft_graph import DraftGraph, check_graph_drafter
 
         graph = DraftGraph.load(Path(recipe.calibrate.graph))
-        check_graph_drafter(graph, recipe.calibrate.graph, recipe.drafter.path, weights_sha256_of(recipe.drafter.path))
+        check_graph_drafter(graph, recipe.calibrate.graph, recipe.drafter.path)
     if recipe.decode.suffix_corpus is not None:
         from align.methods import check_suffix_corpus
 

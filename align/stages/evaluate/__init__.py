@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from align.checkpoint import weights_sha256_of
 from align.config import Recipe, RecipeError
 from align.decoding.options import METHOD_MODELS
 from align.draft_graph import DraftGraph, check_graph_drafter
@@ -53,7 +52,7 @@ def check(recipe: Recipe) -> None:
             raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align "
                               "calibrate)")
         graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)
-        check_graph_drafter(graph, c.graph, recipe.drafter.path, weights_sha256_of(recipe.drafter.path))
+        check_graph_drafter(graph, c.graph, recipe.drafter.path)
         for budget in e.spiffy_budgets:
             graph.prefix(budget)
 

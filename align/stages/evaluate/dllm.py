@@ -14,7 +14,6 @@ from typing import Any, Callable
 import torch
 
 from align.bench import interleaved, report_json
-from align.checkpoint import weights_sha256_of
 from align.config import Recipe, RecipeError
 from align.data import (chat_template, encode_prompts, eval_prompt_rows, prompt_ids_sha256, prompt_places,
                         template_sha256)
@@ -71,7 +70,7 @@ def evaluate(recipe: Recipe, command: str) -> None:
     if c.graph is None:
         raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align calibrate)")
     graph = DraftGraph.load(Path(c.graph), block_length=c.block_length, tokens_per_step=c.tokens_per_step)
-    check_graph_drafter(graph, c.graph, recipe.drafter.path, weights_sha256_of(recipe.drafter.path))
+    check_graph_drafter(graph, c.graph, recipe.drafter.path)
     for budget in e.spiffy_budgets:
         graph.prefix(budget)  # refuse a budget the graph cannot serve before any work
     tokenizer = load_tokenizer(recipe.drafter.path, recipe.drafter.trust_remote_code)
