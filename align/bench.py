@@ -56,10 +56,11 @@ class Run:
 
 
 def interleaved(methods: dict[str, Callable[[int, torch.Tensor], tuple[list[int], Any]]], prompts: list[torch.Tensor],
-                warmup: int, repeats: int, desc: str) -> dict[str, Run]:
+                warmup: int, repeats: int, desc: str, after_warmup: Callable[[], None] = lambda: None
+                ) -> dict[str, Run]:
     """Every method, fn(prompt index, prompt_ids (1, n)) -> (tokens, stats), on every prompt after `warmup` prompts of
-    warm-up. The method order rotates per prompt so that no method always runs first; a prompt's wall time is the
-    median of `repeats` runs."""
+    warm-up (then `after_warmup` is called). The method order rotates per prompt so that no method always runs first;
+    a prompt's wall time is the median of `repeats` runs."""
     names = list(methods)
     # Warm-up has its bar too: with a real model it is minutes of generations before the first timed one. None
     # without warm-up (an empty bar would print "0it").
@@ -69,6 +70,7 @@ def interleaved(methods: dict[str, Callable[[int, torch.Tensor], tuple[list[int]
             for i, ids in enumerate(prompts[:warmup]):
                 methods[name](i, ids)
                 bar.update()
+    after_warmup()
     runs = {name: Run([], [], []) for name in names}
     bar = tqdm(total=len(prompts) * len(names) * repeats, desc=desc, unit="gen", dynamic_ncols=True)
     for i, ids in enumerate(prompts):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -30,7 +30,7 @@ from align.decoding.options import METHOD_NAMES, MethodOptions, parse_method
 from align.decoding.path_search import PathSearch, TrigramModel
 from align.decoding.sd_ar import ARDraftStep
 from align.decoding.self_selection import SelectionStep
-from align.decoding.sizing import CostAwareSize, measure_verify_costs
+from align.decoding.sizing import CostAwareSize, DrafterGate, measure_verify_costs
 from align.decoding.specdiff import PathStep, draft_choice
 from align.decoding.speculative import Decoding, Step, speculative_generate
 from align.decoding.suffix import FILE as SUFFIX_FILE, SuffixIndex
@@ -58,6 +58,11 @@ class Setup:
     draft_cost: Optional[float] = None
     # SuffixDecoding's index over the verifier's trajectories (the suffix methods), built once (`suffix_index`).
     suffix: Optional[SuffixIndex] = None
+    # What the cost-aware methods learn as they decode (each size chooser's per-depth calibration and drafter cost,
+    # the union's DrafterGate), kept from one prompt to the next as a server keeps it between requests: a 64-token
+    # answer is ~30 steps, too few for the gate to learn four buckets afresh. Keyed by (method, role); every prompt
+    # still decides from earlier steps only, so it stays lossless. `forget` empties it (a new run of prompts).
+    learned: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def measured_costs(self, prompt_ids: torch.Tensor) -> list[float]:
         """This hardware's verifier cost curve, measured at the first call (after a context as long as this prompt
@@ -69,9 +74,22 @@ class Setup:
             self.verify_costs = measure_verify_costs(self.verifier, context, most)
         return self.verify_costs
 
-    def cost_aware_size(self, prompt_ids: torch.Tensor) -> CostAwareSize:
-        """A fresh per-generation size chooser over the measured cost curve."""
-        return CostAwareSize(self.measured_costs(prompt_ids), self.draft_cost)
+    def cost_aware_size(self, prompt_ids: torch.Tensor, method: str, role: str) -> CostAwareSize:
+        """`method`'s size chooser for `role` (the drafter, or a candidate source) over the measured cost curve: the
+        one its earlier prompts taught (`learned`), else a new one."""
+        costs = self.measured_costs(prompt_ids)
+        sizing = self.learned.get((method, role))
+        if sizing is None or sizing.verify_s != costs:
+            sizing = self.learned[(method, role)] = CostAwareSize(costs, self.draft_cost)
+        return sizing
+
+    def drafter_gate(self, method: str) -> DrafterGate:
+        """`method`'s DrafterGate (a cost-sized union tree with a drafter), as its earlier prompts left it."""
+        return self.learned.setdefault((method, "gate"), DrafterGate())
+
+    def forget(self) -> None:
+        """Drop what the methods learnt: the next prompt starts as the first of a run."""
+        self.learned.clear()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -156,7 +174,8 @@ def candidate_sources(method: MethodOptions, s: Setup, ids: torch.Tensor
             raise RecipeError(f"{method.name}: SuffixDecoding needs its index: set decode.suffix_corpus to a "
                               "trajectories folder")
         sources.append(suffix_source(s.suffix, d.suffix_nodes, d.suffix_max_match, d.suffix_min_share))
-    return [(source, s.cost_aware_size(ids) if "cost" in method else None) for source in sources]
+    return [(source, s.cost_aware_size(ids, method.name, f"source {i}") if "cost" in method else None)
+            for i, source in enumerate(sources)]
 
 
 def suffix_index(recipe: Recipe) -> SuffixIndex:
@@ -190,22 +209,22 @@ def speculative_step(method: MethodOptions, s: Setup, ids: torch.Tensor, decodin
                      generator: Optional[torch.Generator]) -> Step:
     """The step a speculative method's options name, with the decode section's settings."""
     d = s.decode
+    sizing = s.cost_aware_size(ids, method.name, "draft") if "cost" in method else None
     if method.base == "ngram":
-        sizing = s.cost_aware_size(ids) if "cost" in method else None
         return NgramStep(s.verifier, decoding, ngram_lookup(d), generator, sizing)
     if method.base == "suffix":  # a union tree of the model-free sources alone
-        sizing = s.cost_aware_size(ids) if "cost" in method else None
         return TreeStep(s.verifier, None, None, decoding, d.tree_nodes, generator, sizing, None,
                         candidate_sources(method, s, ids))
     if method.base == "sd_ar":
         return ARDraftStep(s.verifier, s.ar_drafter, decoding, decoding.sampling, generator)
     if "select" in method:
         return SelectionStep(s.verifier, s.drafter, s.spec, decoding, d.num_candidates, d.draft_temperature, generator)
-    sizing = s.cost_aware_size(ids) if "cost" in method else None
     search = (path_search(d), s.proxy) if "cps" in method else None
     if "tree" in method:
-        return TreeStep(s.verifier, s.drafter, s.spec, decoding, d.tree_nodes, generator, sizing, search,
-                        candidate_sources(method, s, ids))
+        sources = candidate_sources(method, s, ids)
+        gate = s.drafter_gate(method.name) if sizing is not None and sources else None
+        return TreeStep(s.verifier, s.drafter, s.spec, decoding, d.tree_nodes, generator, sizing, search, sources,
+                        gate)
     adaptive = AdaptiveLength(d.adl_min_len, d.adl_max_len, d.adl_delta, d.adl_rho) if "adl" in method else None
     choose = draft_choice(decoding.sampling, generator, argmax_draft=d.draft_choice == "argmax", path_search=search,
                           eos_ids=decoding.eos_ids)

@@ -68,6 +68,9 @@ def non_decreasing(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
+KEPT_CHOICES = 256  # a chooser kept from prompt to prompt (methods.Setup.learned) keeps its recent choices only
+
+
 @dataclass
 class CostAwareSize:
     """Chooses each step's draft size from the measured verifier costs and calibrated drafter confidences.
@@ -87,7 +90,7 @@ class CostAwareSize:
     measured_draft_s: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)  # per depth: Σ drafter probability of the verified nodes
     observed: list[float] = field(default_factory=list)  # per depth: Σ 1[accepted path reached that depth]
-    chosen: list[int] = field(default_factory=list)  # per step: the nodes verified
+    chosen: list[int] = field(default_factory=list)  # per step: the nodes verified (the last KEPT_CHOICES)
 
     def calibration(self, depth: int) -> float:
         """Accepted ÷ predicted at `depth` (1-based), shrunk toward all depths' ratio (1 before any data)."""
@@ -111,7 +114,8 @@ class CostAwareSize:
         a union step skipped the drafter (`DrafterGate`): draft_s, the candidates' lookup, is then taken as it is
         and kept out of the drafter pass's running mean."""
         if drafter_ran:
-            self.measured_draft_s.append(draft_s)
+            # the last 16 passes are all draft_estimate reads: a chooser kept across prompts stays small
+            self.measured_draft_s = [*self.measured_draft_s[-15:], draft_s]
             draft_s = self.draft_estimate()
         elif self.draft_s is not None:
             draft_s = 0.0  # fixed costs: the lookup (microseconds) is not timed, so that every size is reproducible
@@ -121,7 +125,7 @@ class CostAwareSize:
             rate = expected / (draft_s + self.verify_s[n])  # n nodes and the root: n + 1 tokens
             if rate > best_rate:
                 best, best_rate = n, rate
-        self.chosen.append(best)
+        self.chosen = [*self.chosen[-(KEPT_CHOICES - 1):], best]
         return best
 
     def draft_estimate(self) -> float:
@@ -156,10 +160,12 @@ class DrafterGate:
     where they are absent the drafter may or may not beat a plain step. So the choice is learnt per bucket of the
     candidates' expected acceptance (Σ of their calibrated per-node acceptance: the expected accepted length of the
     candidates' tree), as a two-armed bandit on the modelled tokens per second of each step taken: (accepted + 1) ÷
-    (the drafter pass's cost if it ran + the measured verify cost of the nodes verified). The modelled costs, not the
-    wall clock, so that fixed costs make the choices deterministic, as `CostAwareSize`'s. Each bucket starts with the
-    drafter, tries without it once, then takes the better arm, trying the other every `explore_every`-th visit so
-    that an arm's estimate follows the generation.
+    (the drafter pass's cost if it ran + the measured verify cost of the nodes verified). A step that ran the drafter
+    also tells the other arm what the candidates alone would have made of it (TreeStep.record_gate), so the two
+    arms are compared mostly on the same steps. The modelled costs, not the wall clock, so that fixed costs make the
+    choices deterministic, as `CostAwareSize`'s. Each bucket starts with the drafter, tries without it once, then
+    takes the better arm, trying the other every `explore_every`-th visit so that an arm's estimate follows the
+    generation.
 
     Any choice is lossless: every node of a union tree is a fixed token chosen before the verifier's randomness, and
     the choice reads only earlier steps and this step's model-free candidates.

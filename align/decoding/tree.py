@@ -331,7 +331,8 @@ class TreeStep(Step):
                  decoding: Decoding, num_nodes: int, generator: Optional[torch.Generator] = None,
                  sizing: Optional[CostAwareSize] = None,
                  path_search: Optional[tuple[PathSearch, TrigramModel]] = None,
-                 sources: Sequence[tuple[CandidateSource, Optional[CostAwareSize]]] = ()) -> None:
+                 sources: Sequence[tuple[CandidateSource, Optional[CostAwareSize]]] = (),
+                 gate: Optional[DrafterGate] = None) -> None:
         check_tree_verifier(verifier)
         # A DFlash drafter reads the verifier's hidden states: the tree forward hands over those of every node, and
         # the accepted path's join its context (they equal a plain forward's over that path, as the logits do).
@@ -340,8 +341,10 @@ class TreeStep(Step):
         self.num_nodes, self.generator, self.sizing, self.path_search = num_nodes, generator, sizing, path_search
         self.verifier_states = self.drafter.verifier_states if self.drafter is not None else None
         self.sources = list(sources)
-        # A cost-sized union with a drafter learns on which steps the drafter pass pays (`DrafterGate`).
-        self.gate = DrafterGate() if sizing is not None and self.sources and self.drafter is not None else None
+        # A cost-sized union with a drafter learns on which steps the drafter pass pays (`DrafterGate`): `gate`, as
+        # earlier generations left it, or a new one.
+        union = sizing is not None and self.sources and self.drafter is not None
+        self.gate = (gate if gate is not None else DrafterGate()) if union else None
         self.ran, self.bucket = self.drafter is not None, 0
         self.tree, self.accepted = DraftTree([], [], [], []), []
         # per source, its verified candidates: (the source's score, depth, tree node)
@@ -414,6 +417,23 @@ class TreeStep(Step):
         self.accepted = path
         return [tree.tokens[node] for node in path], next_token
 
+    def record_gate(self, num_accepted: int) -> None:
+        """Tell the gate what this step's modelled rate was, and, where the drafter ran, what the candidates alone
+        would have made of it: the accepted path's leading run through candidate nodes (under greedy verification
+        exactly what a tree of those nodes alone would have accepted, the verifier's choice at a node not depending
+        on the other branches), at the cost of verifying those nodes alone. The pair measures the drafter's share
+        of one and the same step, far less noisy than two arms' rates from different steps."""
+        def verify(nodes: int) -> float:  # seconds to verify `nodes` nodes and the root
+            return self.sizing.verify_s[min(nodes, len(self.sizing.verify_s) - 1)]
+
+        if not self.ran:
+            self.gate.record(self.bucket, False, (num_accepted + 1) / verify(len(self.tree)))
+            return
+        draft_s = self.sizing.draft_estimate()
+        self.gate.record(self.bucket, True, (num_accepted + 1) / (draft_s + verify(len(self.tree))))
+        candidates = {node for kept in self.kept for _, _, node in kept}
+        self.gate.record(self.bucket, False, (leading(self.accepted, candidates) + 1) / verify(len(candidates)))
+
     def update(self, num_accepted: int) -> None:
         if self.sizing is None:
             return
@@ -423,9 +443,7 @@ class TreeStep(Step):
             return
         # Each chooser learns from its own nodes: how deep the accepted path ran through them.
         if self.gate is not None:
-            draft_s = self.sizing.draft_estimate() if self.ran else 0.0
-            verify_s = self.sizing.verify_s[min(len(tree), len(self.sizing.verify_s) - 1)]
-            self.gate.record(self.bucket, self.ran, (num_accepted + 1) / (draft_s + verify_s))
+            self.record_gate(num_accepted)
         drafted = [node for node, score in enumerate(tree.scores) if score > float("-inf")]
         if self.ran:
             self.sizing.update([tree.scores[n] for n in drafted], [tree.depths[n] for n in drafted],

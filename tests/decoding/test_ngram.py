@@ -162,3 +162,35 @@ def test_greedy_suffix_decoding_equals_ar_and_its_candidates_are_kept(setup, met
         assert 0 < stats.drafter_forwards < stats.verifier_forwards, (stats.drafter_forwards, stats.verifier_forwards)
     with pytest.raises(RecipeError, match="decode.suffix_corpus"):
         METHODS[method](setup, prompt, Sampling(), None)
+
+
+def test_what_a_union_learns_carries_to_the_next_prompt_and_a_repeat_starts_where_its_first_run_did(setup):
+    from align.stages.evaluate.speculative import run_all
+
+    method = "specdiff_ngram_tree_cost"
+    union = replace(setup, learned={})
+    prompts = [torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]), torch.tensor([[9, 3, 9, 3, 9, 3, 4]]),
+               torch.tensor([[1, 2, 3, 1, 2, 3, 1]])]
+    METHODS[method](union, prompts[0], Sampling(), None)
+    learned = dict(union.learned)
+    assert set(learned) == {(method, role) for role in ("gate", "draft", "source 0")} and learned[(method, "gate")].rates
+    tokens, _ = METHODS[method](union, prompts[1], Sampling(), None)
+    assert tokens == ar_generate(setup.verifier, prompts[1], NEW_TOKENS)[0]
+    assert all(union.learned[key] is value for key, value in learned.items())  # the same choosers, taught on
+    union.forget()
+    assert union.learned == {}
+
+    def choices(warmup: int, repeats: int) -> list[tuple[list[int], list[int], int]]:
+        runs = run_all({method: union}, prompts, Sampling(), warmup, repeats, 0, "test")
+        return [(s.accept_counts, s.tree_nodes, s.drafter_forwards) for s in runs[method].stats]
+
+    once = choices(0, 1)
+    # A repeat decodes from what the prompt's first run started with, and nothing the warm-up taught is kept.
+    assert choices(1, 2) == once
+    # What is learnt does change the choices: each prompt decoded fresh is another run.
+    fresh = []
+    for ids in prompts:
+        union.forget()
+        stats = METHODS[method](union, ids, Sampling(), None)[1]
+        fresh.append((stats.accept_counts, stats.tree_nodes, stats.drafter_forwards))
+    assert fresh != once

@@ -10,6 +10,7 @@ description.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
@@ -44,12 +45,29 @@ from align.preflight import context_length
 def run_all(setups: dict[str, Setup], prompts: list[torch.Tensor], sampling: Sampling, warmup: int,
             repeats: int, seed: int, desc: str) -> dict[str, Run]:
     """Every method (name -> its setup) on every prompt, interleaved; prompt i samples from its own seed
-    (methods.prompt_generator, as the Python API does)."""
-    def method(name: str) -> Callable[[int, torch.Tensor], tuple[list[int], GenerationStats]]:
-        return lambda i, ids: METHODS[base_method(name)](setups[name], ids, sampling,
-                                                          prompt_generator(seed, i, ids.device))
+    (methods.prompt_generator, as the Python API does). What a method learns as it decodes (Setup.learned) carries
+    from each prompt to the next, as a server's, and starts afresh after the warm-up and at each call: a measured
+    prompt never decodes with what its own warm-up run or an earlier repeat of it taught."""
+    started: dict[str, tuple[int, dict]] = {}  # name -> (prompt, what it had learnt before that prompt's first run)
 
-    return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc)
+    def run(name: str, i: int, ids: torch.Tensor) -> tuple[list[int], GenerationStats]:
+        setup = setups[name]
+        if name in started and started[name][0] == i:  # a repeat starts where the prompt's first run started
+            setup.learned = copy.deepcopy(started[name][1])
+        else:
+            started[name] = (i, copy.deepcopy(setup.learned))
+        return METHODS[base_method(name)](setup, ids, sampling, prompt_generator(seed, i, ids.device))
+
+    def method(name: str) -> Callable[[int, torch.Tensor], tuple[list[int], GenerationStats]]:
+        return lambda i, ids: run(name, i, ids)
+
+    def forget() -> None:
+        started.clear()
+        for setup in setups.values():
+            setup.forget()
+
+    forget()
+    return interleaved({name: method(name) for name in setups}, prompts, warmup, repeats, desc, forget)
 
 
 SCHEMA_VERSION = 4  # of eval.json: what each version holds is in docs/evaluation.md
@@ -362,7 +380,7 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> int:
         setup.suffix = suffix_index(recipe)
     if any(base_method(n).endswith("_cost") for n in names):  # one cost curve for every drafter compared
         setup.measured_costs(prompts[len(prompts) // 2])
-    setups = {name: setup for name in names}
+    setups = {name: replace(setup, learned={}) for name in names}  # each learns apart (Setup.learned)
     refusals = [f"{name} {why}" for name in names
                 if spec is not None and (why := method_refusal(spec.kind, name, "drafter.path"))]
     if refusals:
@@ -371,7 +389,7 @@ def evaluate(recipe: Recipe, command: str, needed: tuple[str, ...]) -> int:
         other, other_spec = load_drafter(section, tokenizer)
         for name in names:
             if name.startswith("specdiff") and name not in drafter_for(other, other_spec).refused_methods:
-                setups[f"{name}@{label}"] = replace(setup, drafter=other, spec=other_spec)
+                setups[f"{name}@{label}"] = replace(setup, drafter=other, spec=other_spec, learned={})
     names = list(setups)
     out = mark_folder(e.out, "eval")
 
