@@ -20,8 +20,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from align.decoding.options import METHOD_NAMES
 from align.hub import HUB_LICENSES
-from align.recipe_fields import (LOSSES, Device, Dtype, LearningRate, LossName, MethodName, ReportTo, Section, Seed,
-                                 TrackerProject)
+from align.recipe_fields import (LOSSES, Device, Dtype, LearningRate, LossName, MethodName, PositiveTemperature,
+                                 ReportTo, Section, Seed, Temperature, TrackerProject)
 
 
 class RecipeError(ValueError):
@@ -131,7 +131,7 @@ class TrajectoriesSection(Section):
     out: str = "data/tiny/trajectories"
     # SpecDiff-2's defaults: a slightly cool, nucleus-truncated verifier gives varied but typical continuations.
     #: verifier sampling temperature
-    temperature: float = Field(default=0.5, ge=0.0)
+    temperature: Temperature = Field(default=0.5, ge=0.0)
     #: nucleus mass kept when sampling
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     #: completions sampled per prompt
@@ -281,7 +281,7 @@ class DecodeSection(Section):
     #: draft length (bounded, as num_candidates and tree_nodes are: tree_nodes=10**6 grew a process to 23 GB)
     gamma: int = Field(default=8, ge=1, le=256)
     #: verifier sampling temperature; 0: greedy (outputs identical to AR greedy)
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: Temperature = Field(default=0.0, ge=0.0)
     #: 0: no top-k truncation
     top_k: int = Field(default=0, ge=0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -293,7 +293,7 @@ class DecodeSection(Section):
     #: SpecDiff-2 self-selection: drafts drawn from one drafter pass and verified together
     num_candidates: int = Field(default=4, ge=1, le=64)
     #: drafter temperature for self-selection (SpecDiff-2 samples hot, ~1.5-2, for diverse candidates)
-    draft_temperature: float = Field(default=1.5, gt=0.0)
+    draft_temperature: PositiveTemperature = Field(default=1.5, gt=0.0)
     seed: Seed = 0
     # DiffuSpec causal-consistency path search (defaults from the paper).
     #: beams kept while searching the draft path
@@ -431,7 +431,7 @@ class EvalSection(Section):
     #: the suffix ones
     methods: list[MethodName] = Field(default_factory=lambda: [n for n in METHOD_NAMES if "suffix" not in n])
     #: temperature of the sampled run (reported under `sampling`); 0: greedy run only
-    sampling_temperature: float = Field(default=1.0, ge=0.0)
+    sampling_temperature: Temperature = Field(default=1.0, ge=0.0)
     #: timed runs per prompt and method; the median is kept
     repeats: int = Field(default=1, ge=1)
     #: more diffusion drafters (label -> path) run in the same interleaved run as drafter.path, e.g. before and after
@@ -567,7 +567,7 @@ class PromptsSection(Section):
     system_prompts: list[Optional[str]] = Field(default_factory=lambda: [None], min_length=1)
     # Magpie samples the user turn at temperature 1 and top-p 1: the verifier's own distribution of requests.
     #: sampling temperature of the user turn
-    temperature: float = Field(default=1.0, gt=0.0)
+    temperature: PositiveTemperature = Field(default=1.0, gt=0.0)
     #: nucleus mass kept when sampling
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     #: the longest user turn sampled, in tokens; a turn not ended by then is dropped as cut short

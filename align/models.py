@@ -64,27 +64,79 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
             base = _load(section.model_copy(update={"path": adapter_base(section.path)}), **config_overrides)
             return merge_adapter(base, section.path)
     device = resolve_device(section.device)
+    # What loading found missing, unexpected or reshaped (check_loaded), and such a tensor reported, not raised as a
+    # traceback. Not for remote code: Dream's own from_pretrained sets attributes on what the base class returns,
+    # which is then a tuple.
+    checked = {} if section.trust_remote_code else dict(ignore_mismatched_sizes=True, output_loading_info=True)
     kwargs = dict(
         dtype=resolve_dtype(section.dtype, device),
         trust_remote_code=section.trust_remote_code,
+        **checked,
         **_attention_kwargs(section, config_overrides.get("config")),
         **config_overrides,
     )
-    try:
-        model = AutoModelForCausalLM.from_pretrained(section.path, **kwargs)
-    except ValueError:
+    with quiet_loading_report() if checked else contextlib.nullcontext():
         try:
-            # DiffusionGemmaForBlockDiffusion is registered under AutoModelForImageTextToText only (AutoModel would
-            # build DiffusionGemmaModel, without its LM head).
-            model = AutoModelForImageTextToText.from_pretrained(section.path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(section.path, **kwargs)
         except ValueError:
-            # LLaDA and Dream register their LM under AutoModel only.
-            model = AutoModel.from_pretrained(section.path, **kwargs)
+            try:
+                # DiffusionGemmaForBlockDiffusion is registered under AutoModelForImageTextToText only (AutoModel
+                # would build DiffusionGemmaModel, without its LM head).
+                model = AutoModelForImageTextToText.from_pretrained(section.path, **kwargs)
+            except ValueError:
+                # LLaDA and Dream register their LM under AutoModel only.
+                model = AutoModel.from_pretrained(section.path, **kwargs)
+    if checked:
+        model, loading = model
+        check_loaded(section.path, loading)
     if section.trust_remote_code:
         _restore_computed_buffers(model)
+    check_finite(section.path, model)
     model.to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+@contextlib.contextmanager
+def quiet_loading_report() -> Iterator[None]:
+    """transformers' loading report (a table of missing, unexpected and reshaped weights) left unprinted: check_loaded
+    reads the same lists and refuses in one line."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def check_loaded(path: str, loading: dict[str, list[Any]]) -> None:
+    """RecipeError unless every weight the model's config.json describes came from the checkpoint, in its shape, and
+    every checkpoint tensor found its place. transformers starts a missing or reshaped weight from random values with
+    a warning, and drops a tensor it has no place for: a config.json edited after saving (config.json is outside
+    sha256.json, so that a user may change generation settings) then gives a model that runs and is silently wrong."""
+    where = f"{path}: config.json does not describe the weights beside it (edited after they were saved?)"
+    if loading.get("mismatched_keys"):
+        name, saved, built = sorted(loading["mismatched_keys"])[0][:3]
+        raise RecipeError(f"{where}: {name} is {tuple(saved)} in the checkpoint, {tuple(built)} by config.json "
+                          f"({len(loading['mismatched_keys'])} tensors differ)")
+    for key, what in (("missing_keys", "has no tensor in the checkpoint"),
+                      ("unexpected_keys", "is in the checkpoint but not in the model config.json describes")):
+        names = sorted(loading.get(key) or ())
+        if names:
+            raise RecipeError(f"{where}: {names[0]} {what} ({len(names)} such tensors)")
+
+
+def check_finite(path: str, model: PreTrainedModel) -> None:
+    """RecipeError naming the file and tensor when a loaded weight is NaN or infinite: such a model decodes greedily
+    (argmax of NaN is an index) and fails only once something samples from it, after the greedy work is done."""
+    if all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point()):
+        return
+    from align.disk import non_finite_weights
+
+    found = non_finite_weights(path) if os.path.isdir(path) else None
+    raise RecipeError(f"{found or path} holds NaN or infinite weights; a model with them decodes nothing meaningful")
 
 
 def _restore_computed_buffers(model: PreTrainedModel) -> None:

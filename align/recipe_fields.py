@@ -99,6 +99,30 @@ def _learning_rate(value: float) -> float:
 
 LearningRate = Annotated[float, AfterValidator(_learning_rate)]
 
+# The smallest sampling temperature taken (vLLM's _SAMPLING_EPS, below which it decodes greedily): logits ÷ 1e-300
+# overflowed to inf, and the sampled run died on "probability tensor contains inf/nan" after the greedy one.
+SMALLEST_TEMPERATURE = 1e-5
+
+
+def _temperature(value: float) -> float:
+    if 0.0 < value < SMALLEST_TEMPERATURE:
+        raise ValueError(f"a temperature is 0 (greedy) or at least {SMALLEST_TEMPERATURE:g}: logits divided by "
+                         f"{value:g} overflow to inf")
+    return value
+
+
+def _positive_temperature(value: float) -> float:
+    if value < SMALLEST_TEMPERATURE:
+        raise ValueError(f"a drafting temperature is at least {SMALLEST_TEMPERATURE:g} (logits divided by less "
+                         "overflow to inf)")
+    return value
+
+
+#: 0 (greedy) or a temperature whose logits ÷ temperature stay finite
+Temperature = Annotated[float, AfterValidator(_temperature)]
+#: a temperature that must sample (no greedy meaning)
+PositiveTemperature = Annotated[float, AfterValidator(_positive_temperature)]
+
 # Experiment trackers by transformers' `report_to` names, declared here only (align/tracking.py serves each with the
 # Tracker class of the same name). "all" and "none" mean what they mean there: every installed tracker, no tracker.
 TRACKER_NAMES: tuple[str, ...] = ("tensorboard", "wandb", "trackio")

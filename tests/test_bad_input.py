@@ -327,6 +327,11 @@ NEW_USER_CASES = [
     ("validate", "{bad_type}", [], "train.lr: "),
     ("validate", "recipes/tiny/eval.yaml", ["decode.temperature=.inf"], "decode.temperature: Input should be a finite number"),
     ("validate", "recipes/tiny/eval.yaml", ["train.lr=.nan"], "train.lr: "),
+    # logits ÷ 1e-300 overflowed: the sampled run died after the greedy one (issue 35)
+    ("eval", "recipes/tiny/eval.yaml", ["eval.sampling_temperature=1e-300"],
+     "eval.sampling_temperature: a temperature is 0 (greedy) or at least 1e-05"),
+    ("validate", "recipes/tiny/eval.yaml", ["decode.draft_temperature=1e-9"],
+     "decode.draft_temperature: a drafting temperature is at least 1e-05"),
     ("validate", "recipes/tiny/eval.yaml", ["data.test_prompts=x.jsonl"], "unknown key 'data.test_prompts'"),
     ("eval", "recipes/tiny/eval.yaml", ["eval.methods=[nope]"], "eval.methods.0: "),
     ("eval", "recipes/tiny/eval.yaml", ["eval.prompts={dir}"], "eval.prompts: "),

@@ -217,6 +217,47 @@ def test_export_refuses_non_finite_weights_before_writing(toy_family, tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_eval_refuses_non_finite_weights_before_decoding(toy_family, tmp_path, capsys, poison):
+    """A NaN drafter decodes greedily (argmax of NaN is an index) and failed only once the sampled run drew from
+    it: refused as it loads, naming the file and tensor, before any method runs and before eval.out is written."""
+    from safetensors.torch import load_file, save_file
+
+    drafter = tmp_path / "poisoned"
+    shutil.copytree(ck(toy_family) / "drafter-base", drafter)
+    weights = load_file(drafter / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name].view(-1)[-1] = poison
+    save_file(weights, drafter / "model.safetensors", metadata={"format": "pt"})
+    (drafter / "sha256.json").unlink()  # the documented route for a deliberate edit
+    out = tmp_path / "eval"
+    assert align(["eval", "recipes/tiny/eval.yaml", f"drafter.path={drafter}", f"verifier.path={ck(toy_family)}/"
+                  "verifier", f"eval.out={out}", "eval.methods=[specdiff]"]) == 2
+    said = lines_said(capsys.readouterr().err)
+    assert len(said) == 1 and f"{drafter / 'model.safetensors'}: {name} holds NaN or infinite" in said[0], said
+    assert not (out / "eval.json").exists()
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"intermediate_size": 1400}, "model.layers.0.mlp.down_proj.weight is (512, 1408) in the checkpoint, (512, 1400) "
+                                  "by config.json"),
+    ({"num_hidden_layers": 8}, "model.layers.7.input_layernorm.weight has no tensor in the checkpoint"),
+    ({"num_hidden_layers": 6}, "model.layers.6.input_layernorm.weight is in the checkpoint but not in the model"),
+])
+def test_a_config_json_edited_against_its_weights_is_refused_as_the_model_loads(tmp_path, capsys, edit, says):
+    """config.json is outside sha256.json (generation settings are the user's to change), and transformers starts
+    a weight config.json describes but the checkpoint lacks from random values, with a warning only."""
+    verifier = tmp_path / "verifier"
+    shutil.copytree(ROOT / "checkpoints" / "tiny" / "verifier", verifier)
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, **edit}))
+    assert align(["eval", "recipes/tiny/eval.yaml", f"verifier.path={verifier}", f"eval.out={tmp_path / 'eval'}",
+                  "eval.methods=[ar]"]) == 2
+    said = lines_said(capsys.readouterr().err)
+    assert len(said) == 1 and f"{verifier}: config.json does not describe the weights beside it" in said[0], said
+    assert says in said[0], said
+
+
 def test_trajectory_chunks_are_verified_when_read(toy_trajectories, tmp_path):
     from align.data import load_trajectories
 
