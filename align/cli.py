@@ -149,6 +149,13 @@ def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--rounds", type=integer_in(1), default=7,
                             help="interleaved rounds; each size's median is kept")
         parser.add_argument("--out", help="write the curves (and the machine) as JSON here")
+    elif name == "init":
+        parser.add_argument("verifier", help="the verifier: a local model folder or a Hub id (org/name)")
+        parser.add_argument("--out", required=True, help="folder for the recipes (e.g. recipes/mine); never "
+                            "written over")
+        parser.add_argument("--name", default=None, help="the folder name under checkpoints/ and data/ (default: "
+                            "from the verifier's name)")
+        parser.add_argument("--trust-remote-code", action="store_true", help="the verifier ships its own code")
     else:
         parser.add_argument("runs", nargs="+", help="align train run folders")
         parser.add_argument("--warmup-steps", type=integer_in(0), default=5, help="first steps left out of the median")
@@ -156,7 +163,15 @@ def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
 
 # Commands without a recipe, for scripts: what stages wrote, read back; and a benchmark of this machine.
 # name -> (help, function of the parsed arguments).
+def init_recipes(args: argparse.Namespace) -> int:
+    from align.init_recipes import init
+
+    return init(args)
+
+
 TOOLS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
+    "init": ("write the recipes for your own verifier (prompts, DFlash and standalone drafters, eval), shaped from "
+             "its config and tokenizer and commented key by key", init_recipes),
     "latest": ("print the newest step_<N> checkpoint folder of a training run", show_latest),
     "throughput": ("print a table of training tokens/s (median after warm-up) for training run folders",
                    show_throughput),
@@ -187,20 +202,28 @@ def _version() -> str:
 
 
 def _section_help(sections: tuple[str, ...]) -> str:
+    import textwrap
+
+    from align.recipe_files import key_meanings
+
     defaults = Recipe().to_dict()
-    lines = ["recipe sections (key: default):"]
+    lines = ["recipe sections (key: default, then what it means: the schema's own words, align/config.py):"]
     for name in sections:
         section = defaults[name]
+        kind = next(t for t in get_args(Recipe.model_fields[name].annotation) if t is not type(None)) \
+            if section is None else type(getattr(Recipe(), name))
         if section is None:  # an optional section (dflash): off until one of its keys is set; these are its defaults
-            kind = next(t for t in get_args(Recipe.model_fields[name].annotation) if t is not type(None))
             section = kind().model_dump(mode="json")
             name_shown = f"{name} (unset)"
         else:
             name_shown = name
+        meanings = key_meanings(kind)
         lines.append(f"  {name_shown}:")
         for key, value in section.items():
             shown = "{...}" if isinstance(value, dict) and len(str(value)) > 60 else value
             lines.append(f"    {name}.{key}: {shown}")
+            if key in meanings:
+                lines += textwrap.wrap(meanings[key], 112, initial_indent=" " * 8, subsequent_indent=" " * 8)
     return "\n".join(lines)
 
 

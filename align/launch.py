@@ -178,6 +178,12 @@ def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
                        help="MPI-style hostfile: 'host slots=N' per line")
     group.add_argument("--master_addr", default=None, help="address of rank 0 (multi-node)")
     group.add_argument("--master_port", type=integer_in(1, 65535), default=None, help="port of rank 0")
+    # DeepSpeed's own resource filters, for the habit `deepspeed --include localhost:2,3 train.py` (e.g. two GPUs
+    # of a shared node left to another job): NODE_SPEC[@NODE_SPEC ...], NODE_SPEC = host[:slot[,slot ...]].
+    group.add_argument("--include", default=None, metavar="HOST[:SLOTS][@HOST...]",
+                       help="the hosts and slots (GPUs) to run on, e.g. localhost:0,1 or worker-0@worker-1:0,2")
+    group.add_argument("--exclude", default=None, metavar="HOST[:SLOTS][@HOST...]",
+                       help="the hosts and slots (GPUs) not to run on, e.g. localhost:0")
     group.add_argument("--node_rank", type=integer_in(0), default=None,
                        help="this host's line of the hostfile, from 0, when every host starts align itself (no ssh): "
                             "the same --hostfile and --master_addr on every host")
@@ -204,11 +210,61 @@ def hostfile_hosts(path: str) -> list[tuple[str, int]]:
     return hosts
 
 
+def resource_filter(flag: str, text: str) -> dict[str, list[int]]:
+    """host -> its slots (empty: all of them) of an --include/--exclude value, parsed as DeepSpeed's runner parses
+    it (parse_node_config_list), with a one-line RecipeError where the runner would raise a traceback."""
+    from align.config import RecipeError
+
+    hosts: dict[str, list[int]] = {}
+    for spec in text.split("@"):
+        host, _, slots = spec.partition(":")
+        if not re.fullmatch(r"[^\s:@,]+", host) or (":" in spec and not re.fullmatch(r"\d+(,\d+)*", slots)):
+            raise RecipeError(f"{flag} {text!r}: {spec!r} is not host[:slot[,slot ...]] (hosts joined by @, e.g. "
+                              "localhost:0,1 or worker-0@worker-1:0,2)")
+        if host in hosts:
+            raise RecipeError(f"{flag} {text!r}: {host} is named twice")
+        hosts[host] = [int(slot) for slot in slots.split(",")] if slots else []
+    return hosts
+
+
+def local_slots() -> int:
+    """The slots DeepSpeed's runner finds on this host without a hostfile: its accelerator's device count (CUDA:
+    the visible GPUs; CPU: LOCAL_SIZE, else one per NUMA node)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_count()
+
+
+def check_filters(args: argparse.Namespace) -> None:
+    """--include/--exclude against the hostfile's hosts and slots (or this host's, without one), and against the
+    options DeepSpeed's runner refuses beside them."""
+    from align.config import RecipeError
+
+    include, exclude = getattr(args, "include", None), getattr(args, "exclude", None)
+    if include is None and exclude is None:
+        return
+    if include is not None and exclude is not None:
+        raise RecipeError("--include and --exclude do not go together (DeepSpeed takes one of them)")
+    flag, text = ("--include", include) if include is not None else ("--exclude", exclude)
+    for option in ("num_gpus", "num_nodes"):
+        if getattr(args, option) is not None:
+            raise RecipeError(f"--{option} and {flag} do not go together: {flag} names the hosts and slots itself")
+    pool = dict(hostfile_hosts(args.hostfile)) if args.hostfile is not None else {"localhost": local_slots()}
+    where = args.hostfile or "this host (no --hostfile)"
+    for host, slots in resource_filter(flag, text).items():
+        if host not in pool:
+            raise RecipeError(f"{flag}: {host} is not a host of {where}; its hosts: {', '.join(pool)}")
+        beyond = [slot for slot in slots if slot >= pool[host]]
+        if beyond:
+            raise RecipeError(f"{flag}: {host} has slots 0..{pool[host] - 1} ({where}), not {beyond[0]}")
+
+
 def check_launch(args: argparse.Namespace) -> None:
     """The launcher options together, checked before anything starts (RecipeError, one line): what DeepSpeed's runner
     would otherwise meet with an assertion, a traceback, or an ssh attempt. Fills in --master_addr for --node_rank."""
     from align.config import RecipeError
 
+    check_filters(args)
     node_rank = getattr(args, "node_rank", None)
     if args.hostfile is None:
         if node_rank is not None:
@@ -234,7 +290,8 @@ def check_launch(args: argparse.Namespace) -> None:
 def deepspeed_command(recipe: str, overrides: list[str], num_gpus: Optional[int] = None,
                       num_nodes: Optional[int] = None, hostfile: Optional[str] = None,
                       master_addr: Optional[str] = None, master_port: Optional[int] = None,
-                      stage: str = "train", node_rank: Optional[int] = None) -> list[str]:
+                      stage: str = "train", node_rank: Optional[int] = None, include: Optional[str] = None,
+                      exclude: Optional[str] = None) -> list[str]:
     """The deepspeed runner's command line for this stage and recipe; None options are left to the runner's
     defaults. `node_rank`: this host starts its own ranks only (the runner's --no_ssh)."""
     # This interpreter's own runner first: the one on PATH may belong to another environment (a venv run by its path,
@@ -243,7 +300,8 @@ def deepspeed_command(recipe: str, overrides: list[str], num_gpus: Optional[int]
     launcher = str(beside) if beside.is_file() else shutil.which("deepspeed") or str(beside)
     cmd = [launcher]
     for flag, value in (("--num_gpus", num_gpus), ("--num_nodes", num_nodes), ("--hostfile", hostfile),
-                        ("--master_addr", master_addr), ("--master_port", master_port)):
+                        ("--include", include), ("--exclude", exclude), ("--master_addr", master_addr),
+                        ("--master_port", master_port)):
         if value is not None:
             cmd += [flag, str(value)]
     if node_rank is not None:
@@ -266,8 +324,9 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 
 def single_local_process(args: argparse.Namespace) -> bool:
+    # --node_rank alone is refused by run (check_launch); --include/--exclude pick slots: the runner's to start
     return (args.num_gpus in (None, 1) and args.num_nodes in (None, 1) and args.hostfile is None
-            and getattr(args, "node_rank", None) is None)  # --node_rank alone is refused by run (check_launch)
+            and all(getattr(args, option, None) is None for option in ("node_rank", "include", "exclude")))
 
 
 def launch_port(args: argparse.Namespace) -> Optional[int]:
@@ -287,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
     launcher options that do not go together."""
     check_launch(args)
     cmd = deepspeed_command(args.recipe, args.overrides, args.num_gpus, args.num_nodes, args.hostfile,
-                            args.master_addr, launch_port(args), stage=args.stage, node_rank=args.node_rank)
+                            args.master_addr, launch_port(args), stage=args.stage, node_rank=args.node_rank,
+                            include=args.include, exclude=args.exclude)
     print(f"align {args.stage}:", " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores

@@ -153,3 +153,26 @@ def get_key(recipe: Recipe, key: str) -> Any:
         else:
             raise RecipeError(f"unknown key '{key}'")
     return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
+
+
+def key_meanings(section: type[BaseModel]) -> dict[str, str]:
+    """Each field of a recipe section -> what it means: the `#:` comment lines above it in its class (or a base
+    class's) source, the schema's one home of key documentation, read here for `align <stage> --help` and the
+    recipes `align init` writes. Fields without such a comment are left out."""
+    import inspect
+
+    meanings: dict[str, str] = {}
+    for cls in reversed(section.__mro__):  # a subclass's own comment wins over its base's
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls.__module__ != Recipe.__module__:
+            continue
+        comment: list[str] = []
+        for line in inspect.getsourcelines(cls)[0]:
+            text = line.strip()
+            if text.startswith("#:"):
+                comment.append(text[2:].strip())
+                continue
+            field = re.match(r"(\w+)\s*:", text)
+            if field and comment and field.group(1) in section.model_fields:
+                meanings[field.group(1)] = " ".join(comment)
+            comment = []
+    return meanings

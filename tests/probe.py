@@ -292,6 +292,9 @@ def build(root: Path, family: Optional[Path] = None, full: bool = True) -> Sandb
     (bad_config / "config.json").write_text('{"model_type": "llama", ')
     (models / "no_config").mkdir()
     nan_weights(ck / "drafter-base", models / "nan_drafter")
+    layers = json.loads((ck / "verifier" / "config.json").read_text())["num_hidden_layers"]
+    linked_model(ck / "verifier", models / "one_layer_more", num_hidden_layers=layers + 1)  # config.json edited
+    linked_model(ck / "verifier", models / "one_layer_less", num_hidden_layers=layers - 1)
     with captured():
         dflash_drafter(ck / "verifier", S / "dflash" / "step_1")
     from align.draft_graph import DraftGraph
@@ -323,6 +326,7 @@ def nan_weights(source: Path, dest: Path) -> None:
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    (dest / "sha256.json").unlink(missing_ok=True)  # the documented route for a deliberate edit: its values are wrong
 
 
 def dflash_drafter(verifier: Path, folder: Path) -> None:
@@ -635,6 +639,25 @@ def cases() -> list[Case]:
                "--num_gpus", sub=True))
     add(refuse("launcher: --hostfile missing", "-", ["train", "{R}", "--hostfile", f"{S}/nohosts",
                                                      f"train.out={S}/out/h"], "hostfile", sub=True))
+    # DeepSpeed's resource filters (issue 36), refused before the runner starts (its own refusals are tracebacks)
+    for argv, expect in [(["--include", "localhost:0", "--exclude", "localhost:1"], "do not go together"),
+                         (["--include", "localhost:0", "--num_gpus", "2"], "do not go together"),
+                         (["--include", "localhost:0:1"], "is not host[:slot"),
+                         (["--exclude", "localhost:7"], "localhost has slots 0..0"),
+                         (["--include", "worker-9"], "worker-9 is not a host of this host")]:
+        add(refuse(f"launcher: {' '.join(argv)}", "36", ["train", "{R}", *argv, f"train.out={S}/out/f"], expect,
+                   env={"LOCAL_SIZE": "1"}, ci=True))
+    # `align init` (issue 36): nothing written over, nothing written for a model it cannot read
+    add(refuse("init: an existing recipe in --out", "36", ["init", f"{S}/ck/verifier", "--out", f"{S}/bad"],
+               "never writes over a recipe", setup=bad("eval.yaml", "name: mine\n"), ci=True))
+    add(refuse("init: a model folder that does not exist", "36", ["init", f"{S}/models/missing", "--out",
+                                                                  f"{S}/out/init"], "cannot read its config", ci=True))
+    add(refuse("init: --out is a file", "36", ["init", f"{S}/ck/verifier", "--out", f"{S}/bad/file"],
+               "a file, not a folder", setup=bad("file", "x"), ci=True))
+    # temperatures whose logits ÷ temperature overflow (issue 35)
+    for override in ("eval.sampling_temperature=1e-300", "decode.temperature=1e-30", "decode.draft_temperature=1e-9",
+                     "trajectories.temperature=1e-20"):
+        add(refuse(f"override {override}", "35", ["validate", "{R}", override], "at least 1e-05", ci=True))
 
     # --- models --------------------------------------------------------------------------------------------------
     models = [
@@ -770,6 +793,12 @@ def cases() -> list[Case]:
                    flip_a_byte(s.root / "bad" / "step" / "model.safetensors")), needs=("run",)))
     add(refuse("export NaN weights", "6", ["export", "{R}", f"drafter.path={S}/models/nan_drafter",
                                           f"export.out={S}/out/x"], "drafter.path"))
+    add(refuse("eval NaN drafter weights (before any method runs)", "35", ["eval", "{R}",
+               f"drafter.path={S}/models/nan_drafter", f"eval.out={S}/out/x"], "holds NaN or infinite", ci=True))
+    for edited in ("one_layer_more", "one_layer_less"):  # config.json is outside sha256.json: edited by hand
+        add(refuse(f"eval a verifier whose config.json names {edited.replace('_', ' ')}", "35",
+                   ["eval", "{R}", f"verifier.path={S}/models/{edited}", "eval.methods=[ar]", f"eval.out={S}/out/x"],
+                   "config.json does not describe the weights", ci=True))
     add(refuse("export a truncated checkpoint", "-", ["export", "{R}", f"drafter.path={S}/models/truncated",
                                                      f"export.out={S}/out/x"], "truncated", ci=True))
 

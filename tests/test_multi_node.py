@@ -108,6 +108,20 @@ def test_two_nodes_by_multi_node_sh_train_as_one_node_does(toy_trajectories, one
     assert_same_run(out, one_node)
 
 
+@pytest.mark.slow  # a 1-rank DeepSpeed run
+def test_exclude_leaves_out_the_slots_it_names(toy_trajectories, tmp_path):
+    """`align train --exclude localhost:0` hands DeepSpeed's runner its filter: on a host of two slots (LOCAL_SIZE=2,
+    as a 2-GPU host has two) one rank runs, on slot 1, and trains the run."""
+    out = tmp_path / "run"
+    [(status, log)] = run_all([([str(Path(sys.executable).parent / "align"), "train",
+                                 *recipe_args(toy_trajectories, out), "train.zero_stage=0", "--exclude", "localhost:0"],
+                                env(LOCAL_SIZE="2"))])
+    assert status == 0, log[-3000:]
+    assert "--exclude localhost:0" in log and "'localhost': [1]" in log, log[-3000:]
+    assert json.loads((out / f"step_{STEPS}" / "meta.json").read_text())["world_size"] == 1
+    assert len(losses(out)) == STEPS
+
+
 def srun_stub(folder: Path) -> Path:
     """srun, as SLURM starts a job step of one task per node: the command once per node of the allocation, with that
     node's SLURM_NODEID and SLURM_PROCID, the environment passed on; its status is the worst of the tasks'. Its
@@ -230,6 +244,10 @@ def test_node_rank_is_deepspeeds_no_ssh_and_the_master_defaults_to_the_first_hos
     cmd = deepspeed_command(args.recipe, [], hostfile=args.hostfile, master_addr=args.master_addr, node_rank=1)
     assert cmd[1:7] == ["--hostfile", args.hostfile, "--master_addr", "node-a", "--no_ssh", "--node_rank"]
     assert cmd[7] == "1"
+    args = launch_args("--hostfile", args.hostfile, "--node_rank", "0", "--exclude", "node-b")
+    check_launch(args)
+    assert deepspeed_command(args.recipe, [], hostfile=args.hostfile, exclude=args.exclude)[1:5] == [
+        "--hostfile", args.hostfile, "--exclude", "node-b"]
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -238,8 +256,18 @@ def test_node_rank_is_deepspeeds_no_ssh_and_the_master_defaults_to_the_first_hos
     (["--hostfile", "{hosts}", "--num_nodes", "1", "--node_rank", "1"], "--node_rank 1: the run has 1 node(s)"),
     (["--hostfile", "{bad}", "--node_rank", "0"], "{bad} line 1 is 'node-a 1'; each line is 'host slots=N'"),
     (["--hostfile", "{empty}", "--node_rank", "0"], "{empty} names no host"),
+    (["--include", "localhost:0", "--exclude", "localhost:1"], "--include and --exclude do not go together"),
+    (["--include", "localhost:0", "--num_gpus", "2"], "--num_gpus and --include do not go together"),
+    (["--exclude", "localhost:0:1"], "--exclude 'localhost:0:1': 'localhost:0:1' is not host[:slot[,slot ...]]"),
+    (["--include", "localhost:0,"], "'localhost:0,' is not host[:slot[,slot ...]]"),
+    (["--include", "localhost@localhost:1"], "localhost is named twice"),
+    (["--include", "localhost:2"], "--include: localhost has slots 0..1 (this host (no --hostfile)), not 2"),
+    (["--include", "gpu-7"], "--include: gpu-7 is not a host of this host (no --hostfile); its hosts: localhost"),
+    (["--hostfile", "{hosts}", "--exclude", "node-c:0"], "--exclude: node-c is not a host of {hosts}"),
+    (["--hostfile", "{hosts}", "--include", "node-a@node-b:1"], "--include: node-b has slots 0..0 ({hosts}), not 1"),
 ])
-def test_launcher_options_that_do_not_go_together_are_refused(tmp_path, argv, says):
+def test_launcher_options_that_do_not_go_together_are_refused(tmp_path, monkeypatch, argv, says):
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # this host's slots, as DeepSpeed's CPU accelerator counts them
     paths = {"hosts": two_hosts(tmp_path), "bad": tmp_path / "bad", "empty": tmp_path / "empty"}
     paths["bad"].write_text("node-a 1\n")
     paths["empty"].write_text("# nothing\n")
