@@ -150,15 +150,20 @@ def run_refused(args, capsys):
 
 
 @pytest.mark.slow
-def test_a_sampled_run_that_fails_keeps_the_greedy_one(toy_family, tmp_path, capsys):
-    """At a temperature so low that the probabilities overflow (1e-300), the sampled run raises after the greedy run
-    has finished: the greedy results were lost with it (issue 35). They are written, and the failure is one line,
-    exit code 1."""
+def test_a_sampled_run_that_fails_keeps_the_greedy_one(toy_family, tmp_path, capsys, monkeypatch):
+    """A sampled run that raises after the greedy run has finished (it was a temperature of 1e-300, whose
+    probabilities overflowed; such temperatures and non-finite weights are now refused before any work, so a draw
+    that fails stands in for what is left) lost the greedy results with it (issue 35). They are written, and the
+    failure is one line, exit code 1."""
+    def fails(*args, **kwargs):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(torch, "multinomial", fails)  # drawn from at temperature > 0 only
     root, _ = toy_family
     out = tmp_path / "eval"
-    code = main(eval_args(root, out, "eval.methods=[specdiff]", "eval.sampling_temperature=1e-300"))
+    code = main(eval_args(root, out, "eval.methods=[specdiff]", "eval.sampling_temperature=0.7"))
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err[-1].startswith("align eval: error: the temperature 1e-300 run stopped (")
+    assert code == 1 and err[-1].startswith("align eval: error: the temperature 0.7 run stopped (")
     assert err[-1].endswith("; eval.json holds the greedy run")
     result = json.loads((out / "eval.json").read_text())
     assert result["methods"]["specdiff"]["exact_match"] == 1.0 and "sampling" not in result
