@@ -204,14 +204,12 @@ def _version() -> str:
 def _section_help(sections: tuple[str, ...]) -> str:
     import textwrap
 
-    from align.recipe_files import key_meanings
+    from align.recipe_files import key_meanings, section_class
 
     defaults = Recipe().to_dict()
     lines = ["recipe sections (key: default, then what it means: the schema's own words, align/config.py):"]
     for name in sections:
-        section = defaults[name]
-        kind = next(t for t in get_args(Recipe.model_fields[name].annotation) if t is not type(None)) \
-            if section is None else type(getattr(Recipe(), name))
+        section, kind = defaults[name], section_class(name)
         if section is None:  # an optional section (dflash): off until one of its keys is set; these are its defaults
             section = kind().model_dump(mode="json")
             name_shown = f"{name} (unset)"

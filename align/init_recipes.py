@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
-from align.config import Recipe, RecipeError
+from align.config import RecipeError
 
 FILES = ("prompts.yaml", "dflash.yaml", "diffusion.yaml", "eval.yaml")
 WIDTH = 118
@@ -59,10 +59,9 @@ class Writer:
 
     def section(self, name: str, items: list[tuple[str, Any, Optional[str]]]) -> None:
         """items: (key, value, why init chose it or None)."""
-        from align.recipe_files import key_meanings
+        from align.recipe_files import key_meanings, section_class
 
-        kind = Recipe.model_fields[name].annotation
-        kind = next((t for t in getattr(kind, "__args__", (kind,)) if t is not type(None)), kind)
+        kind = section_class(name)
         meanings = key_meanings(kind)
         self.lines.append(f"{name}:")
         for key, value, why in items:

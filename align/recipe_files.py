@@ -9,7 +9,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -153,6 +153,12 @@ def get_key(recipe: Recipe, key: str) -> Any:
         else:
             raise RecipeError(f"unknown key '{key}'")
     return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
+
+
+def section_class(name: str) -> type[BaseModel]:
+    """The schema class of recipe section `name` (an optional one's, `dflash`, without its None)."""
+    annotation = Recipe.model_fields[name].annotation
+    return next((t for t in get_args(annotation) if t is not type(None)), annotation)
 
 
 def key_meanings(section: type[BaseModel]) -> dict[str, str]:

@@ -68,6 +68,7 @@ def non_decreasing(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
+DRAFT_PASSES_AVERAGED = 16  # a drafter pass's cost: the mean of the last this many
 KEPT_CHOICES = 256  # a chooser kept from prompt to prompt (methods.Setup.learned) keeps its recent choices only
 
 
@@ -114,8 +115,8 @@ class CostAwareSize:
         a union step skipped the drafter (`DrafterGate`): draft_s, the candidates' lookup, is then taken as it is
         and kept out of the drafter pass's running mean."""
         if drafter_ran:
-            # the last 16 passes are all draft_estimate reads: a chooser kept across prompts stays small
-            self.measured_draft_s = [*self.measured_draft_s[-15:], draft_s]
+            # the passes draft_estimate reads, no more: a chooser kept across prompts stays small
+            self.measured_draft_s = [*self.measured_draft_s[-(DRAFT_PASSES_AVERAGED - 1):], draft_s]
             draft_s = self.draft_estimate()
         elif self.draft_s is not None:
             draft_s = 0.0  # fixed costs: the lookup (microseconds) is not timed, so that every size is reproducible
@@ -133,7 +134,7 @@ class CostAwareSize:
         noisy; the passes so far are a steadier estimate of the next one's), 0 before any."""
         if self.draft_s is not None:
             return self.draft_s
-        return statistics.fmean(self.measured_draft_s[-16:]) if self.measured_draft_s else 0.0
+        return statistics.fmean(self.measured_draft_s[-DRAFT_PASSES_AVERAGED:]) if self.measured_draft_s else 0.0
 
     def update(self, scores: Sequence[float], depths: Sequence[int], num_accepted: int) -> None:
         """Fold in one verified draft: the nodes verified (as passed to choose, cut to the chosen size) and how many
