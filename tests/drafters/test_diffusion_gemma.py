@@ -9,7 +9,6 @@ windows read the same way, exports it, decodes it as a dLLM with Spiffy, and eva
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion,
                           Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig)
 from transformers.models.gemma4 import Gemma4VisionConfig
 
-from conftest import checkout_env
+from conftest import checkout_env, free_port
 
 from align.checkpoint import merged_model, save_merged
 from align.cli import main as align
@@ -317,7 +316,7 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     prompts = prompt_file(tmp_path, PROMPTS)
     tiny = [f"verifier.path={verifier}", f"drafter.path={drafter_path}", "verifier.dtype=float32",
             "drafter.dtype=float32", f"data.train_prompts={prompts}", "data.train_split=train",
-            "data.prompt_column=prompt", f"eval.prompts={prompts}", "eval.prompt_field=prompt",
+            "data.prompt_column=prompt", f"eval.prompts={prompts}", "eval.prompt_column=prompt",
             "eval.num_prompts=3", "trajectories.num_prompts=3",
             f"trajectories.out={tmp_path / 'trajectories'}", "trajectories.max_new_tokens=12",
             "trajectories.completions_per_prompt=1", "trajectories.batch_size=3", f"train.out={tmp_path / 'run'}",
@@ -329,7 +328,7 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     assert {result["methods"][name]["exact_match"] for name in ("specdiff", "specdiff_adl")} == {1.0}
     assert align(["trajectories", RECIPE, *tiny]) == 0
     env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     train = [sys.executable, "align/train.py", RECIPE, *tiny]
     done = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -346,7 +345,7 @@ def test_the_recipe_validates_and_runs_its_architectures_at_tiny_size(drafter, t
     assert align(["export", RECIPE, *tiny, f"drafter.path={step}", f"export.out={exported}"]) == 0
     model, spec = load_drafter(DrafterSection(path=str(exported), device="cpu"), tokenizer)
     assert type(model) is DiffusionGemmaForBlockDiffusion and spec.noise == "uniform"
-    dllm = [*tiny, f"drafter.path={exported}", f"calibrate.prompts={prompts}", "calibrate.prompt_field=prompt", "calibrate.num_prompts=3",
+    dllm = [*tiny, f"drafter.path={exported}", f"calibrate.prompts={prompts}", "calibrate.prompt_column=prompt", "calibrate.num_prompts=3",
             "calibrate.block_length=4", "calibrate.budget=3", f"calibrate.out={tmp_path / 'spiffy'}"]
     assert align(["calibrate", RECIPE, *dllm]) == 0
     assert align(["eval", RECIPE, *dllm, "eval.mode=dllm", f"calibrate.graph={tmp_path / 'spiffy' / 'draft_graph.json'}",

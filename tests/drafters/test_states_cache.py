@@ -2,7 +2,6 @@
 trajectory and read by its later epochs, train exactly as recomputing them does."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +44,7 @@ def test_rows_are_computed_once_and_read_back_exactly(tmp_path):
 def test_two_ranks_train_the_same_with_cached_states_and_remove_them(toy_trajectories, tmp_path):
     """24 steps of 4 rows over 2 ranks pass two epochs of the toy trajectories: the later steps read states another
     rank computed, and the losses equal those of a run that recomputes them (fp32: to rounding)."""
-    from conftest import TOY_TRAJECTORIES, checkout_env
+    from conftest import TOY_TRAJECTORIES, checkout_env, free_port
 
     root, traj = toy_trajectories
     losses = {}
@@ -57,7 +56,7 @@ def test_two_ranks_train_the_same_with_cached_states_and_remove_them(toy_traject
                 "train.final_eval_prompts=0", "train.losses={ce_streak: 1.0}", "dflash.aux_layer_ids=[0]",
                 "dflash.intermediate_size=48", f"train.cache_verifier_states={str(cached).lower()}"]
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
-               str(29500 + os.getpid() % 1000), "align/train.py", "recipes/tiny/dflash.yaml", *args]
+               str(free_port()), "align/train.py", "recipes/tiny/dflash.yaml", *args]
         done = subprocess.run(cmd, cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"),
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -301,7 +301,7 @@ def test_a_dflash_drafter_trains_two_steps_on_two_ranks_against_the_real_verifie
     import subprocess
     import sys
 
-    from conftest import checkout_env
+    from conftest import checkout_env, free_port
 
     from align.decoding.specdiff import specdiff_generate
     from align.drafters.loading import load_drafter
@@ -317,7 +317,7 @@ def test_a_dflash_drafter_trains_two_steps_on_two_ranks_against_the_real_verifie
     done = subprocess.run(
         [sys.executable, "-m", "align.cli", "train", recipe, *common, f"train.out={out}", "train.max_steps=2",
          "train.save_every=2", "train.micro_batch_size=1", "train.windows_per_sequence=2", "train.eval_every=100",
-         "train.report_to=none", "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000)],
+         "train.report_to=none", "--num_gpus", "2", "--master_port", str(free_port())],
         cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), capture_output=True, text=True,
         timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -344,7 +344,7 @@ def test_trajectories_windows_and_eval_read_the_same_token_ids(smollm2, tokenize
                  f"data.train_prompts={prompts}", "data.prompt_column=messages", "trajectories.num_prompts=2",
                  "trajectories.max_new_tokens=4", "trajectories.batch_size=2"]) == 0
     assert main(["eval", "recipes/tiny/eval.yaml", *common, f"eval.out={tmp_path / 'eval'}", f"eval.prompts={prompts}",
-                 "eval.split=train", "eval.prompt_field=messages", "eval.methods=[ar]", "eval.sampling_temperature=0",
+                 "eval.split=train", "eval.prompt_column=messages", "eval.methods=[ar]", "eval.sampling_temperature=0",
                  "eval.warmup=0", "decode.max_new_tokens=4"]) == 0
     expected = [ids[0].tolist() for ids in rendered(tokenizer)]
     assert tokenizer.decode(expected[0]).startswith(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import TOY_TRAJECTORIES, checkout_env
+from conftest import TOY_TRAJECTORIES, checkout_env, free_port
 
 from align.cli import main as align
 from align.stages.train import rank_share, warn_stale_build_locks
@@ -46,7 +46,7 @@ def launch(processes, args, wait=True):
     if processes == 1:
         cmd = [sys.executable, "align/train.py", "recipes/tiny/align.yaml", *args]
     else:
-        cmd = [DEEPSPEED, "--num_gpus", str(processes), "--master_port", str(29500 + os.getpid() % 1000),
+        cmd = [DEEPSPEED, "--num_gpus", str(processes), "--master_port", str(free_port()),
                "align/train.py", "recipes/tiny/align.yaml", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

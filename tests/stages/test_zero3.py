@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import checkout_env
+from conftest import checkout_env, free_port
 from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
 
 from align.config import RecipeError
@@ -106,7 +106,7 @@ def test_the_ranks_rows_ask_for_different_numbers_of_forwards(canvas_run):
 def run_on_two_ranks(recipe_and_args: list[str], out: Path) -> list[dict]:
     """align train on 2 DeepSpeed ranks (ZeRO-3 in the arguments) writing to `out`; its metrics records. A hang fails
     the test."""
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000 + 7), "align/train.py",
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "align/train.py",
            *recipe_and_args, f"train.out={out}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -326,7 +326,7 @@ def test_zero3_loads_each_ranks_partition_only_and_the_gathered_weights_are_the_
     folder = write_family(family, tmp_path / family) if remote else ROOT / "checkpoints/tiny/drafter-base"
     script = tmp_path / "load.py"
     script.write_text(PARTITIONED_LOAD)
-    port = str(29500 + os.getpid() % 1000 + 11)
+    port = str(free_port())
     proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", port, str(script), str(folder), str(remote),
                            str(tmp_path / "report")], cwd=ROOT, env=checkout_env(OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=HANG_S)
