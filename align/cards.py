@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -268,10 +268,20 @@ def title(recipe: Recipe, what: str) -> str:
     return recipe.export.push_to_hub.split("/")[-1] if recipe.export.push_to_hub else what
 
 
-def training_data(meta: dict[str, Any]) -> DataSource:
-    """The prompts the verifier continued for the training trajectories (data.train_prompts of the training run)."""
-    return data_source(((meta.get("recipe") or {}).get("data") or {}).get("train_prompts"),
-                       "the tiny train split (functions of the Python standard library's source)")
+def training_data(meta: dict[str, Any]) -> list[DataSource]:
+    """The prompts the verifier continued for the training trajectories (data.train_prompts of the training run): its
+    source, or each source of a mixture with its weight."""
+    value = ((meta.get("recipe") or {}).get("data") or {}).get("train_prompts")
+    if not isinstance(value, list):
+        return [data_source(value, "the tiny train split (functions of the Python standard library's source)")]
+    total = sum(source["weight"] for source in value)
+    return [replace(found, described=f"{found.described} ({source['weight'] / total:.0%} of them)")
+            for source in value for found in [data_source(source["path"], "")]]
+
+
+def training_prompts_line(data: list[DataSource]) -> str:
+    """The card's line on the training prompts."""
+    return f"- Training prompts: {'; '.join(d.described for d in data)}, continued by the verifier (align trajectories)."
 
 
 def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optional[dict[str, Any]], recipe: Recipe,
@@ -290,7 +300,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
     results = eval_results(evaluation, recipe.drafter.path, verifier) if evaluation else []
     front = front_matter(title=name, base=base, relation="finetune" if trained else None, licence_=licence_,
                          library="transformers", tags=["speculative-decoding", "diffusion-drafter", "align"],
-                         datasets=[data.hub_id] if data and data.hub_id else [], results=results)
+                         datasets=[d.hub_id for d in data or [] if d.hub_id], results=results)
     body = [
         f"# {name}", "",
         f"A discrete-diffusion drafter for speculative decoding with **{verifier.hub_id or verifier.name}** as the "
@@ -301,7 +311,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
         "## Models and data", "",
         f"- Drafter base: {base.described}" + (" (this folder holds it fine-tuned)." if trained else "."),
         f"- Verifier: {verifier.described}: the model whose output this drafter's decoding reproduces exactly.",
-        *([f"- Training prompts: {data.described}, continued by the verifier (align trajectories)."] if data else []),
+        *([training_prompts_line(data)] if data else []),
         licence_.card_line(), "",
     ]
     if evaluation:
@@ -488,7 +498,7 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
     results = eval_results(evaluation, recipe.drafter.path, verifier) if evaluation else []
     front = front_matter(title=heading, base=verifier, relation=None, licence_=licence_, library="speculators",
                          tags=["speculative-decoding", "dflash", "speculators", "align"],
-                         datasets=[data.hub_id] if data and data.hub_id else [], results=results)
+                         datasets=[d.hub_id for d in data or [] if d.hub_id], results=results)
     body = [
         f"# {heading}", "",
         f"A DFlash-style block-diffusion drafter for **{verifier.hub_id or verifier.name}**, trained with align, in the "
@@ -498,7 +508,7 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
         f"{config['mask_token_id']}, {config['transformer_layer_config']['num_hidden_layers']} draft layer(s).", "",
         "## Models and data", "",
         f"- Verifier (and base model: its embeddings and LM head are in this folder): {verifier.described}.",
-        *([f"- Training prompts: {data.described}, continued by the verifier (align trajectories)."] if data else []),
+        *([training_prompts_line(data)] if data else []),
         licence_.card_line(), "",
     ]
     if evaluation:

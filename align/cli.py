@@ -144,7 +144,8 @@ def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             "with a config.json (random weights: none are downloaded)")
         parser.add_argument("--context", type=integer_in(1), default=512, help="cached tokens before each forward")
         parser.add_argument("--max-tokens", type=integer_in(1), default=64, help="the largest forward, in new tokens")
-        parser.add_argument("--dtype", choices=[d for d in get_args(Dtype) if d != "auto"], default="bfloat16")
+        parser.add_argument("--dtype", choices=[d for d in get_args(Dtype) if d not in ("auto", "device")],
+                            default="bfloat16")
         parser.add_argument("--device", default=None, help="default: cuda where there is a GPU, else cpu")
         parser.add_argument("--rounds", type=integer_in(1), default=7,
                             help="interleaved rounds; each size's median is kept")

@@ -14,14 +14,14 @@ align/preflight.py; the model families and the DrafterSpec are in align/drafters
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from align.decoding.options import METHOD_NAMES
 from align.hub import HUB_LICENSES
 from align.recipe_fields import (LOSSES, Device, Dtype, LearningRate, LossName, MethodName, PositiveTemperature,
-                                 ReportTo, Section, Seed, Temperature, TrackerProject)
+                                 PromptSource, ReportTo, Section, Seed, Temperature, TrackerProject)
 
 
 class RecipeError(ValueError):
@@ -34,8 +34,9 @@ class RecipeError(ValueError):
 class ModelSection(Section):
     #: local HF folder or a Hub id (org/name)
     path: str
-    #: "auto": bfloat16 on CUDA, float32 on CPU (batch-1 decoding is no faster in bf16 on CPU, and fp32 is exact)
-    dtype: Dtype = "auto"
+    #: "device": bfloat16 on CUDA, float32 on CPU (batch-1 decoding is no faster in bf16 on CPU, and fp32 is exact);
+    #: "auto": the checkpoint's own dtype (its config.json's, as in transformers and vLLM); or float32, bfloat16, float16
+    dtype: Dtype = "device"
     #: "auto": CUDA when available, else CPU
     device: Device = "auto"
     #: Hub dLLMs (LLaDA, Dream, DiffuCoder) ship their own modelling code
@@ -106,9 +107,11 @@ class DataSection(Section):
     #: needs them
     dir: str = "data/tiny"
     #: prompts for trajectories: a local JSONL or Parquet file, a local dataset folder in the Hub layout
-    #: (data/train-00000-of-00001.parquet), or a Hub dataset id (org/name), all read with `datasets`; None: the tiny
-    #: train split (evaluation prompts are eval.prompts, calibration prompts calibrate.prompts)
-    train_prompts: Optional[str] = None
+    #: (data/train-00000-of-00001.parquet), or a Hub dataset id (org/name), all read with `datasets`; or a mixture,
+    #: a list of sources ({path, name, data_files, revision, split, prompt_column, weight}) from which
+    #: trajectories.num_prompts are drawn by weight; None: the tiny train split (evaluation prompts are eval.prompts,
+    #: calibration prompts calibrate.prompts)
+    train_prompts: Optional[Union[str, Annotated[list[PromptSource], Field(min_length=1)]]] = None
     #: the split of data.train_prompts read (a folder or Hub id; a single file is its only split)
     train_split: str = "train"
     #: the column holding each prompt: a string, or chat messages ({role, content}); a conversation that ends with
@@ -391,7 +394,7 @@ class CalibrateSection(Section):
     #: the split of calibrate.prompts read (a folder or Hub id; a single file is its only split)
     split: str = "train"
     #: the column of calibrate.prompts holding each prompt (a string or chat messages, as data.prompt_column)
-    prompt_field: str = "prompt"
+    prompt_column: str = "prompt"
 
 
 class EvalSection(Section):
@@ -410,7 +413,7 @@ class EvalSection(Section):
     split: str = "test"
     #: the column holding the prompt: a string, chat messages (as data.prompt_column), or a list of strings (as
     #: Spec-Bench's `turns`: its first element)
-    prompt_field: str = "prompt"
+    prompt_column: str = "prompt"
     #: the dataset config (subset) of eval.prompts, as `datasets.load_dataset`'s second argument: GSM8K's `main`;
     #: None: the dataset's only (or default) config
     dataset_config: Optional[str] = None

@@ -40,8 +40,8 @@ Prompt = Union[str, list[dict[str, str]]]
 # prompts the stage reads (None: all)
 PROMPT_SOURCES: dict[str, tuple[str, str, str]] = {
     "data.train_prompts": ("data.train_split", "data.prompt_column", "trajectories.num_prompts"),
-    "eval.prompts": ("eval.split", "eval.prompt_field", "eval.num_prompts"),
-    "calibrate.prompts": ("calibrate.split", "calibrate.prompt_field", "calibrate.num_prompts"),
+    "eval.prompts": ("eval.split", "eval.prompt_column", "eval.num_prompts"),
+    "calibrate.prompts": ("calibrate.split", "calibrate.prompt_column", "calibrate.num_prompts"),
 }
 # What a benchmark source takes besides: recipe key -> the keys of its dataset config name, of its category filter
 # (a `category` column, as Spec-Bench's and MT-Bench's), and of the column holding each prompt's stable id.
@@ -71,9 +71,12 @@ def _quiet_datasets() -> Iterator[Any]:
 
 
 def _read_dataset(path: str, split: str, key: str, split_key: str, config: Optional[str] = None,
-                  config_key: Optional[str] = None) -> Any:
+                  config_key: Optional[str] = None, data_files: Optional[list[str]] = None,
+                  revision: Optional[str] = None) -> Any:
     """The `split` of the dataset at `path` (a `datasets.Dataset`, or [] for an empty file), of its dataset config
-    `config` (a Hub-layout folder or id with several, as GSM8K's `main` and `socratic`) when given."""
+    `config` (a Hub-layout folder or id with several, as GSM8K's `main` and `socratic`) when given; of a folder or Hub
+    dataset, only `data_files` when given, and a Hub dataset at `revision`. The keys name each setting in a refusal
+    (`key` the source; data_files and revision are `key`.data_files and `key`.revision, as a mixture names them)."""
     local = Path(path)
     if not local.exists() and local.suffix in (".jsonl", ".json", ".parquet"):
         raise RecipeError(f"{key}: no such file: {path}")  # a file's name, not a Hub id
@@ -82,6 +85,10 @@ def _read_dataset(path: str, split: str, key: str, split_key: str, config: Optio
     what = "a dataset folder" if local.is_dir() else "a Hub dataset"
     if local.is_file() and config is not None:
         raise RecipeError(f"{config_key}: {path} is a single file, which has no dataset configs (unset the key)")
+    if local.is_file() and data_files is not None:
+        raise RecipeError(f"{key}.data_files: {path} is a single file; data_files picks files of a folder or Hub dataset")
+    if local.exists() and revision is not None:
+        raise RecipeError(f"{key}.revision: {path} is local; a revision is a Hub dataset's branch, tag or commit")
     if local.is_file():
         if local.suffix == ".parquet":
             what = "Parquet"
@@ -103,7 +110,7 @@ def _read_dataset(path: str, split: str, key: str, split_key: str, config: Optio
                 builder = "parquet" if what == "Parquet" else "json"
                 return datasets.load_dataset(builder, data_files={split: str(local)}, split=split)
             # a Hub-layout folder or id: configs from its README's metadata, splits from file names
-            return datasets.load_dataset(path, config, split=split)
+            return datasets.load_dataset(path, config, split=split, data_files=data_files, revision=revision)
         except ValueError as e:
             if config_key is not None and ("Config name is missing" in str(e) or "BuilderConfig" in str(e)):
                 known = str(e).partition("[")[2].partition("]")[0].replace("'", "")
@@ -164,6 +171,8 @@ class PromptRow:
     prompt: Prompt
     row: int
     id: Optional[str] = None
+    #: which source of a mixture it came from (data.train_prompts as a list); 0 for a single source
+    source: int = 0
 
 
 def _id_column(rows: Any, id_key: Optional[str], wanted: Optional[str], path: str) -> Optional[str]:
@@ -178,10 +187,12 @@ def load_prompt_rows(recipe: Recipe, key: str, default: Optional[str] = None) ->
     """The prompts of the source named by `key` (a PROMPT_SOURCES key), with its split and column keys, and for a
     benchmark source (BENCHMARK_KEYS) its dataset config, category filter and id column; when the key is unset, those
     of the tiny prompt file `default` (a JSONL with a `prompt` field). Only as many as the stage reads are converted
-    and checked (a Hub chat dataset may hold hundreds of thousands)."""
+    and checked (a Hub chat dataset may hold hundreds of thousands). A list of sources is a mixture (mixture_rows)."""
     split_key, column_key, limit_key = PROMPT_SOURCES[key]
     config_key, categories_key, id_key = BENCHMARK_KEYS.get(key, (None, None, None))
     path = get_key(recipe, key)
+    if isinstance(path, list):
+        return mixture_rows(recipe, key, path)
     if path is not None:
         split, column = get_key(recipe, split_key), get_key(recipe, column_key)
     elif default is not None:
@@ -191,14 +202,27 @@ def load_prompt_rows(recipe: Recipe, key: str, default: Optional[str] = None) ->
     config = get_key(recipe, config_key) if config_key else None
     categories = set(get_key(recipe, categories_key)) if categories_key else set()
     rows = _read_dataset(path, split, key, split_key, config, config_key)
-    if len(rows) and column not in rows.column_names:
-        raise RecipeError(f"{column_key}: {path} has no '{column}' field (fields: {', '.join(rows.column_names)})")
     if categories and len(rows) and CATEGORY_COLUMN not in rows.column_names:
         raise RecipeError(f"{categories_key}: {path} has no '{CATEGORY_COLUMN}' field (fields: "
                           f"{', '.join(rows.column_names)})")
     id_column = _id_column(rows, id_key, get_key(recipe, id_key) if id_key else None, path)
+    found, seen = _prompt_rows(rows, path, column, column_key, get_key(recipe, limit_key), categories, id_column)
+    if not found and categories:
+        raise RecipeError(f"{categories_key}: {path} holds no prompts in {', '.join(sorted(categories))} "
+                          f"(categories: {', '.join(sorted(seen))})")
+    if not found:
+        raise RecipeError(f"{key}: {path} holds no prompts")
+    return found
+
+
+def _prompt_rows(rows: Any, path: str, column: str, column_key: str, limit: Optional[int],
+                 categories: Optional[set[str]] = None, id_column: Optional[str] = None, source: int = 0
+                 ) -> tuple[list[PromptRow], set[str]]:
+    """The first `limit` (None: all) prompts of a read split's `column`, of the rows in `categories` when given; and
+    the categories seen."""
+    if len(rows) and column not in rows.column_names:
+        raise RecipeError(f"{column_key}: {path} has no '{column}' field (fields: {', '.join(rows.column_names)})")
     columns = [column, *([CATEGORY_COLUMN] if categories else []), *([id_column] if id_column else [])]
-    limit = get_key(recipe, limit_key)
     found: list[PromptRow] = []
     seen: set[str] = set()
     if len(rows):
@@ -214,15 +238,49 @@ def load_prompt_rows(recipe: Recipe, key: str, default: Optional[str] = None) ->
                     continue
             prompt = _as_prompt(batch[column][i], f"{column_key}: row {row} of {path}")
             if prompt is not None:
-                found.append(PromptRow(prompt, row, None if id_column is None else str(batch[id_column][i])))
+                found.append(PromptRow(prompt, row, None if id_column is None else str(batch[id_column][i]), source))
             if limit is not None and len(found) == limit:
-                return found
-    if not found and categories:
-        raise RecipeError(f"{categories_key}: {path} holds no prompts in {', '.join(sorted(categories))} "
-                          f"(categories: {', '.join(sorted(seen))})")
-    if not found:
-        raise RecipeError(f"{key}: {path} holds no prompts")
-    return found
+                return found, seen
+    return found, seen
+
+
+def mixture_counts(total: int, weights: list[float]) -> list[int]:
+    """How many of `total` prompts each source of a mixture gives: shares by weight, rounded by largest remainder so
+    that they sum to `total` (ties to the earlier source)."""
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def mixture_rows(recipe: Recipe, key: str, sources: list[Any]) -> list[PromptRow]:
+    """The prompts of a mixture (`key`'s value a list of PromptSource): trajectories.num_prompts of them, each source's
+    share by weight (mixture_counts) taken from its first rows, and interleaved evenly, so that every chunk of
+    trajectories and the held-out prompts (every HELD_OUT_EVERY-th) sample every source in its proportion."""
+    split_key, column_key, limit_key = PROMPT_SOURCES[key]
+    total = get_key(recipe, limit_key)
+    if total is None:
+        raise RecipeError(f"{limit_key}: a mixture ({key} as a list) draws this many prompts by weight; set it")
+    counts = mixture_counts(total, [s.weight for s in sources])
+    drawn: list[list[PromptRow]] = []
+    for i, (source, count) in enumerate(zip(sources, counts)):
+        where = f"{key}[{i}]"
+        if not count:
+            raise RecipeError(f"{where}.weight: {source.weight:g} gives it none of the {total} prompts "
+                              f"({limit_key}); raise it, or leave the source out")
+        split = source.split or get_key(recipe, split_key)
+        column = source.prompt_column or get_key(recipe, column_key)
+        rows = _read_dataset(source.path, split, where, f"{where}.split" if source.split else split_key, source.name,
+                             f"{where}.name", source.data_files, source.revision)
+        found, _ = _prompt_rows(rows, source.path, column, f"{where}.prompt_column" if source.prompt_column
+                                else column_key, count, source=i)
+        if len(found) < count:
+            raise RecipeError(f"{where}: {source.path} holds {len(found)} prompts, fewer than its share of {limit_key} "
+                              f"({count} of {total}); lower its weight or {limit_key}")
+        drawn.append(found)
+    order = sorted(((j + 0.5) / count, i, j) for i, count in enumerate(counts) for j in range(count))
+    return [drawn[i][j] for _, i, j in order]
 
 
 def load_prompts(recipe: Recipe, key: str, default: Optional[str] = None) -> list[Prompt]:
@@ -237,7 +295,7 @@ def tiny_prompts_path(recipe: Recipe, split: str, model_dir: str | None = None) 
 
 
 def eval_prompt_rows(recipe: Recipe) -> list[PromptRow]:
-    """eval.prompts (split eval.split, column eval.prompt_field, config eval.dataset_config, rows of eval.categories),
+    """eval.prompts (split eval.split, column eval.prompt_column, config eval.dataset_config, rows of eval.categories),
     or the tiny test split; the first eval.num_prompts."""
     default = None if recipe.eval.prompts else tiny_prompts_path(recipe, "test", recipe.verifier.path)
     return load_prompt_rows(recipe, "eval.prompts", default)
@@ -345,12 +403,14 @@ def check_prompts(recipe: Recipe, key: str, model_key: str) -> None:
     if get_key(recipe, key) is None:
         check_tiny_default(recipe, key, model_key)
         return  # the tiny prompt sets: plain strings, built on first use by the stage
-    prompts = load_prompts(recipe, key)
-    if template is None and any(not isinstance(p, str) for p in prompts):
+    chat = next((row for row in load_prompt_rows(recipe, key) if not isinstance(row.prompt, str)), None)
+    if template is None and chat is not None:
         why = "data.chat_template=off" if recipe.data.chat_template == "off" else \
             f"the tokenizer of {model_section(recipe, model_key).path} has none"
-        raise RecipeError(f"{PROMPT_SOURCES[key][1]}: {get_key(recipe, key)} holds chat messages, which need a chat "
-                          f"template ({why})")
+        source = get_key(recipe, key)
+        where = f"{key}[{chat.source}]: {source[chat.source].path}" if isinstance(source, list) else \
+            f"{PROMPT_SOURCES[key][1]}: {source}"
+        raise RecipeError(f"{where} holds chat messages, which need a chat template ({why})")
 
 
 # --------------------------------------------------------------------------------------------------------------------

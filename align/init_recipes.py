@@ -225,7 +225,7 @@ def recipes(verifier: str, name: str, model: dict[str, Any]) -> dict[str, str]:
                          ("suffix_corpus", f"{data}/trajectories", None)])
     w.section("eval", [
         ("out", f"{ck}/eval", None), ("prompts", "openai/gsm8k", "any prompt dataset: a file, a folder or a Hub id"),
-        ("dataset_config", "main", None), ("prompt_field", "question", None), ("split", "test", None),
+        ("dataset_config", "main", None), ("prompt_column", "question", None), ("split", "test", None),
         ("num_prompts", 30, None),
         ("compare_drafters", {"dflash": f"{ck}/dflash/export"}, "the DFlash drafter's rows beside the standalone's"),
         ("methods", ["ar", "hf_generate", "prompt_lookup", "ngram", "suffix_ngram_cost", "specdiff", "specdiff_tree",

@@ -42,10 +42,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    # On CPU fp32 is the default: batch-1 decoding is no faster in bf16 there, and fp32 keeps greedy checks exact.
-    if name == "auto":
+def resolve_dtype(name: str, device: torch.device, path: Optional[str] = None, trust_remote_code: bool = False
+                  ) -> torch.dtype:
+    """The torch dtype of a model's `dtype` setting: "device" (align's default) is bfloat16 on CUDA and float32 on a
+    CPU, where batch-1 decoding is no faster in bf16 and fp32 keeps greedy checks exact; "auto" is the checkpoint's own
+    (config.json's dtype, as transformers' and vLLM's "auto"; float32 where it names none) of the model at `path`."""
+    if name == "device":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "auto":
+        if path is None:
+            raise ValueError('dtype "auto" is the checkpoint\'s: resolve_dtype needs the model\'s path')
+        saved = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "dtype", None)
+        saved = DTYPES.get(saved, saved) if isinstance(saved, str) else saved
+        return saved if saved in DTYPES.values() else torch.float32
     return DTYPES[name]
 
 
@@ -69,7 +78,7 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     # which is then a tuple.
     checked = {} if section.trust_remote_code else dict(ignore_mismatched_sizes=True, output_loading_info=True)
     kwargs = dict(
-        dtype=resolve_dtype(section.dtype, device),
+        dtype=resolve_dtype(section.dtype, device, section.path, section.trust_remote_code),
         trust_remote_code=section.trust_remote_code,
         **checked,
         **_attention_kwargs(section, config_overrides.get("config")),

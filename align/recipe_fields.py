@@ -7,10 +7,10 @@ re-exports them) is: a recipe is checked before torch is imported.
 from __future__ import annotations
 
 from types import UnionType
-from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NamedTuple, Optional, Union, get_args, get_origin
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
 
 from align.decoding.options import method_name
 
@@ -58,11 +58,38 @@ def takes_number(annotation: Any) -> bool:
     return bool(leaves & {int, float}) and bool not in leaves
 
 
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# A model's dtype: "device", align's default, bfloat16 on CUDA and float32 on a CPU; "auto", as transformers and vLLM mean
+# it, the checkpoint's own (its config.json's dtype); or one named.
+Dtype = Literal["device", "auto", "float32", "bfloat16", "float16"]
 # The evaluation methods: every option set align/decoding/options.py's grammar allows, by name (align/methods.py's
 # METHODS has exactly these keys). A name or a spelling (specdiff+cps+tree) is checked when the recipe loads, before
 # torch is imported, and kept as its name.
 MethodName = Annotated[str, AfterValidator(method_name)]
+
+
+class PromptSource(Section):
+    """One source of a mixture of training prompts (data.train_prompts as a list), its keys named as
+    `datasets.load_dataset`'s arguments and TRL's dataset mixtures name them."""
+
+    #: a local JSONL or Parquet file, a local dataset folder in the Hub layout, or a Hub dataset id (org/name)
+    path: str
+    #: the dataset config (load_dataset's `name`: GSM8K's main); None: the dataset's only (or default) one
+    name: Optional[str] = None
+    #: the files of a folder or Hub dataset read (load_dataset's data_files; glob patterns allowed); None: its splits'
+    data_files: Optional[list[str]] = Field(default=None, min_length=1)
+    #: the revision of a Hub dataset (branch, tag or commit); None: its main branch
+    revision: Optional[str] = None
+    #: the split read; None: data.train_split
+    split: Optional[str] = None
+    #: the column holding each prompt; None: data.prompt_column
+    prompt_column: Optional[str] = None
+    #: this source's share of trajectories.num_prompts, relative to the others' (3 and 1: 75% and 25%)
+    weight: float = Field(default=1.0, gt=0)
+
+    @field_validator("data_files", mode="before")
+    @classmethod
+    def _one_file(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # as load_dataset takes one pattern or several
 
 
 class LossDeclaration(NamedTuple):

@@ -76,27 +76,58 @@ def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+# Keys that were renamed: old name -> new name, in every section that has the new one. A recipe written for the old
+# name is refused with the new one (a silent alias would leave two spellings in recipes people copy).
+RENAMED_KEYS = {"prompt_field": "prompt_column"}  # one name for the prompts' column in every section
+
+
+def _model_in(annotation: Any) -> Any:
+    """The recipe section a field's type holds, through Optional, unions and lists (a mixture's list of sources)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((found for arg in get_args(annotation) if (found := _model_in(arg)) is not None), None)
+
+
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     """Valid field names of the section at `loc` (for 'did you mean' suggestions)."""
     model: Any = Recipe
     for part in loc:
+        if isinstance(part, int) or part in ("str", "list[PromptSource]"):  # a list index, pydantic's union branch
+            continue
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return []
-        model = field.annotation
+        model = _model_in(field.annotation)
     return list(getattr(model, "model_fields", {}))
 
 
+def _is_branch(part: Any) -> bool:
+    """Whether a part of pydantic's error location names a branch of a union (`str`, `list[PromptSource]`), not a key."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float"))
+
+
 def one_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = tuple(p for p in first["loc"] if p != "[key]")  # dict keys: name the entry, not pydantic's marker
-    key = ".".join(str(p) for p in loc) or "recipe"
+    errors = err.errors()
+    # A union (data.train_prompts: a path or a list of sources) reports each branch's complaint; the one that matters
+    # is the branch the value was written for, not "should be a valid string" about a list.
+    # The deepest complaint is the branch that got furthest with the value.
+    first = max(errors, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+    # dict keys: name the entry, not pydantic's marker; a list's items as [i]
+    loc = tuple(p for p in first["loc"] if p != "[key]" and not _is_branch(p))
+    key = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", ".".join(str(p) for p in loc)) or "recipe"
     if first["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
+        if RENAMED_KEYS.get(str(loc[-1])) in valid:
+            return f"'{key}' is now '{key.rpartition('.')[0]}.{RENAMED_KEYS[str(loc[-1])]}': rename it"
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else f"valid: {', '.join(valid)}"
+        section = key.rpartition(".")[0]
+        hint = f"did you mean '{section + '.' if section else ''}{close[0]}'?" if close else f"valid: {', '.join(valid)}"
         return f"unknown key '{key}' ({hint})"
     msg = first["msg"].removeprefix("Value error, ")
+    branches = [e["msg"].removeprefix("Input should be ") for e in errors if e["loc"][:-1] == first["loc"][:-1]
+                and _is_branch(e["loc"][-1]) and e["type"].endswith("_type")]
+    if len(branches) > 1:  # a value none of a union's types takes
+        msg = "Input should be " + " or ".join(branches)
     if first["type"] == "missing":
         return f"{key}: required"
     got = first.get("input")

@@ -194,7 +194,8 @@ def verifier_runner(recipe: Any, *, kv_cache_gib: float, seed: int, key: str) ->
     from align.models import resolve_device, resolve_dtype
 
     device = resolve_device(recipe.verifier.device)
-    return VllmRunner(recipe.verifier.path, dtype=vllm_dtype(resolve_dtype(recipe.verifier.dtype, device)),
+    dtype = resolve_dtype(recipe.verifier.dtype, device, recipe.verifier.path, recipe.verifier.trust_remote_code)
+    return VllmRunner(recipe.verifier.path, dtype=vllm_dtype(dtype),
                       kv_cache_gib=kv_cache_gib, seed=seed, cuda_device=device.index if device.type == "cuda" else None,
                       key=key)
 

@@ -68,14 +68,14 @@ run_eval() {  # out, then the prompt source's overrides
   $align eval $eval verifier.dtype=$dtype drafter.dtype=$dtype ar_drafter.dtype=$dtype drafter.path="$diffusion_step" \
     "eval.compare_drafters={dflash: $dflash_step}" eval.num_prompts="$num_prompts" eval.out="$out" "$@"
 }
-run_eval checkpoints/smollm2/eval eval.prompts="$gsm8k" eval.prompt_field=question \
+run_eval checkpoints/smollm2/eval eval.prompts="$gsm8k" eval.prompt_column=question \
   $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) "$@"
 stamp "eval gsm8k"
-run_eval checkpoints/smollm2/eval-humaneval eval.prompts="$humaneval" eval.prompt_field=prompt \
+run_eval checkpoints/smollm2/eval-humaneval eval.prompts="$humaneval" eval.prompt_column=prompt \
   eval.sampling_temperature=0 "$@"
 stamp "eval humaneval"
 if [ -n "$spec_bench" ]; then
-  run_eval checkpoints/smollm2/eval-mtbench eval.prompts="$spec_bench" eval.prompt_field=turns \
+  run_eval checkpoints/smollm2/eval-mtbench eval.prompts="$spec_bench" eval.prompt_column=turns \
     "eval.categories=[writing, roleplay, reasoning, math, coding, extraction, stem, humanities]" \
     eval.sampling_temperature=0 "$@"
   stamp "eval mt-bench"
@@ -84,7 +84,7 @@ $align export $diffusion drafter.path="$diffusion_step" export.eval=checkpoints/
 stamp "diffusion export"
 # vLLM without and with the exported DFlash drafter, beside align's runtime, on the GSM8K prompts.
 $align serve-check $dflash "${precision[@]}" serve_check.drafter="$($align validate $dflash "$@" --get export.out)" \
-  eval.prompts="$gsm8k" eval.prompt_field=question $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) \
+  eval.prompts="$gsm8k" eval.prompt_column=question $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) \
   eval.num_prompts="$serve_prompts" decode.max_new_tokens="$($align validate $eval "$@" --get decode.max_new_tokens)" \
   serve_check.out=checkpoints/smollm2/serve-check "$@"
 stamp serve-check

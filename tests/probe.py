@@ -586,7 +586,7 @@ def schema_cases() -> list[Case]:
         ("gkd.lmbda=2", "gkd.lmbda"), ("gkd.beta=-0.1", "gkd.beta"), ("gkd.lr=5", "gkd.lr"),
         ("trajectories.temperature=0", "trajectories"), ("trajectories.top_p=0", "trajectories.top_p"),
         ("trajectories.batch_size=0", "trajectories.batch_size"), ("trajectories.backend=tgi", "trajectories.backend"),
-        ("eval.methods=[nope]", "eval.methods.0"), ("eval.mode=fast", "eval.mode"), ("eval.repeats=0", "eval.repeats"),
+        ("eval.methods=[nope]", "eval.methods[0]"), ("eval.mode=fast", "eval.mode"), ("eval.repeats=0", "eval.repeats"),
         ("eval.compare_drafters={'a b': x}", "eval.compare_drafters"),
         ("export.push_to_hub=not-an-id", "export.push_to_hub"), ("export.license=nope", "export"),
         ("export.license=other", "export"), ("export.format=gguf", "export.format"),
@@ -717,7 +717,7 @@ def cases() -> list[Case]:
         ("eval", "eval.prompts", "latin1.jsonl", b'{"prompt": "caf\xe9"}\n', "not UTF-8"),
         ("eval", "eval.prompts", "broken.jsonl", '{"prompt": "a"}\n{bad\n', "cannot read"),
         ("eval", "eval.prompts", "empty.jsonl", "", "holds no prompts"),
-        ("eval", "eval.prompt_field", "text", None, None),
+        ("eval", "eval.prompt_column", "text", None, None),
         ("trajectories", "data.train_prompts", "chats.jsonl",
          '{"prompt": [{"role": "user", "content": "hi"}]}\n', "need a chat template"),
         ("trajectories", "data.train_prompts", "answers.jsonl",
@@ -727,11 +727,34 @@ def cases() -> list[Case]:
     ]
     for stage, key, name, content, expect in prompts:
         value = f"{S}/bad/{name}" if key.endswith("prompts") else name
-        extra = [f"eval.prompts={S}/bad/ok.jsonl"] if key == "eval.prompt_field" else []
+        extra = [f"eval.prompts={S}/bad/ok.jsonl"] if key == "eval.prompt_column" else []
         setup = bad(name, content) if content is not None else (
             bad("ok.jsonl", '{"prompt": "def f():"}\n') if extra else None)
         add(refuse(f"{stage} {key}: {name}", "-", [stage, "{R}", f"{key}={value}", *extra,
                                                    f"{stage}.out={S}/out/p"], expect or key, setup=setup, ci=True))
+    # a mixture of training prompt sources (data.train_prompts as a list): every refusal names the entry
+    ok_rows = bad("ok.jsonl", '{"prompt": "def f():"}\n' * 4)
+    mixtures = [
+        ("no num_prompts", f"[{{path: {S}/bad/ok.jsonl}}]", ["trajectories.num_prompts=null"],
+         "trajectories.num_prompts: a mixture"),
+        ("a source short of its share", f"[{{path: {S}/bad/ok.jsonl}}, {{path: {S}/bad/ok.jsonl, weight: 9}}]",
+         ["trajectories.num_prompts=20"], "data.train_prompts[1]: "),
+        ("a weight that draws nothing", f"[{{path: {S}/bad/ok.jsonl}}, {{path: {S}/bad/ok.jsonl, weight: 0.01}}]",
+         ["trajectories.num_prompts=4"], "data.train_prompts[1].weight"),
+        ("a missing source", f"[{{path: {S}/bad/ok.jsonl}}, {{path: {S}/bad/gone.jsonl}}]",
+         ["trajectories.num_prompts=4"], "data.train_prompts[1]: no such file"),
+        ("a revision of a local file", f"[{{path: {S}/bad/ok.jsonl, revision: v2}}]",
+         ["trajectories.num_prompts=4"], "data.train_prompts[0].revision"),
+        ("an unknown key in an entry", f"[{{path: {S}/bad/ok.jsonl, colum: text}}]", [],
+         "data.train_prompts[0].colum"),
+        ("a zero weight", f"[{{path: {S}/bad/ok.jsonl, weight: 0}}]", [], "data.train_prompts[0].weight"),
+    ]
+    for what, value, extra, expect in mixtures:
+        add(refuse(f"trajectories: a prompt mixture with {what}", "-", [
+            "trajectories", "{R}", f"data.train_prompts={value}", *extra, f"trajectories.out={S}/out/t"], expect,
+            setup=ok_rows, ci=True))
+    add(refuse("eval.prompt_field, the column key's old name", "-", ["eval", "{R}", "eval.prompt_field=question",
+               f"eval.out={S}/out/e"], "is now 'eval.prompt_column'", ci=True))
     add(refuse("eval: a prompt past the verifier's context", "-", ["eval", "{R}", f"eval.prompts={S}/bad/long.jsonl",
                f"eval.out={S}/out/e"], "exceeds", setup=bad("long.jsonl", LONG_PROMPT), ci=True))
     add(refuse("trajectories: a prompt past the verifier's context", "7", ["trajectories", "{R}",

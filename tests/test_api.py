@@ -110,7 +110,7 @@ def test_settings_come_from_the_schema_and_are_checked(pair):
     from align.config import DecodeSection
 
     assert pair.recipe.decode == DecodeSection(cps_proxy_corpus=pair.recipe.decode.cps_proxy_corpus)
-    assert pair.verifier.dtype == torch.float32  # dtype "auto" on a CPU
+    assert pair.verifier.dtype == torch.float32  # dtype "device" (the default) on a CPU
     default = pair.generate("def add(a, b):", method="ar")
     assert len(default) == 1 and len(default[0].token_ids) == DecodeSection().max_new_tokens
     with pytest.raises(RecipeError, match=r"^unknown setting 'max_new_token' \(did you mean 'max_new_tokens'\?\)$"):
@@ -320,7 +320,7 @@ def test_bad_input_is_one_line_naming_what_to_fix(verifier_only, call, message):
     (dict(ar_drafter=DRAFTER), r"^ar_drafter\.path: .*drafter-base is a diffusion drafter"),
     (dict(drafter="no/such-model"), r"^drafter\.path: no/such-model is not a local folder, and the Hub is offline"),
     (dict(drafter=str(TINY / "nothing")), r"^drafter\.path: no such model folder: "),
-    (dict(dtype="fp8"), r"^verifier\.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16' "),
+    (dict(dtype="fp8"), r"^verifier\.dtype: Input should be 'device', 'auto', 'float32', 'bfloat16' or 'float16' "),
     (dict(tempreature=0.5), r"^unknown setting 'tempreature' \(did you mean 'temperature'\?\)$"),
     (dict(chat_template="on"), r"^data\.chat_template: on, but the tokenizer of .*verifier has no chat template"),
     (dict(drafter={"path": DRAFTER, "logit_shift": 1}), r"^drafter: unknown field 'logit_shift' \(fields: "),

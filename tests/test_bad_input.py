@@ -333,7 +333,7 @@ NEW_USER_CASES = [
     ("validate", "recipes/tiny/eval.yaml", ["decode.draft_temperature=1e-9"],
      "decode.draft_temperature: a drafting temperature is at least 1e-05"),
     ("validate", "recipes/tiny/eval.yaml", ["data.test_prompts=x.jsonl"], "unknown key 'data.test_prompts'"),
-    ("eval", "recipes/tiny/eval.yaml", ["eval.methods=[nope]"], "eval.methods.0: "),
+    ("eval", "recipes/tiny/eval.yaml", ["eval.methods=[nope]"], "eval.methods[0]: "),
     ("eval", "recipes/tiny/eval.yaml", ["eval.prompts={dir}"], "eval.prompts: "),
     ("eval", "recipes/tiny/eval.yaml", ["drafter.path={bad_config}"], "drafter.path: cannot read "),
     ("eval", "recipes/tiny/eval.yaml", ["verifier.path={list_config}"], "verifier.path: cannot read "),
@@ -432,12 +432,12 @@ PROMPT_CASES = [
     # the tiny verifier's tokenizer has no chat template: messages cannot become a prompt
     ("trajectories", "align", ["data.train_prompts={hub}", "data.prompt_column=messages"],
      "data.prompt_column: {hub} holds chat messages, which need a chat template (the tokenizer of "),
-    ("eval", "eval", ["eval.prompts={hub}", "eval.prompt_field=messages", "data.chat_template=off"],
-     "eval.prompt_field: {hub} holds chat messages, which need a chat template (data.chat_template=off)"),
+    ("eval", "eval", ["eval.prompts={hub}", "eval.prompt_column=messages", "data.chat_template=off"],
+     "eval.prompt_column: {hub} holds chat messages, which need a chat template (data.chat_template=off)"),
     ("eval", "eval", ["eval.prompts=nobody/no-such-dataset"], "eval.prompts: nobody/no-such-dataset is not a local "
      "file or folder, and the Hub is offline"),
     ("eval", "eval", ["eval.prompts={hub}", "eval.split=validation"], "eval.split: "),
-    ("calibrate", "spiffy", ["calibrate.prompts={hub}", "calibrate.prompt_field=text"], "calibrate.prompt_field: "),
+    ("calibrate", "spiffy", ["calibrate.prompts={hub}", "calibrate.prompt_column=text"], "calibrate.prompt_column: "),
     ("calibrate", "spiffy", ["data.chat_template=on"], "the tokenizer of checkpoints/tiny/drafter-base has no chat"),
 ]
 
@@ -455,7 +455,7 @@ def test_bad_prompt_sources(capsys, started, chats, tmp_path, stage, recipe, ove
 def test_good_prompt_sources_pass_the_checks(capsys, started, chats, tmp_path):
     assert run("trajectories", "recipes/tiny/align.yaml", f"data.train_prompts={chats['hub']}",
                f"trajectories.out={tmp_path / 'out'}") == 0, capsys.readouterr().err
-    assert run("eval", "recipes/tiny/eval.yaml", f"eval.prompts={chats['hub']}", "eval.prompt_field=prompt",
+    assert run("eval", "recipes/tiny/eval.yaml", f"eval.prompts={chats['hub']}", "eval.prompt_column=prompt",
                f"eval.out={tmp_path / 'out'}") == 0, capsys.readouterr().err
     assert started == ["trajectories", "eval"]
 
@@ -497,7 +497,7 @@ def test_tiny_defaults_are_refused_for_a_model_of_another_family(capsys, started
     names = {**{k: str(v) for k, v in not_tiny.items()}, "prompts": str(chats["hub"])}
     out = {"trajectories": "trajectories.out", "eval": "eval.out", "calibrate": "calibrate.out"}[stage]
     line = refused(capsys, started, stage, f"recipes/tiny/{recipe}.yaml", *(o.format(**names) for o in overrides),
-                   "eval.prompt_field=prompt", f"{out}={tmp_path / 'out'}")
+                   "eval.prompt_column=prompt", f"{out}={tmp_path / 'out'}")
     assert f"error: {key}: not set" in line and "is not a tiny-family model" in line, line
 
 

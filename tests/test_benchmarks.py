@@ -100,33 +100,33 @@ def test_humaneval_prompts_with_their_task_ids(benchmarks):
 
 def test_gsm8k_by_its_config_name(benchmarks):
     gsm8k = benchmarks["gsm8k"]
-    main_rows = rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=main", "eval.prompt_field=question")
+    main_rows = rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=main", "eval.prompt_column=question")
     assert [r.prompt for r in main_rows] == [r["question"] for r in GSM8K]
     assert all(r.id is None for r in main_rows)  # no id column: reports use the sha256 of the token ids
-    socratic = rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=socratic", "eval.prompt_field=question")
+    socratic = rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=socratic", "eval.prompt_column=question")
     assert [r.prompt for r in socratic] == [r["question"] for r in GSM8K[::-1]]
     assert [r.prompt for r in rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=main", "eval.split=train",
-                                      "eval.prompt_field=question")] == [GSM8K[0]["question"]]
+                                      "eval.prompt_column=question")] == [GSM8K[0]["question"]]
     with pytest.raises(RecipeError, match=r"eval.dataset_config: .*gsm8k needs one \(configs: main, socratic\)"):
-        rows_of(f"eval.prompts={gsm8k}", "eval.prompt_field=question")
+        rows_of(f"eval.prompts={gsm8k}", "eval.prompt_column=question")
     with pytest.raises(RecipeError, match=r"eval.dataset_config: .*gsm8k has no config 'mian' \(configs: main, socr"):
-        rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=mian", "eval.prompt_field=question")
+        rows_of(f"eval.prompts={gsm8k}", "eval.dataset_config=mian", "eval.prompt_column=question")
     with pytest.raises(RecipeError, match=r"eval.dataset_config: .*question.jsonl is a single file, which has no"):
-        rows_of(f"eval.prompts={benchmarks['spec_bench']}", "eval.dataset_config=main", "eval.prompt_field=turns")
+        rows_of(f"eval.prompts={benchmarks['spec_bench']}", "eval.dataset_config=main", "eval.prompt_column=turns")
 
 
 def test_spec_bench_categories_first_turns_and_question_ids(benchmarks):
     source = f"eval.prompts={benchmarks['spec_bench']}"
-    rows = rows_of(source, "eval.prompt_field=turns")
+    rows = rows_of(source, "eval.prompt_column=turns")
     assert [r.prompt for r in rows] == [r["turns"][0] for r in SPEC_BENCH]  # a multi-turn question: its first turn
     assert [r.id for r in rows] == ["81", "121", "161", "111"]
-    picked = rows_of(source, "eval.prompt_field=turns", "eval.categories=[math, coding]")
+    picked = rows_of(source, "eval.prompt_column=turns", "eval.categories=[math, coding]")
     assert [(r.id, r.row) for r in picked] == [("121", 1), ("111", 3)]  # dataset order, rows as in the file
-    assert [r.id for r in rows_of(source, "eval.prompt_field=turns", "eval.categories=[math, coding]",
+    assert [r.id for r in rows_of(source, "eval.prompt_column=turns", "eval.categories=[math, coding]",
                                   "eval.num_prompts=1")] == ["121"]
     with pytest.raises(RecipeError, match=r"eval.categories: .* holds no prompts in roleplay \(categories: coding, "
                                           r"math, translation, writing\)"):
-        rows_of(source, "eval.prompt_field=turns", "eval.categories=[roleplay]")
+        rows_of(source, "eval.prompt_column=turns", "eval.categories=[roleplay]")
     with pytest.raises(RecipeError, match="eval.categories: .* has no 'category' field"):
         rows_of(f"eval.prompts={benchmarks['humaneval']}", "eval.categories=[coding]")
 
@@ -146,14 +146,14 @@ def test_eval_reports_the_benchmark_ids_and_refuses_a_bad_config_before_work(toy
             f"ar_drafter.path={ck / 'ar-drafter'}", f"data.dir={root / 'data'}", "decode.max_new_tokens=6",
             "eval.warmup=0", "eval.methods=[specdiff]", "eval.sampling_temperature=0"]
     out = tmp_path / "out"
-    assert main([*base, f"eval.out={out}", f"eval.prompts={benchmarks['spec_bench']}", "eval.prompt_field=turns",
+    assert main([*base, f"eval.out={out}", f"eval.prompts={benchmarks['spec_bench']}", "eval.prompt_column=turns",
                  "eval.categories=[coding, math]"]) == 0
     result = json.loads((out / "eval.json").read_text())
     for m in result["methods"].values():
         assert [(r["index"], r["row"], r["id"]) for r in m["records"]] == [(0, 1, "121"), (1, 3, "111")]
     capsys.readouterr()
     assert main([*base, f"eval.out={tmp_path / 'bad'}", f"eval.prompts={benchmarks['gsm8k']}",
-                 "eval.prompt_field=question"]) == 2
+                 "eval.prompt_column=question"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "eval.dataset_config:" in err and "configs: main, socratic" in err
     assert not (tmp_path / "bad").exists()

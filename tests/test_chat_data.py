@@ -79,9 +79,9 @@ def test_every_source_kind_gives_the_same_prompts(sources):
     assert prompts_of(f"data.train_prompts={parquet}", "data.prompt_column=messages") == PROMPTS
     assert prompts_of(f"data.train_prompts={jsonl}", "data.prompt_column=question") == TEXTS
     # eval and calibration read the same kinds of source, with their own split and column keys
-    assert prompts_of(f"eval.prompts={hub}", "eval.split=train", "eval.prompt_field=messages",
+    assert prompts_of(f"eval.prompts={hub}", "eval.split=train", "eval.prompt_column=messages",
                       key="eval.prompts") == PROMPTS
-    assert prompts_of(f"calibrate.prompts={parquet}", "calibrate.prompt_field=messages", "calibrate.num_prompts=2",
+    assert prompts_of(f"calibrate.prompts={parquet}", "calibrate.prompt_column=messages", "calibrate.num_prompts=2",
                       key="calibrate.prompts") == PROMPTS[:2]
 
 
@@ -159,14 +159,14 @@ def chat_run(toy_family, sources, tmp_path_factory):
                  f"data.train_prompts={hub}", "data.prompt_column=messages", "trajectories.batch_size=2",
                  *TOY_TRAJECTORIES]) == 0
     assert main(["eval", "recipes/tiny/eval.yaml", *common, f"ar_drafter.path={root / 'ck' / 'ar-drafter'}",
-                 f"eval.out={out / 'eval'}", f"eval.prompts={hub}", "eval.split=train", "eval.prompt_field=messages",
+                 f"eval.out={out / 'eval'}", f"eval.prompts={hub}", "eval.split=train", "eval.prompt_column=messages",
                  "eval.methods=[specdiff]", "eval.sampling_temperature=0", "eval.warmup=0"]) == 0
     assert main(["calibrate", "recipes/tiny/spiffy.yaml", *common, f"calibrate.out={out / 'graph'}",
-                 f"calibrate.prompts={hub}", "calibrate.prompt_field=messages", "calibrate.block_length=8",
+                 f"calibrate.prompts={hub}", "calibrate.prompt_column=messages", "calibrate.block_length=8",
                  "calibrate.budget=2"]) == 0
     assert main(["eval", "recipes/tiny/spiffy.yaml", *common, f"calibrate.graph={out / 'graph' / 'draft_graph.json'}",
                  "calibrate.block_length=8", f"eval.out={out / 'dllm'}", f"eval.prompts={hub}", "eval.split=train",
-                 "eval.prompt_field=messages", "eval.warmup=0", "eval.spiffy_budgets=[2]"]) == 0
+                 "eval.prompt_column=messages", "eval.warmup=0", "eval.spiffy_budgets=[2]"]) == 0
     return out, common
 
 

@@ -8,6 +8,7 @@ helper must recover the true continuation, while reading the same model with the
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -510,3 +511,17 @@ def test_cuda_means_this_ranks_gpu(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK")
     assert resolve_device("auto") == torch.device("cuda", 0)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_dtype_auto_is_the_checkpoints_and_device_is_aligns_default(tmp_path):
+    # "auto" as transformers and vLLM mean it: the dtype the checkpoint's config.json names (the tiny family is saved
+    # in bf16); "device", the default, is float32 on a CPU.
+    tiny = str(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny" / "verifier")
+    assert VerifierSection(path=tiny).dtype == "device"
+    assert load_verifier(VerifierSection(path=tiny)).dtype == torch.float32
+    assert load_verifier(VerifierSection(path=tiny, dtype="auto")).dtype == torch.bfloat16
+    # A checkpoint saved in float16 loads in float16; one whose config names no dtype in float32.
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).to(torch.float16).save_pretrained(tmp_path / "fp16")
+    assert load_verifier(VerifierSection(path=str(tmp_path / "fp16"), dtype="auto")).dtype == torch.float16

@@ -29,7 +29,7 @@ def test_every_recipe_validates(path):
 
 def local_prompts(prefix: str, prompts: Path) -> list[str]:
     """Point a prompt source at a local JSONL of plain `prompt` strings (the tiny tokenizer has no chat template)."""
-    split, column = {"data": ("train_split", "prompt_column"), "calibrate": ("split", "prompt_field")}[prefix]
+    split, column = {"data": ("train_split", "prompt_column"), "calibrate": ("split", "prompt_column")}[prefix]
     source = "train_prompts" if prefix == "data" else "prompts"
     return [f"{prefix}.{source}={prompts}", f"{prefix}.{split}=train", f"{prefix}.{column}=prompt"]
 

@@ -49,7 +49,8 @@ def load_drafter(
     speculators-format DFlash folder (align's export, or speculators' own) loads as align's DFlash drafter."""
     if speculators_type(section.path) == "dflash":
         device = resolve_device(section.device)
-        model = load_speculators_dflash(section.path, device).to(dtype=resolve_dtype(section.dtype, device))
+        dtype = resolve_dtype(section.dtype, device, section.path)
+        model = load_speculators_dflash(section.path, device).to(dtype=dtype)
         return model, drafter_spec_from_config(model.config, tokenizer, section.mask_token_id, section.logits_shift,
                                                section.attention)
     config = AutoConfig.from_pretrained(section.path, trust_remote_code=section.trust_remote_code)
@@ -104,7 +105,9 @@ def new_dflash_drafter(verifier: ModelSection, settings: Any, drafter: ModelSect
     if settings.init_from_layers:
         copy_verifier_layers(model, verifier, verifier_config, settings.init_from_layers)
     device = resolve_device(drafter.device)
-    model = model.to(device=device, dtype=resolve_dtype(drafter.dtype, device))
+    # "auto" (the checkpoint's dtype): a new drafter has none of its own, and takes the verifier's it is built from.
+    model = model.to(device=device, dtype=resolve_dtype(drafter.dtype, device, verifier.path,
+                                                        verifier.trust_remote_code))
     return model, drafter_spec_from_config(config)
 
 

@@ -13,7 +13,7 @@ import os
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -22,8 +22,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from align.config import Recipe, RecipeError
 from align.recipe_files import get_key
-from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, load_prompts, prompt_ids_sha256,
-                        render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
+from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, load_prompts, mixture_counts,
+                        prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate
 from align.disk import atomic_folder, file_sha256, mark_folder, write_text_atomic
 from align.models import load_tokenizer, load_verifier
@@ -195,6 +195,15 @@ def chunk_done(folder: Path, settings_hash: str) -> bool:
         return False
 
 
+def prompt_sources(recipe: Recipe, source: Union[str, list[Any]]) -> Union[str, list[dict[str, Any]]]:
+    """What the manifest records of the prompts read: the source, or a mixture's sources, each with how many of the
+    trajectories' prompts it gave."""
+    if isinstance(source, str):
+        return source
+    counts = mixture_counts(recipe.trajectories.num_prompts, [s.weight for s in source])
+    return [{**s.model_dump(mode="json"), "num_prompts": count} for s, count in zip(source, counts)]
+
+
 def models(recipe: Recipe) -> tuple[str, ...]:
     return ("verifier.path",)
 
@@ -261,7 +270,8 @@ def main(recipe: Recipe, command: str) -> None:
     if rank == 0:
         chunks = {f"chunk-{c:05d}": json.loads((out / "chunks" / f"chunk-{c:05d}" / "chunk.json").read_text())
                   for c in range(len(starts))}
-        manifest = {"settings_hash": settings_hash, "settings": settings, "prompts": source, "command": command,
+        manifest = {"settings_hash": settings_hash, "settings": settings, "prompts": prompt_sources(recipe, source),
+                    "command": command,
                     "prompt_split": recipe.data.train_split, "prompt_column": recipe.data.prompt_column,
                     "chat_template": recipe.data.chat_template, "end_token_ids": end_tokens,
                     "topk_dtypes": {"ids": TOPK_ID_DTYPE, "logprobs": TOPK_LOGPROB_DTYPE} if t.store_topk else None,

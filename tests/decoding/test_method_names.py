@@ -56,5 +56,5 @@ def test_a_bad_name_is_one_line_saying_why(text, why):
 def test_a_recipe_keeps_the_name_of_a_spelling_and_refuses_a_bad_one():
     recipe = load_recipe("recipes/tiny/eval.yaml", ["eval.methods=[specdiff+tree+cps, sd_ar]"])
     assert recipe.eval.methods == ["specdiff_cps_tree", "sd_ar"]
-    with pytest.raises(RecipeError, match=r"^eval\.methods\.0: method 'specdiff\+adl\+tree': adl adapts"):
+    with pytest.raises(RecipeError, match=r"^eval\.methods\[0\]: method 'specdiff\+adl\+tree': adl adapts"):
         load_recipe("recipes/tiny/eval.yaml", ["eval.methods=[specdiff+adl+tree]"])

@@ -190,7 +190,7 @@ def test_prompt_file_without_the_field_is_refused(toy_family, tmp_path, capsys):
     other.write_text('{"question": "what?"}\n')
     assert "has no 'prompt' field" in run_refused(eval_args(root, tmp_path / "out", f"eval.prompts={other}"), capsys)
     # ... and naming the field makes it work as a prompt source.
-    assert main(eval_args(root, tmp_path / "ok", f"eval.prompts={other}", "eval.prompt_field=question",
+    assert main(eval_args(root, tmp_path / "ok", f"eval.prompts={other}", "eval.prompt_column=question",
                           "eval.methods=[specdiff]", "eval.sampling_temperature=0")) == 0
 
 
