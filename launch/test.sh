@@ -6,8 +6,8 @@ bash launch/setup.sh
 # vLLM's own environment (.venv-vllm): tests/stages/test_vllm.py drives it through align/vllm_worker.py.
 bash launch/setup_vllm.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# A pytest-xdist worker per core, at most 4 (much of the suite is one process waiting on another: a second worker
-# nearly doubles what a 2-core machine gets through). A module whose tests share a module-scoped fixture stays on one
-# worker (--dist loadgroup; tests/conftest.py groups them). ALIGN_TEST_WORKERS=0 runs it in this process.
+# A pytest-xdist worker per core, at most 4: much of the suite runs one thread at a time (2,884 s in one process on a
+# 2-core VM, 1,938 s on two workers). A module whose tests share a module-scoped fixture stays on one worker
+# (--dist loadgroup; tests/conftest.py groups them). ALIGN_TEST_WORKERS=0 runs it in this process.
 workers=${ALIGN_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 exec .venv/bin/python -m pytest -q -n "$workers" --dist loadgroup "$@"
