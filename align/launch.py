@@ -329,6 +329,13 @@ def single_local_process(args: argparse.Namespace) -> bool:
             and all(getattr(args, option, None) is None for option in ("node_rank", "include", "exclude")))
 
 
+def free_port() -> int:
+    """A TCP port on this host that is free now (the OS picks it): a rendezvous of ranks on one host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def launch_port(args: argparse.Namespace) -> Optional[int]:
     """The rank-0 port: --master_port when given; on one host, a port free now (DeepSpeed's default, 29500, is taken
     by any other run on the host: a second `--num_gpus 2` run died with EADDRINUSE after it launched); across hosts
@@ -336,9 +343,7 @@ def launch_port(args: argparse.Namespace) -> Optional[int]:
     if args.master_port is not None or args.hostfile is not None or args.num_nodes not in (None, 1) \
             or getattr(args, "node_rank", None) is not None:
         return args.master_port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))  # the OS picks a free port
-        return int(probe.getsockname()[1])
+    return free_port()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -92,7 +92,7 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     """Valid field names of the section at `loc` (for 'did you mean' suggestions)."""
     model: Any = Recipe
     for part in loc:
-        if isinstance(part, int) or part in ("str", "list[PromptSource]"):  # a list index, pydantic's union branch
+        if isinstance(part, int) or _is_branch(part):  # a list index, pydantic's union branch
             continue
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
@@ -117,11 +117,11 @@ def one_line(err: ValidationError) -> str:
     key = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", ".".join(str(p) for p in loc)) or "recipe"
     if first["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
+        section = key.rpartition(".")[0] + "." if "." in key else ""
         if RENAMED_KEYS.get(str(loc[-1])) in valid:
-            return f"'{key}' is now '{key.rpartition('.')[0]}.{RENAMED_KEYS[str(loc[-1])]}': rename it"
+            return f"'{key}' is now '{section}{RENAMED_KEYS[str(loc[-1])]}': rename it"
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        section = key.rpartition(".")[0]
-        hint = f"did you mean '{section + '.' if section else ''}{close[0]}'?" if close else f"valid: {', '.join(valid)}"
+        hint = f"did you mean '{section}{close[0]}'?" if close else f"valid: {', '.join(valid)}"
         return f"unknown key '{key}' ({hint})"
     msg = first["msg"].removeprefix("Value error, ")
     branches = [e["msg"].removeprefix("Input should be ") for e in errors if e["loc"][:-1] == first["loc"][:-1]

@@ -14,11 +14,11 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 
 
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import pytest  # noqa: E402
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tests mirror the package (tests/stages/, tests/decoding/, tests/drafters/), and some import helpers from others
@@ -33,13 +33,6 @@ def checkout_env(**extra: str) -> dict[str, str]:
     PYTHONPATH, as where packages are carried to a GPU machine, keeps its packages)."""
     path = os.pathsep.join(part for part in (str(ROOT), os.environ.get("PYTHONPATH", "")) if part)
     return {**os.environ, "PYTHONPATH": path, **extra}
-
-def free_port() -> int:
-    """A TCP port free now, for a DeepSpeed rendezvous: tests running at once in other workers each take their own."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
 
 def built_once(tmp_path_factory, worker_id: str, name: str, build: Callable[[Path], None]) -> Path:
     """The folder a session fixture builds, built once for the whole run. Under pytest-xdist each worker is a session

@@ -22,7 +22,6 @@ import functools
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ from align.drafters.loading import (build_drafter, check_aux_layer_ids, check_dr
                                     check_masks_are_read, drafter_reads, load_drafter)
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.drafters.states_cache import StatesCache, batch_states
+from align.launch import free_port
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
 from align.mask_token import dflash_mask_token
@@ -370,10 +370,8 @@ def init_distributed() -> tuple[int, int]:
     if os.environ.get("LOCAL_RANK", "0") == "0":
         warn_stale_build_locks()
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     if torch.cuda.is_available():  # each rank owns its GPU before any model is built
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

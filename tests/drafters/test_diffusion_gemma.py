@@ -21,7 +21,7 @@ from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion,
                           Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig)
 from transformers.models.gemma4 import Gemma4VisionConfig
 
-from conftest import checkout_env, free_port
+from conftest import checkout_env
 
 from align.checkpoint import merged_model, save_merged
 from align.cli import main as align
@@ -36,6 +36,7 @@ from align.drafters.canvas import canvas_context, canvas_logits
 from align.drafters.loading import load_drafter
 from align.drafters.noise import noise_fill
 from align.drafters.spec import drafter_spec_from_config, DrafterSpec
+from align.launch import free_port
 from align.losses import streak
 from align.methods import METHODS, Setup
 from align.models import load_tokenizer

@@ -44,7 +44,8 @@ def test_rows_are_computed_once_and_read_back_exactly(tmp_path):
 def test_two_ranks_train_the_same_with_cached_states_and_remove_them(toy_trajectories, tmp_path):
     """24 steps of 4 rows over 2 ranks pass two epochs of the toy trajectories: the later steps read states another
     rank computed, and the losses equal those of a run that recomputes them (fp32: to rounding)."""
-    from conftest import TOY_TRAJECTORIES, checkout_env, free_port
+    from align.launch import free_port
+    from conftest import TOY_TRAJECTORIES, checkout_env
 
     root, traj = toy_trajectories
     losses = {}

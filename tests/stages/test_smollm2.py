@@ -301,7 +301,9 @@ def test_a_dflash_drafter_trains_two_steps_on_two_ranks_against_the_real_verifie
     import subprocess
     import sys
 
-    from conftest import checkout_env, free_port
+    from align.launch import free_port
+
+    from conftest import checkout_env
 
     from align.decoding.specdiff import specdiff_generate
     from align.drafters.loading import load_drafter

@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import TOY_TRAJECTORIES, checkout_env, free_port
+from conftest import TOY_TRAJECTORIES, checkout_env
 
 from align.cli import main as align
+from align.launch import free_port
 from align.stages.train import rank_share, warn_stale_build_locks
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it

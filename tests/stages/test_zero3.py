@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import checkout_env, free_port
+from conftest import checkout_env
 from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
 
 from align.config import RecipeError
 from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
+from align.launch import free_port
 from align.models import load_tokenizer
 from align.recipe_files import load_recipe
 from align.stages.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
