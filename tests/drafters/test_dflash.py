@@ -239,6 +239,70 @@ def test_train_from_scratch_then_eval_reports_a_dflash_row(toy_trajectories, tmp
     assert methods["specdiff@dflash"]["tau"] >= 1.0
 
 
+@pytest.mark.slow
+def test_train_starts_from_a_speculators_folder_and_keeps_its_vocabulary_maps(toy_trajectories, tmp_path):
+    """`align train` with `drafter.path` a speculators DFlash folder (align's export here; speculators' own layout is
+    read alike, tests/drafters/test_speculators_fidelity.py) and no `dflash` section trains those weights (issue 36):
+    they move from the folder's, not from a random start, the pruned head keeps the folder's d2t/t2d maps (not the
+    ones these trajectories would rank), and the step decodes AR's greedy tokens in align's eval."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import TOY_TRAJECTORIES, checkout_env
+    from safetensors.torch import load_file
+
+    from align.checkpoint import save_merged
+    from align.cli import main as align
+    from align.config import DFlashSection, VerifierSection
+    from align.drafters.loading import new_dflash_drafter
+    from align.models import load_tokenizer, load_verifier
+
+    root, traj = toy_trajectories
+    repo = Path(__file__).resolve().parents[2]
+    verifier_path = str(root / "ck" / "verifier")
+    tokenizer = load_tokenizer(verifier_path)
+    torch.manual_seed(0)
+    drafter, _ = new_dflash_drafter(VerifierSection(path=verifier_path),
+                                    DFlashSection(aux_layer_ids=[0], draft_vocab_size=64),
+                                    VerifierSection(path=verifier_path, device="cpu"), tokenizer.mask_token_id, 4)
+    head = load_verifier(VerifierSection(path=verifier_path, device="cpu")).get_output_embeddings().weight
+    # every other token from 5 on: not the most frequent ones a fresh run would pick from the trajectories
+    set_draft_vocab(drafter, head, torch.arange(5, 5 + 2 * 64, 2))
+    save_merged(drafter, tokenizer, tmp_path / "start", {})
+    folder = tmp_path / "speculators"
+    assert align(["export", "recipes/tiny/dflash.yaml", f"verifier.path={verifier_path}",
+                  f"drafter.path={tmp_path / 'start'}", "export.format=speculators", f"export.out={folder}"]) in (0, None)
+    start = load_file(str(folder / "model.safetensors"))
+
+    out = tmp_path / "run"
+    args = [f"verifier.path={verifier_path}", f"trajectories.out={traj}", *TOY_TRAJECTORIES, "dflash=null",
+            f"drafter.path={folder}", f"data.dir={root / 'data'}", f"train.out={out}", "train.gamma=4",
+            "train.windows_per_sequence=4", "train.max_steps=2", "train.micro_batch_size=2", "train.eval_every=1000",
+            "train.save_every=2", "train.final_eval_prompts=0", "train.warmup_steps=1", "train.lr=1e-3"]
+    done = subprocess.run([sys.executable, "align/train.py", "recipes/tiny/dflash.yaml", *args], cwd=repo,
+                          env=checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    trained = load_file(str(out / "step_2" / "model.safetensors"))
+    assert torch.equal(trained["d2t"], start["d2t"]) and torch.equal(trained["t2d"], start["t2d"])
+    moved = [name for name in ("fc.weight", "lm_head.weight", "layers.0.mlp.down_proj.weight")
+             if not torch.equal(trained[name], start[name])]
+    assert moved == ["fc.weight", "lm_head.weight", "layers.0.mlp.down_proj.weight"]
+    # two AdamW steps at lr 1e-3 move a weight by at most ~2e-3; a random start would differ by its init's scale
+    assert max((trained[name] - start[name]).abs().max().item() for name in moved) < 5e-3
+    meta = json.loads((out / "step_2" / "meta.json").read_text())
+    assert meta["drafter_base"] == str(folder)
+
+    assert align(["eval", "recipes/tiny/dflash.yaml", f"verifier.path={verifier_path}", "dflash=null",
+                  f"drafter.path={out / 'step_2'}", f"data.dir={root / 'data'}", f"eval.out={tmp_path / 'eval'}",
+                  "eval.compare_drafters={}", "eval.methods=[ar, specdiff]", "eval.num_prompts=2", "eval.warmup=0",
+                  "decode.max_new_tokens=8", "decode.gamma=3"]) in (0, None)
+    methods = json.loads((tmp_path / "eval" / "eval.json").read_text())["methods"]
+    assert methods["specdiff"]["exact_match"] == 1.0
+
+
 def vllm_expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Weight names and shapes vLLM's qwen3_dflash `load_weights` takes from a speculators DFlash checkpoint (before
     its own stacking of q/k/v into qkv_proj and gate/up into gate_up_proj), read off that model's modules:
