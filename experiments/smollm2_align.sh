@@ -4,8 +4,8 @@
 # DeepSpeed on 2 ranks (a DFlash drafter, and a standalone block-diffusion drafter cut from its own layers), both
 # exported, then one interleaved eval per benchmark (GSM8K test at temperature 0 and 1, HumanEval and Spec-Bench's
 # MT-Bench questions at 0), and vLLM without a drafter, with its n-gram speculator and with the DFlash drafter at 1, 4
-# and 16 requests in flight. 115 minutes on a fresh 2-core AMD EPYC VM, 25 over the 90 aimed at
-# (docs/results/2026-12-04-smollm2-fresh-machine.md, which says where the time went). Every stage resumes or skips
+# and 16 requests in flight. 88 minutes from a fresh clone on an idle 2-core AMD EPYC VM with native bf16
+# (docs/results/2026-12-04-smollm2-88-minutes.md, which says where the time went). Every stage resumes or skips
 # finished work, so a rerun after an interruption continues where it stopped. Leaves:
 #
 #   checkpoints/smollm2/verifier/            the converted verifier
