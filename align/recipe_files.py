@@ -6,6 +6,7 @@ as one line naming the key. The schema itself, with every default, is align/conf
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from pathlib import Path
@@ -192,6 +193,7 @@ def section_class(name: str) -> type[BaseModel]:
     return next((t for t in get_args(annotation) if t is not type(None)), annotation)
 
 
+@functools.lru_cache(maxsize=None)
 def key_meanings(section: type[BaseModel]) -> dict[str, str]:
     """Each field of a recipe section -> what it means: the `#:` comment lines above it in its class (or a base
     class's) source, the schema's one home of key documentation, read here for `align <stage> --help` and the
