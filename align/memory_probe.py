@@ -163,6 +163,10 @@ def drafter_width(recipe: Recipe) -> Width:
         model_type = str(config.get("model_type", "")).lower()
         spec = config.get("drafter_spec") or {}
         attention = recipe.drafter.attention or spec.get("attention") or KNOWN_DLLMS.get(model_type, (0, None))[1]
+        if attention is None:  # an AR model would be measured as a bidirectional drafter it is not
+            raise RecipeError(f"drafter.path: {path} is not a diffusion drafter (its config.json has no drafter_spec "
+                              f"and {model_type or 'its model_type'} is not a diffusion family); point drafter.path "
+                              "at the drafter to train, or set drafter.attention to size this model as one")
         llada = {"d_model": "hidden_size", "mlp_hidden_size": "intermediate_size", "n_layers": "num_hidden_layers",
                  "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
         sizes = {llada.get(k, k): v for k, v in config.items()}
@@ -178,6 +182,17 @@ def drafter_width(recipe: Recipe) -> Width:
         return _width_from_sizes(KNOWN_WIDTHS[path], recipe.drafter.attention)
     raise RecipeError(f"drafter.path: {path} is neither a folder with a config.json nor a drafter align memory knows "
                       f"({', '.join(KNOWN_WIDTHS)}); point drafter.path at a folder holding its config.json")
+
+
+def drafter_context(recipe: Recipe) -> Optional[int]:
+    """The drafter's context in tokens, from its config.json where drafter.path is a folder (None: not known)."""
+    config_file = Path(recipe.drafter.path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    found = [config.get(key) for key in ("max_position_embeddings", "max_sequence_length", "n_positions")]
+    return next((int(n) for n in found if isinstance(n, int) and n > 0), None)
 
 
 @dataclass(frozen=True)

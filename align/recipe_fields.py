@@ -39,9 +39,51 @@ class Section(BaseModel):
     def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic (and Python) read `true` as 1 where a number is wanted: train.max_steps=true trained one step,
         # align.load(gamma=True) drafted one token. A boolean given for a number is a slip, refused.
-        if isinstance(value, bool) and info.field_name and takes_number(cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if isinstance(value, bool) and annotation is not None and takes_number(annotation):
             raise ValueError("expects a number, not a boolean")
+        spelt = yaml11_numbers(value)
+        if spelt and annotation is not None and mentions_number(annotation):
+            raise ValueError(spelt[0].why)
         return value
+
+
+class Yaml11Number(str):
+    """A scalar that only YAML 1.1 reads as a number, and as another one than it looks like: `010` (octal: 8; YAML
+    1.2 reads 10) and `1:30` (base 60: 90). align's YAML loader keeps its text (recipe_files.StrictLoader), and a
+    field that takes a number refuses it; a text field keeps it as written."""
+
+    def __new__(cls, text: str, yaml11_value: Any) -> "Yaml11Number":
+        number = super().__new__(cls, text)
+        base = "base 60" if ":" in text else "octal"
+        number.why = (f"{text} is a number only in YAML 1.1, which reads it as {yaml11_value} ({base}); write "
+                      f"{yaml11_value}" + ("" if ":" in text else f" or {int(text.replace('_', ''), 10)}, without the "
+                                           "leading zero"))
+        return number
+
+
+def yaml11_numbers(value: Any) -> list[Yaml11Number]:
+    """The Yaml11Number scalars in a value, in lists and mappings too."""
+    if isinstance(value, Yaml11Number):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in yaml11_numbers(item)]
+    if isinstance(value, dict):
+        return [n for item in value.values() for n in yaml11_numbers(item)]
+    return []
+
+
+def mentions_number(annotation: Any) -> bool:
+    """Whether a field's type takes an int or a float anywhere inside it (list[int], dict[str, float], Optional)."""
+    todo, seen = [annotation], set()
+    while todo:
+        kind = todo.pop()
+        if kind in (int, float):
+            return True
+        if id(kind) not in seen:
+            seen.add(id(kind))
+            todo.extend(get_args(kind))
+    return False
 
 
 def takes_number(annotation: Any) -> bool:

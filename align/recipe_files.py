@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from align.config import Recipe, RecipeError
+from align.recipe_fields import Yaml11Number
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -43,6 +44,23 @@ class StrictLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: the base class says so
                 continue
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
+        # YAML 1.1's octal (010 is 8) and base 60 (1:30 is 90): kept as written, for the schema to refuse where a
+        # number is wanted (recipe_fields.Yaml11Number); YAML 1.2, and anybody reading the recipe, see 10 and 1:30.
+        value = super().construct_yaml_int(node)
+        text = str(node.value).replace("_", "")
+        if ":" in text or re.fullmatch(r"[-+]?0[0-7]+", text):
+            return Yaml11Number(str(node.value), value)
+        return value
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> Any:
+        value = super().construct_yaml_float(node)
+        return Yaml11Number(str(node.value), value) if ":" in str(node.value) else value
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 
 
 def yaml_load(text: str) -> Any:

@@ -355,6 +355,9 @@ NEW_USER_CASES = [
     ("train", "recipes/tiny/dflash.yaml", ["dflash.aux_layer_ids=[1, 30]"], "dflash.aux_layer_ids: [1, 30] must be"),
     ("train", "recipes/tiny/dflash.yaml", ["train.activation_checkpointing=true"],
      "train.activation_checkpointing: the DFlash drafter does not support"),
+    # A block drafting fewer tokens than train.gamma trained positions vLLM and eval would never draft (issue 35).
+    ("train", "recipes/tiny/dflash.yaml", ["dflash.block_size=3", "train.gamma=4"],
+     "train.gamma: 4 draft positions, but a block of dflash.block_size 3 drafts 2"),
     ("train", "recipes/tiny/align.yaml", ["train.max_steps=true"], "train.max_steps: expects a number, not a boolean"),
     ("export", "recipes/tiny/align.yaml", ["--revision", "v1"], "export.revision: set, but nothing is pushed"),
     ("evl", "recipes/tiny/eval.yaml", [], "invalid choice"),

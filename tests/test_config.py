@@ -214,6 +214,25 @@ def test_a_key_given_twice_in_an_override_value_is_refused():
         "train.losses: {streak: 1, streak: 2}: key 'streak' is given twice"
 
 
+@pytest.mark.parametrize("spelt, key, says", [
+    # PyYAML is YAML 1.1: 010 is octal (8) and 1:30 base 60 (90), where YAML 1.2 and a reader see 10 and a time
+    ("decode.gamma=010", "decode.gamma", "010 is a number only in YAML 1.1, which reads it as 8 (octal); write 8 or 10"),
+    ("train.max_steps=1:30", "train.max_steps", "reads it as 90 (base 60); write 90"),
+    ("train.lr=1:30.5", "train.lr", "reads it as 90.5 (base 60)"),
+    ("dflash.aux_layer_ids=[1, 010]", "dflash.aux_layer_ids", "reads it as 8 (octal)"),
+    ("train.losses={streak: 010}", "train.losses", "reads it as 8 (octal)"),
+])
+def test_yaml_1_1_octal_and_base_60_numbers_are_refused_where_a_number_is_wanted(tmp_path, spelt, key, says):
+    assert refused([spelt]).startswith(f"{key}: ") and says in refused([spelt])
+    section, _, value = spelt.partition("=")
+    (tmp_path / "r.yaml").write_text(f"{section.split('.')[0]}:\n  {section.split('.')[1]}: {value}\n")
+    assert says in refused(recipe=tmp_path / "r.yaml")
+    # where a text is wanted it is the text as written, and unambiguous spellings are numbers
+    assert load_recipe(None, ["name=010", "train.out=1:30"]).name == "010"
+    assert load_recipe(None, ["train.out=1:30"]).train.out == "1:30"
+    assert load_recipe(None, ["decode.gamma=0x10", "train.max_steps=1_000"]).decode.gamma == 16
+
+
 def test_a_merge_key_may_be_overridden(tmp_path):
     # `<<: *base` then one of base's keys is YAML's way to override, not a repeat.
     (tmp_path / "r.yaml").write_text("decode: &d {gamma: 4, top_k: 3}\ngkd:\n  <<: {max_steps: 3, lr: 1.0e-3}\n"

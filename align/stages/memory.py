@@ -13,8 +13,8 @@ import torch
 
 from align.config import Recipe, RecipeError
 from align.disk import write_text_atomic
-from align.memory_probe import (Measured, PerGpu, Shape, Width, drafter_width, lora_parameters, measure,
-                                micro_batch_shape, per_gpu)
+from align.memory_probe import (Measured, PerGpu, Shape, Width, drafter_context, drafter_width, lora_parameters,
+                                measure, micro_batch_shape, per_gpu)
 
 
 def _gb(n: int) -> str:
@@ -65,10 +65,17 @@ def check(recipe: Recipe) -> None:
     """What `align memory` reads, refused before it builds anything: the drafter's sizes, and a GPU to measure on
     where memory.device is cuda; and where it writes: memory.out replaces only a file `align memory` wrote (never a
     folder, the recipe or anything else that happens to have that name)."""
-    drafter_width(recipe)
+    shape, context = micro_batch_shape(recipe, drafter_width(recipe)), drafter_context(recipe)
+    if context is not None and shape.tokens > context:
+        raise RecipeError(f"memory.prompt_tokens: rows of {shape.tokens} tokens ({recipe.memory.prompt_tokens} prompt "
+                          f"+ {recipe.trajectories.max_new_tokens} new + the windows' drafts) exceed the drafter's "
+                          f"context ({context} tokens); lower it, or cap rows with train.max_sequence_length")
     if recipe.memory.device == "cuda" and not torch.cuda.is_available():
         raise RecipeError("memory.device: cuda was asked for, but no CUDA device is visible (use cpu)")
     out = recipe.memory.out
+    above = next((folder for folder in Path(out).parents if folder.exists()), None) if out is not None else None
+    if above is not None and not above.is_dir():
+        raise RecipeError(f"memory.out: {above} is a file, so {out} cannot be written under it")
     if out is not None and Path(out).is_dir():
         raise RecipeError(f"memory.out: {out} is a folder; name the JSON file to write")
     if out is not None and Path(out).exists() and not written_by_memory(Path(out)):

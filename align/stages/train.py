@@ -226,6 +226,10 @@ def check_train(recipe: Recipe) -> None:
             check_init_layers(verifier_config, recipe.dflash.init_from_layers)
         check_aux_layer_ids(verifier_config, recipe.dflash.aux_layer_ids)
         check_draft_vocab_size(verifier_config, recipe.dflash.draft_vocab_size)
+        block = recipe.dflash.block_size
+        if block is not None and recipe.train.gamma > block - 1:  # trained positions vLLM and eval never draft
+            raise RecipeError(f"train.gamma: {recipe.train.gamma} draft positions, but a block of dflash.block_size "
+                              f"{block} drafts {block - 1}; set train.gamma={block - 1} or less, or a larger block")
         if recipe.train.activation_checkpointing:  # said before any folder is written, not once the models are built
             raise RecipeError("train.activation_checkpointing: the DFlash drafter does not support gradient "
                               "checkpointing (two layers: little to save); set train.activation_checkpointing=false")

@@ -131,6 +131,19 @@ def test_a_drafter_of_unknown_width_is_refused_in_one_line(capsys):
         err.count("\n") == 1
 
 
+@pytest.mark.parametrize("overrides, says", [
+    # an AR model would be measured as the bidirectional drafter it is not
+    (["drafter.path=checkpoints/tiny/verifier"], "drafter.path: checkpoints/tiny/verifier is not a diffusion drafter"),
+    # rows past the drafter's context: measured, they described a micro-batch training never builds
+    (["memory.prompt_tokens=100000"], "memory.prompt_tokens: rows of "),
+    (["memory.out=README.md/memory.json"], "memory.out: README.md is a file"),
+])
+def test_what_memory_cannot_measure_or_write_is_refused_before_measuring(overrides, says, capsys):
+    assert align(["memory", TINY, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"align memory: error: {says}") and err.count("\n") == 1, err
+
+
 def test_the_gpu_recipes_drafters_have_known_widths():
     for name, billions in (("qwen2.5-7b-diffucoder", 7.6), ("llada-8b-spiffy", 8.0), ("gemma4-diffusiongemma", 26)):
         width = drafter_width(load_recipe(f"recipes/{name}.yaml", []))
