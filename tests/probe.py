@@ -295,6 +295,9 @@ def build(root: Path, family: Optional[Path] = None, full: bool = True) -> Sandb
     layers = json.loads((ck / "verifier" / "config.json").read_text())["num_hidden_layers"]
     linked_model(ck / "verifier", models / "one_layer_more", num_hidden_layers=layers + 1)  # config.json edited
     linked_model(ck / "verifier", models / "one_layer_less", num_hidden_layers=layers - 1)
+    from test_chat_data import with_template
+
+    with_template(ck / "verifier", models / "chat_verifier")  # what align prompts samples from (Magpie)
     with captured():
         dflash_drafter(ck / "verifier", S / "dflash" / "step_1")
     from align.draft_graph import DraftGraph
@@ -875,6 +878,7 @@ def cases() -> list[Case]:
     add(refuse("serve-check: ALIGN_VLLM_PYTHON not a python", "10", ["serve-check", "{R}"], "serve_check",
                env={"ALIGN_VLLM_PYTHON": "/bin/false"}, ci=True))
 
+    table += surface_cases()
     table += api_cases()
     table += operator_cases()
     return table
@@ -883,6 +887,186 @@ def cases() -> list[Case]:
 # --------------------------------------------------------------------------------------------------------------------
 # the Python API
 # --------------------------------------------------------------------------------------------------------------------
+def surface_cases() -> list[Case]:
+    """Issue 35's surfaces: memory, convert, prompts, derive, DFlash training and serve-check, as their recipes and
+    commands are misused (the Python API's are in api_cases)."""
+    S = "{S}"
+    table: list[Case] = []
+    add = table.append
+
+    # --- every key of these sections, impossible values (the loader every stage uses) ----------------------------
+    values = [
+        "memory.world_size=0", "memory.prompt_tokens=0", "memory.out=''", "memory.device=tpu", "memory.world_size=true",
+        "convert.dtype=int8", "convert.gguf_file=''", "convert.license=''",
+        "prompts.num_prompts=0", "prompts.max_samples=0", "prompts.batch_size=0", "prompts.backend=tgi",
+        "prompts.vllm_cpu_kv_cache_gib=0", "prompts.system_prompts=[]", "prompts.temperature=0", "prompts.top_p=0",
+        "prompts.top_p=1.5", "prompts.max_new_tokens=0", "prompts.min_words=0", "prompts.min_ascii=1.5",
+        "prompts.min_distinct_words=-0.1", "prompts.near_duplicate=0", "prompts.seed=-1", "prompts.num_prompts=true",
+        "prompts.temperature=.nan",
+        "derive.drafter=gpt", "derive.layers=[]", "derive.layers=[-1]", "derive.num_layers=0",
+        "derive.attention=bidirectional", "derive.logits_shift=2", "derive.mask_token_id=-1", "derive.max_steps=0",
+        "derive.lr=0", "derive.min_lr_ratio=2", "derive.warmup_steps=-1", "derive.weight_decay=-1",
+        "derive.batch_size=0", "derive.seq_len=4", "derive.block_sizes=[]", "derive.block_sizes=[0]",
+        "derive.eval_tokens=0", "derive.precision=fp16", "derive.threads=-1", "derive.save_every_minutes=0",
+        "derive.seed=-1", "derive.force=maybe", "derive.max_steps=true",
+        "dflash.intermediate_size=4", "dflash.aux_layer_ids=[]", "dflash.aux_layer_ids=[-1]", "dflash.block_size=1",
+        "dflash.mask_token_id=-1", "dflash.init_from_layers=[]", "dflash.draft_vocab_size=1", "dflash.num_layers=true",
+        "train.windows_per_sequence=0", "train.micro_batch_size=0", "train.max_sequence_length=1",
+        "train.cache_verifier_states=maybe", "train.activation_checkpointing=2", "train.weight_decay=-1",
+        "trajectories.vllm_cpu_kv_cache_gib=0", "trajectories.num_prompts=0", "trajectories.store_topk=-1",
+        "trajectories.completions_per_prompt=0", "trajectories.max_new_tokens=0",
+        "serve_check.concurrency=[]", "serve_check.concurrency=[0]", "serve_check.vllm_cpu_kv_cache_gib=0",
+        "serve_check.ngram=sometimes",
+        # YAML 1.1 spellings that read as other numbers (010 is 8, 1:30 is 90): refused, not reinterpreted
+        "decode.gamma=010", "train.max_steps=1:30", "derive.max_steps=010", "train.lr=1:30.5", "prompts.num_prompts=0o12",
+    ]
+    for override in values:
+        key = override.split("=")[0]
+        add(refuse(f"validate {override}", "35", ["validate", "{R}", override], key,
+                   ci=override.startswith(("prompts.num_prompts", "derive.max_steps", "decode.gamma"))))
+
+    # --- align memory ---------------------------------------------------------------------------------------------
+    memory = [
+        ("memory.out is the recipe itself", [f"memory.out={S}/recipes/base.yaml"], "align memory did not write it"),
+        ("memory.out a folder", [f"memory.out={S}/work"], "is a folder"),
+        ("memory.out under a file", [f"memory.out={S}/work/notes.txt/m.json"], "memory.out"),
+        ("memory.out a user's file", [f"memory.out={S}/work/notes.txt"], "align memory did not write it"),
+        ("memory.device cuda without a GPU", ["memory.device=cuda"], "memory.device"),
+        ("a missing drafter", [f"drafter.path={S}/models/missing"], "drafter.path"),
+        ("the verifier as drafter", [f"drafter.path={S}/ck/verifier"], "drafter.path"),
+        ("a drafter without config.json", [f"drafter.path={S}/models/no_config"], "drafter.path"),
+        ("a prompt past the drafter's context", ["memory.prompt_tokens=100000"], "exceed the drafter's context"),
+    ]
+    for what, extra, expect in memory:
+        add(refuse(f"memory: {what}", "35", ["memory", "{R}", *extra], expect, ci=what.startswith("memory.out")))
+
+    # --- align convert --------------------------------------------------------------------------------------------
+    converts = [
+        ("a package that is not installed", ["convert.source=pip:no-such-weights-package"], "is not installed"),
+        ("a missing GGUF", [f"convert.source={S}/none.gguf"], "no such file"),
+        ("a file that is not a GGUF", [f"convert.source={S}/work/notes.txt"], "not a .gguf"),
+        ("a folder with neither GGUF nor config", [f"convert.source={S}/work"], "convert.source"),
+        ("a Hub id", ["convert.source=HuggingFaceTB/SmolLM2-135M-Instruct"], "not a local file or folder"),
+        ("gguf_file missing from a folder", [f"convert.source={S}/work", "convert.gguf_file=x.gguf"], "does not exist"),
+        ("sha256 pinned on a transformers folder", [f"convert.source={S}/ck/verifier", "convert.sha256=" + "0" * 64],
+         "convert.sha256"),
+        # the verifier folder is align bootstrap's: refused as another stage's output before it is read as a source
+        ("out is the source folder", [f"convert.source={S}/ck/verifier", f"convert.out={S}/ck/verifier"],
+         "convert.out"),
+        ("out a model folder convert did not write", [f"convert.source={S}/ck/verifier",
+                                                      f"convert.out={S}/ck/drafter-base"], "convert.out"),
+        ("out a folder of the user's files", [f"convert.source={S}/ck/verifier", f"convert.out={S}/work"],
+         "convert.out"),
+        ("out an existing file", [f"convert.source={S}/ck/verifier", f"convert.out={S}/work/notes.txt"],
+         "convert.out"),
+    ]
+    for what, extra, expect in converts:
+        add(refuse(f"convert: {what}", "35", ["convert", "{R}", f"convert.out={S}/out/c", *extra], expect, ci=True))
+
+    # --- align prompts (Magpie) -----------------------------------------------------------------------------------
+    chat = f"verifier.path={S}/models/chat_verifier"
+    prompts = [
+        ("a verifier without a chat template", [], "has no chat template", None),
+        ("data.chat_template off", [chat, "data.chat_template=off"], "data.chat_template", None),
+        ("prompts.out an existing file", [chat, f"prompts.out={S}/work/notes.txt"], "prompts.out", None),
+        ("prompts.out holding other settings", [chat, f"prompts.out={S}/bad/prompts"], "other settings",
+         prompts_folder("manifest.json", '{"stage": "prompts", "settings_hash": "0123456789abcdef"}')),
+        ("a torn raw chunk", [chat, f"prompts.out={S}/bad/prompts"], "is not a chunk of samples",
+         prompts_folder("raw/chunk-00000.json", '{"settings_hash": "x", "samples": [{"ids": [1')),
+        ("a raw chunk of other settings", [chat, f"prompts.out={S}/bad/prompts"], "other settings",
+         prompts_folder("raw/chunk-00000.json", json.dumps({"settings_hash": "x", "samples": [
+             {"ids": [5], "ended": True, "text": "hi"}]}))),
+        ("prompts.out another stage's folder", [chat, f"prompts.out={S}/traj"], "prompts.out", None),
+        ("an edited raw chunk", [chat, f"prompts.out={S}/bad/prompts"], "is not as it was written", edited_chunk),
+        ("vLLM without its environment", [chat, "prompts.backend=vllm"], "prompts.backend", None),
+        ("a missing verifier", [f"verifier.path={S}/models/missing"], "verifier.path", None),
+        ("a diffusion drafter as verifier", [f"verifier.path={S}/ck/drafter-base"], "verifier.path", None),
+    ]
+    for what, extra, expect, setup in prompts:
+        env = {"ALIGN_VLLM_PYTHON": f"{S}/none/python"} if "vllm" in " ".join(extra) else {}
+        add(refuse(f"prompts: {what}", "35", ["prompts", "{R}", f"prompts.out={S}/out/p", *extra], expect,
+                   setup=setup, env=env, ci=True))
+
+    # --- align derive ---------------------------------------------------------------------------------------------
+    derives = [
+        ("layers past the verifier's", ["derive.layers=[0, 99]"], "derive.layers"),
+        ("every layer kept", ["derive.num_layers=99"], "derive.num_layers"),
+        ("seq_len past the context", ["derive.seq_len=100000"], "derive.seq_len"),
+        ("a mask token for an AR drafter", ["derive.drafter=ar", "derive.mask_token_id=3"], "derive.mask_token_id"),
+        ("a mask token outside the vocabulary", ["derive.mask_token_id=100000"], "derive.mask_token_id"),
+        ("no trajectories", [f"trajectories.out={S}/out/none"], "trajectories.out"),
+        ("trajectories of other settings", ["trajectories.temperature=0.9"], "trajectories.temperature"),
+        ("out an existing file", [f"derive.out={S}/work/notes.txt"], "derive.out"),
+        ("out a model folder derive did not write", [f"derive.out={S}/ck/ar-drafter"], "derive.out"),
+        ("a diffusion drafter as verifier", [f"verifier.path={S}/ck/drafter-base"], "verifier.path"),
+        ("a verifier without config.json", [f"verifier.path={S}/models/no_config"], "verifier.path"),
+    ]
+    for what, extra, expect in derives:
+        # the toy verifier has one layer: derive.layers=[0] keeps it, where the default 4 would be refused first
+        keep = [] if what.startswith(("layers", "every layer")) else ["derive.layers=[0]"]
+        add(refuse(f"derive: {what}", "35", ["derive", "{R}", f"derive.out={S}/out/d", *keep, *extra], expect,
+                   ci=True))
+
+    # --- DFlash training: every refusal before the run folder is marked (a refusal never poisons it) -------------
+    dflash = "dflash={aux_layer_ids: [0], intermediate_size: 64}"
+    trains = [
+        ("aux_layer_ids past the verifier's", ["dflash.aux_layer_ids=[0, 99]"], "dflash.aux_layer_ids"),
+        ("init_from_layers past the verifier's", ["dflash.init_from_layers=[99]"], "dflash.init_from_layers"),
+        ("a draft vocabulary larger than the verifier's", ["dflash.draft_vocab_size=100000"],
+         "dflash.draft_vocab_size"),
+        ("a mask token outside the vocabulary", ["dflash.mask_token_id=100000"], "dflash.mask_token_id"),
+        ("activation checkpointing", ["train.activation_checkpointing=true"], "activation_checkpointing"),
+        ("a block too short for train.gamma", ["dflash.block_size=3", "train.gamma=4"], "gamma"),
+    ]
+    for what, extra, expect in trains:
+        add(refuse(f"train dflash: {what}", "35", ["train", "{R}", dflash, *extra, f"train.out={S}/out/r"], expect,
+                   sub=True))
+    add(refuse("train from a speculators EAGLE-3 folder", "36", [
+        "train", "{R}", f"drafter.path={S}/bad/eagle3", f"train.out={S}/out/r"], "eagle3", sub=True,
+        setup=lambda s: linked_model(s.root / "dflash" / "step_1", s.root / "bad" / "eagle3").joinpath(
+            "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))))
+    add(refuse("eval a speculators EAGLE-3 folder", "36", [
+        "eval", "{R}", f"drafter.path={S}/bad/eagle3", f"eval.out={S}/out/e"], "eagle3", ci=True,
+        setup=lambda s: linked_model(s.root / "dflash" / "step_1", s.root / "bad" / "eagle3").joinpath(
+            "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))))
+
+    # --- align serve-check ----------------------------------------------------------------------------------------
+    serves = [
+        ("a missing drafter", [f"serve_check.drafter={S}/models/missing"], "serve_check.drafter"),
+        ("a standalone drafter", [f"serve_check.drafter={S}/ck/drafter-base"], "serve_check.drafter"),
+        ("gamma past the drafter's block", ["decode.gamma=9"], "decode.gamma"),
+        ("more requests in flight than prompts", ["serve_check.concurrency=[1, 4]", "eval.num_prompts=2"],
+         "serve_check.concurrency"),
+    ]
+    for what, extra, expect in serves:
+        add(refuse(f"serve-check: {what}", "35", ["serve-check", "{R}", f"serve_check.out={S}/out/s", *extra],
+                   expect))
+    return table
+
+
+def prompts_folder(name: str, content: str) -> Callable[[Sandbox], None]:
+    """S/bad/prompts marked as align prompts' folder (what the stage writes first), holding `name`."""
+    def setup(s: Sandbox) -> None:
+        from align.disk import mark_folder
+
+        mark_folder(s.root / "bad" / "prompts", "prompts")
+        write(s.root / "bad" / "prompts" / name, content)
+    return setup
+
+
+def edited_chunk(s: Sandbox) -> None:
+    """S/bad/prompts/raw/chunk-00000.json of these settings whose samples were edited after it was written."""
+    from align.recipe_files import load_recipe
+    from align.stages.prompts import plan, samples_sha256
+
+    recipe = load_recipe(s.recipe, [f"verifier.path={s.root}/models/chat_verifier", f"prompts.out={s.root}/out/p"])
+    samples = [{"ids": [5, 6], "ended": True, "text": "a message"}]
+    chunk = {"settings_hash": plan(recipe).settings_hash, "chunk": 0, "seed": 0, "samples": samples,
+             "samples_sha256": samples_sha256(samples)}
+    chunk["samples"][0]["text"] = "an edited message"
+    prompts_folder("raw/chunk-00000.json", json.dumps(chunk))(s)
+
+
 def _pair(s: Sandbox, kind: str = "pair") -> Any:
     import align
 
@@ -957,6 +1141,32 @@ def api_cases() -> list[Case]:
             gen([[{"role": "assistant", "content": "a"}]], method="ar", kind="chat"), "only assistant turns"),
         api("generate: specdiff2_select with a DFlash drafter", "-", gen("def f():", method="specdiff2_select",
             kind="dflash"), "DFlash"),
+        # issue 35: values are what they look like, and sizes are bounded by what the machine can hold
+        api("load: no verifier", "35", lambda s: __import__("align").load(verifier=None), "verifier"),
+        api("load: data_dir a file", "35", load(data_dir="{S}/work/notes.txt"), "data_dir"),
+        api("load: dtype True", "35", load(dtype=True), "dtype"),
+        api("load: max_new_tokens True", "35", load(max_new_tokens=True), "max_new_tokens"),
+        api("load: chat_template maybe", "35", load(chat_template="maybe"), "chat_template"),
+        api("load: a speculators EAGLE-3 folder", "36", load(drafter="{S}/bad/eagle3"), "eagle3",
+            setup=lambda s: linked_model(s.root / "dflash" / "step_1", s.root / "bad" / "eagle3").joinpath(
+                "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))),
+        api("generate: gamma True", "35", gen("def f():", method="specdiff", gamma=True), "gamma"),
+        api("generate: temperature True", "35", gen("def f():", method="ar", temperature=True), "temperature"),
+        api("generate: max_new_tokens True", "35", gen("def f():", method="ar", max_new_tokens=True),
+            "max_new_tokens"),
+        api("generate: seed True", "35", gen("def f():", method="ar", seed=True), "seed"),
+        api("generate: top_k True", "35", gen("def f():", method="ar", top_k=True), "top_k"),
+        api("generate: max_new_tokens 2.5", "35", gen("def f():", method="ar", max_new_tokens=2.5), "max_new_tokens"),
+        api("generate: eos_token_id past the vocabulary", "35", gen("def f():", method="ar", eos_token_id=10**9),
+            "eos_token_id"),
+        api("generate: eos_token_id a list with one past the vocabulary", "35",
+            gen("def f():", method="ar", eos_token_id=[2, 10**6]), "eos_token_id"),
+        api("generate: tree_nodes a million", "35", gen("def f():", method="specdiff_tree", tree_nodes=10**6),
+            "tree_nodes"),
+        api("generate: tree_nodes True", "35", gen("def f():", method="specdiff_tree", tree_nodes=True), "tree_nodes"),
+        api("generate: gamma a million", "35", gen("def f():", method="specdiff", gamma=10**6), "gamma"),
+        api("generate: a lone surrogate in a prompt", "35", gen("def f(): \ud800", method="ar"), "prompt"),
+        api("generate: None among the prompts", "35", gen(["def f():", None], method="ar"), "prompt"),
     ]
 
     def eos_tensor(s: Sandbox) -> Any:
