@@ -200,7 +200,8 @@ def _small_drafter(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}))
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+        "drafter_spec": {"mask_token_id": 3, "logits_shift": 0, "attention": "bidirectional"}}))
     return folder
 
 
