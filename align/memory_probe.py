@@ -18,12 +18,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from align.config import Recipe, RecipeError
 from align.drafters.spec import KNOWN_DLLMS, VERIFIER_ARCHITECTURES
+from align.preflight import context_length
 
 
 @contextlib.contextmanager
@@ -190,9 +192,10 @@ def drafter_context(recipe: Recipe) -> Optional[int]:
     if not config_file.is_file():
         return None
     config = json.loads(config_file.read_text())
-    config = config.get("text_config", config)
-    found = [config.get(key) for key in ("max_position_embeddings", "max_sequence_length", "n_positions")]
-    return next((int(n) for n in found if isinstance(n, int) and n > 0), None)
+    try:  # the rule every stage checks lengths by, read off the JSON as off a transformers config
+        return context_length(SimpleNamespace(**config.get("text_config", config)))
+    except RecipeError:
+        return None
 
 
 @dataclass(frozen=True)
