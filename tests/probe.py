@@ -1023,12 +1023,10 @@ def surface_cases() -> list[Case]:
                    sub=True))
     add(refuse("train from a speculators EAGLE-3 folder", "36", [
         "train", "{R}", f"drafter.path={S}/bad/eagle3", f"train.out={S}/out/r"], "eagle3", sub=True,
-        setup=lambda s: linked_model(s.root / "dflash" / "step_1", s.root / "bad" / "eagle3").joinpath(
-            "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))))
+        setup=eagle3_folder))
     add(refuse("eval a speculators EAGLE-3 folder", "36", [
         "eval", "{R}", f"drafter.path={S}/bad/eagle3", f"eval.out={S}/out/e"], "eagle3", ci=True,
-        setup=lambda s: linked_model(s.root / "dflash" / "step_1", s.root / "bad" / "eagle3").joinpath(
-            "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))))
+        setup=eagle3_folder))
 
     # --- align serve-check ----------------------------------------------------------------------------------------
     serves = [
@@ -1042,6 +1040,12 @@ def surface_cases() -> list[Case]:
         add(refuse(f"serve-check: {what}", "35", ["serve-check", "{R}", f"serve_check.out={S}/out/s", *extra],
                    expect))
     return table
+
+
+def eagle3_folder(s: Sandbox) -> None:
+    """S/bad/eagle3: the sandbox's DFlash drafter under a config that names another speculators algorithm."""
+    linked_model(s.root / "dflash" / "step_1", s.root / "bad" / "eagle3").joinpath("config.json").write_text(
+        json.dumps({"speculators_model_type": "eagle3"}))
 
 
 def prompts_folder(name: str, content: str) -> Callable[[Sandbox], None]:
@@ -1148,8 +1152,7 @@ def api_cases() -> list[Case]:
         api("load: max_new_tokens True", "35", load(max_new_tokens=True), "max_new_tokens"),
         api("load: chat_template maybe", "35", load(chat_template="maybe"), "chat_template"),
         api("load: a speculators EAGLE-3 folder", "36", load(drafter="{S}/bad/eagle3"), "eagle3",
-            setup=lambda s: linked_model(s.root / "dflash" / "step_1", s.root / "bad" / "eagle3").joinpath(
-                "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))),
+            setup=eagle3_folder),
         api("generate: gamma True", "35", gen("def f():", method="specdiff", gamma=True), "gamma"),
         api("generate: temperature True", "35", gen("def f():", method="ar", temperature=True), "temperature"),
         api("generate: max_new_tokens True", "35", gen("def f():", method="ar", max_new_tokens=True),
