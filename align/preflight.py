@@ -140,6 +140,11 @@ def load_model_config(key: str, section: ModelSection) -> Any:
     from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
 
     import align.drafters.dflash  # registers the DFlash drafter's config with AutoConfig
+    from align.remote_code import install
+
+    # Before any config is read: LLaDA's configuration module registers its class with AutoConfig on import, so a
+    # config read before the shims would register (and keep for the process) the unshimmed class
+    install()
 
     kind = align.drafters.dflash.speculators_type(section.path)  # a speculators folder: no model_type of its own
     if kind == "dflash":

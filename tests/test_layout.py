@@ -25,9 +25,10 @@ TRAINING_CODE = {"deepspeed", "align.stages.train", "align.windows", "align.loss
 # What preflight (the checks every stage's refusals are built from) may import from align: the schema (its field
 # types, and reading a recipe's keys), the model families, the Hub's address book, the nothing-is-lost layer
 # (checksums of folders align wrote), and the DFlash drafter's module, whose import registers its config with
-# transformers' AutoConfig (reading a DFlash config.json).
+# transformers' AutoConfig (reading a DFlash config.json), and the remote-code shims, which must be in place before the
+# first config of a model that ships its own code is read.
 BELOW_PREFLIGHT = {"align.config", "align.recipe_fields", "align.recipe_files", "align.drafters.spec", "align.hub",
-                   "align.disk", "align.drafters.dflash"}
+                   "align.disk", "align.drafters.dflash", "align.remote_code"}
 
 
 def modules() -> dict[str, Path]:
