@@ -147,7 +147,7 @@ WINDOW_BUILDERS = {"block_causal": block_causal_windows, "bidirectional": bidire
 
 def window_forwards(model: Any, spec: DrafterSpec, batch: WindowBatch) -> int:
     """How many forwards `window_logits` makes of `model` for `batch`: one, but a canvas decoder's one per used window
-    (each an encoder and a decoder forward). Under ZeRO-3 each is a collective, so ranks agree on the most of them
+    (each an encoder and a decoder forward) and a mask-dropping drafter's (LLaDA's) one per row. Under ZeRO-3 each is a collective, so ranks agree on the most of them
     (`forwards` of window_logits) before any runs."""
     return drafter_for(model, spec).window_forwards(batch)
 
@@ -157,7 +157,7 @@ def window_logits(model: Any, spec: DrafterSpec, batch: WindowBatch, verifier: A
     """(B, W, γ, V): the drafter's logits for every position of every window, read according to its spec
     (`Drafter.window_logits`, which a DFlash drafter's verifier logits come from too). verifier: a DFlash drafter's
     (it reads the verifier's hidden states). forwards: make at least this many forwards of `model` (see
-    `window_forwards`; only a canvas decoder's count depends on the batch, the other layouts always make one). A pruned
+    `window_forwards`; only a canvas decoder's and a mask-dropping drafter's counts depend on the batch). A pruned
     DFlash drafter's logits come over the verifier's vocabulary, its uncovered tokens at probability 0."""
     logits = drafter_for(model, spec).window_logits(batch, verifier, forwards)[0]
     vocab = DraftVocab.of(model)

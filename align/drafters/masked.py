@@ -191,16 +191,18 @@ def shared_context_block_logits(
 # --------------------------------------------------------------------------------------------------------------------
 # training windows
 # --------------------------------------------------------------------------------------------------------------------
-def masked_window_logits(model: Any, spec: DrafterSpec, batch: Windows) -> torch.Tensor:
+def masked_window_logits(model: Any, spec: DrafterSpec, batch: Windows, forwards: int = 0) -> torch.Tensor:
     """(B, W, γ, V): every window of the batch in one forward, each masked block read at the positions it replaces
-    (the builders' layouts: align/windows.py)."""
+    (the builders' layouts: align/windows.py); a drafter that drops masks, a forward per row (`rows_read_alone`).
+
+    forwards: make at least this many forwards of the model (see `masked_window_forwards`)."""
     if spec.noise != "mask":
         raise ValueError(f"windows fill noised positions with the mask token; noise {spec.noise!r} is read only by "
                          "the canvas-decoder families (DiffusionGemma)")
     mask = batch.attention_mask.to(model.dtype) if model.dtype != torch.float32 else batch.attention_mask
     decoder = model.get_decoder()
     if "position_ids" not in forward_parameters(decoder):
-        return _whole_model_window_logits(model, spec, batch, mask)
+        return _whole_model_window_logits(model, spec, batch, mask, forwards)
     # Per layer type: a sliding layer's window applies in training as it does when drafting (a 4-D mask is used as
     # given, so the window must be in it).
     masks = attention_masks(model, batch.attention_mask[:, 0] == 0, batch.position_ids)
@@ -216,7 +218,8 @@ def masked_window_logits(model: Any, spec: DrafterSpec, batch: Windows) -> torch
     return model.get_output_embeddings()(window_hidden)
 
 
-def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: Windows, mask: torch.Tensor) -> torch.Tensor:
+def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: Windows, mask: torch.Tensor,
+                               forwards: int = 0) -> torch.Tensor:
     """(B, W, γ, V) through the whole model, for drafters whose decoder takes no position ids and returns logits
     (LLaDA: RoPE positions are always 0..T-1, which is what a bidirectional window uses)."""
     B, W, gamma = batch.targets.shape
@@ -226,7 +229,7 @@ def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: Windows, ma
         raise ValueError(f"{type(model).__name__} takes no position ids; only windows at positions 0..T-1 "
                          "(bidirectional windows) can be read from it")
     if masks_ignored(model):
-        logits = _unpadded_rows_logits(model, batch.input_ids, mask)
+        logits = _unpadded_rows_logits(model, batch.input_ids, mask, forwards)
     else:
         logits = model(input_ids=batch.input_ids, **full_mask_kwargs(model, mask)).logits  # (B, T, V)
     # Position start+i is read at start+i-shift; a shifted window's first position at the clean token before it.
@@ -236,11 +239,27 @@ def _whole_model_window_logits(model: Any, spec: DrafterSpec, batch: Windows, ma
     return logits.gather(1, index.view(B, -1, 1).expand(-1, -1, logits.shape[-1])).view(B, W, gamma, -1)
 
 
-def _unpadded_rows_logits(model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def rows_read_alone(model: Any) -> bool:
+    """Whether `masked_window_logits` reads `model`'s windows a row at a time: a model that drops attention masks
+    and takes no position ids (LLaDA), whose padded rows must each run alone, cut to their real tokens."""
+    return masks_ignored(model) and "position_ids" not in forward_parameters(model.get_decoder())
+
+
+def masked_window_forwards(model: Any, batch: Windows) -> int:
+    """How many forwards `masked_window_logits` makes of `model` for `batch`: one, or one per row where rows are read
+    alone. A bidirectional batch has a row per window, so ranks' counts differ; under ZeRO-3, where each forward is a
+    collective, ranks agree on the most before any runs."""
+    return batch.input_ids.shape[0] if rows_read_alone(model) else 1
+
+
+def _unpadded_rows_logits(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, forwards: int = 0) -> torch.Tensor:
     """(B, T, V) logits of right-padded rows for a model that drops attention masks (LLaDA): each row alone, cut to
     its real tokens, needs no mask; the padding positions get zero logits (no window reads them).
 
     input_ids: (B, T); mask: (B, 1, T, T) additive, which must hide exactly each row's right padding from its tokens.
+    forwards: make at least this many forwards, the ones beyond B on the first row's first token, added times zero:
+    under ZeRO-3 each forward and its backward gather the parameters from every rank, so a rank with fewer rows must
+    still make as many (the padding ones stay in the graph so that their backwards run too).
     """
     B, T = input_ids.shape
     lengths = (mask[:, 0, 0] == 0).sum(-1)  # the keys a row's first token attends to: its real tokens
@@ -250,7 +269,10 @@ def _unpadded_rows_logits(model: Any, input_ids: torch.Tensor, mask: torch.Tenso
             raise ValueError(f"{type(model).__name__} ignores attention masks, and this batch's mask is more than "
                              "right padding")
     rows = [model(input_ids=input_ids[b : b + 1, : int(n)]).logits[0] for b, n in enumerate(lengths)]
-    return torch.stack([torch.nn.functional.pad(row, (0, 0, 0, T - row.shape[0])) for row in rows])
+    out = torch.stack([torch.nn.functional.pad(row, (0, 0, 0, T - row.shape[0])) for row in rows])
+    for _ in range(forwards - B):
+        out = out + 0.0 * model(input_ids=input_ids[:1, :1]).logits.sum().to(out.dtype)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -284,8 +306,8 @@ class MaskedDrafter:
         return shared_context_block_logits(self.model, self.spec, context_ids, blocks, self.state)
 
     def window_forwards(self, batch: Windows) -> int:
-        return 1
+        return masked_window_forwards(self.model, batch)
 
     def window_logits(self, batch: Windows, verifier: Any = None,
                       forwards: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return masked_window_logits(self.model, self.spec, batch), None
+        return masked_window_logits(self.model, self.spec, batch, forwards), None

@@ -145,6 +145,29 @@ def test_zero3_on_two_ranks_with_uneven_completions_finishes(canvas_run, tmp_pat
 
 
 @pytest.mark.slow  # a 2-rank ZeRO-3 DeepSpeed run
+def test_a_drafter_that_drops_masks_under_zero3_with_uneven_windows_finishes(tmp_path):
+    """LLaDA's attention drops masks, so align reads its padded bidirectional windows a row (a window) at a time: the
+    ranks' rows ask for different numbers of forwards, in the steps and in the held-out metric, as the canvas run's do
+    (`test_the_ranks_rows_ask_for_different_numbers_of_forwards`, the same trajectories). With a count of one forward
+    per batch the two ranks waited forever, one in an all-reduce, the other in an all-gather (issue 34). The real
+    LLaDA files when $ALIGN_REMOTE_CODE names them, else the stand-in."""
+    from remote_code_families import write_family, write_qwen2
+
+    args = [f"verifier.path={write_qwen2(tmp_path / 'verifier', seed=3)}",
+            f"drafter.path={write_family('llada', tmp_path / 'llada', seed=7)}", "drafter.trust_remote_code=true",
+            "verifier.dtype=float32", "drafter.dtype=float32", f"trajectories.out={tmp_path / 'trajectories'}",
+            "trajectories.max_new_tokens=40", "trajectories.completions_per_prompt=1", "train.gamma=4",
+            f"train.windows_per_sequence={WINDOWS}", "train.micro_batch_size=1", "train.gradient_accumulation_steps=2",
+            "train.warmup_steps=0", "train.max_steps=3", "train.eval_every=1", "train.zero_stage=3"]
+    tiny = ROOT / "recipes/tiny/align.yaml"
+    write_trajectories(load_recipe(tiny, args), tmp_path / "trajectories")
+    *steps, final = run_on_two_ranks([str(tiny), *args], tmp_path / "run")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["expected_streak"]) for r in steps), steps
+    assert final["final_tau"] >= 1.0  # and the trained drafter decodes in align's runtime
+
+
+@pytest.mark.slow  # a 2-rank ZeRO-3 DeepSpeed run
 def test_a_lora_run_under_zero3_saves_its_trained_adapter(toy_trajectories, tmp_path):
     """Under ZeRO-3 each rank holds a shard of the adapter too: the adapter rank 0 writes is DeepSpeed's consolidated
     one, equal to the fp32 master weights in the run's dtype, and the frozen base is not rewritten. (The tiny family:
