@@ -160,3 +160,101 @@ def test_padded_bidirectional_windows_read_as_each_window_alone(folders, family)
             whole = model(input_ids=batch.input_ids, attention_bias=batch.attention_mask).logits
             index = int(starts[short]) - spec.logits_shift
             assert not torch.allclose(whole[short, index : index + gamma], got[short], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_SHIMS))
+def test_the_forwards_a_batch_makes_are_the_ones_ranks_agree_on(folders, family):
+    """Under ZeRO-3 every forward is a collective, so ranks agree on `window_forwards` before any runs and the ones
+    with fewer rows make padding forwards: the count must be the forwards `window_logits` really makes (one per row for
+    LLaDA, which reads rows alone; one for Dream), and asking for more makes exactly that many, the logits unchanged.
+    (A count of 1 for LLaDA hung 2 ranks in an all-gather against an all-reduce, issue 34.)"""
+    from align.windows import window_forwards
+
+    model, spec = drafter(folders[family])
+    rows = [{"prompt_ids": list(range(20, 26)), "completion_ids": list(range(40, 52))},
+            {"prompt_ids": list(range(30, 33)), "completion_ids": list(range(60, 64))}]
+    batch = bidirectional_windows(rows, spec, 3, 2, load_tokenizer(str(folders[family])).pad_token_id,
+                                  np.random.default_rng(0))
+    calls = []  # a forward of the model embeds its input once
+    model.get_input_embeddings().register_forward_pre_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        plain = window_logits(model, spec, batch)
+        counted = len(calls)
+        assert window_forwards(model, spec, batch) == counted == (batch.input_ids.shape[0] if family == "llada" else 1)
+        if family == "dream":
+            return  # one forward whatever the batch: ranks never ask it for more
+        calls.clear()
+        padded = window_logits(model, spec, batch, forwards=counted + 3)
+    assert len(calls) == counted + 3 and torch.equal(padded, plain)
+
+
+def test_a_config_read_first_in_a_fresh_process_is_shimmed(folders):
+    """Every stage reads the models' configs (preflight) before it loads a model, in a fresh process: the shims must
+    be in place by then. LLaDA's configuration module registers its class with AutoConfig on import, so a config read
+    before them kept the unshimmed class (and a config without `use_cache`) for the whole process (issue 34)."""
+    read = ("import sys; from align.config import DrafterSection; from align.preflight import load_model_config; "
+            "config = load_model_config('drafter.path', DrafterSection(path=sys.argv[1], trust_remote_code=True)); "
+            "from align.remote_code import shims_applied; print(config.use_cache, sorted(shims_applied(type(config))))")
+    proc = subprocess.run([sys.executable, "-c", read, str(folders["llada"])], cwd=ROOT, capture_output=True,
+                          text=True, env=checkout_env(HF_HUB_OFFLINE="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "False ['config_use_cache']"
+
+
+
+REAL_CODE = ROOT.parent / "shared" / "realcode"  # the upstream files, beside a clone of align here; a user's has none
+# The stand-in's and the real configuration module, imported in one fresh interpreter (importing registers a class
+# with transformers for the whole process): what each registers, and each config field the stand-in declares with its
+# default (what a config.json that leaves it out gets).
+CONFIG_DEFAULTS = """
+import importlib.util, inspect, json, sys
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+out, fields = {}, None
+for name, folder in (("stand-in", sys.argv[1]), ("real", sys.argv[2])):
+    spec = importlib.util.spec_from_file_location("llada_" + name.replace("-", "_"), folder + "/configuration_llada.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fields = fields or [k for k in inspect.signature(module.LLaDAConfig.__init__).parameters
+                        if k not in ("self", "kwargs", "use_cache")]
+    config = module.LLaDAConfig()
+    out[name] = {"registered": CONFIG_MAPPING["llada"] is module.LLaDAConfig,
+                 "defaults": {k: str(getattr(config, k, "absent")) for k in fields}}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not (REAL_CODE / "llada").is_dir(), reason="the upstream LLaDA files (../shared/realcode) are not here")
+def test_the_llada_stand_in_has_the_real_configs_defaults_and_registers_on_import():
+    """A config.json that leaves a field out gets the real class's default (its GPT-2-style ModelConfig's, not the
+    8B model's: `rope=False`, `weight_tying=True`, `mask_token_id=50256`), so the stand-in builds what the real code
+    would from the same file; and importing either module registers its class with AutoConfig (why align installs
+    its shims before any config is read)."""
+    proc = subprocess.run([sys.executable, "-c", CONFIG_DEFAULTS, str(ROOT / "tests/fixtures/llada"),
+                           str(REAL_CODE / "llada")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=checkout_env(HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["stand-in"]["registered"] and found["real"]["registered"]
+    assert found["stand-in"]["defaults"] == found["real"]["defaults"]
+    assert found["real"]["defaults"]["rope"] == "False" and found["real"]["defaults"]["mask_token_id"] == "50256"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_SHIMS))
+def test_activation_checkpointing_takes_on_the_family_as_transformers_5_sets_it(folders, family):
+    """align's `train.activation_checkpointing` calls transformers' `gradient_checkpointing_enable`, which needs a
+    `gradient_checkpointing` attribute on some module of the model: Dream's real code has one (its base model's), so
+    a training step recomputes each layer; LLaDA's declares no support, and align refuses it in one line."""
+    from align.config import RecipeError
+    from align.stages.train import apply_activation_checkpointing
+
+    model, spec = drafter(folders[family])
+    if family == "llada":
+        with pytest.raises(RecipeError, match="train.activation_checkpointing: .* does not support"):
+            apply_activation_checkpointing(model, True)
+        return
+    apply_activation_checkpointing(model, True)
+    assert model.get_decoder().gradient_checkpointing
+    model.train()
+    ids = torch.tensor([[5, 6, 7, 8, spec.mask_token_id]])
+    model(input_ids=ids).logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
