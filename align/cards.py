@@ -344,7 +344,7 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
     body += ["## Reproduce", "", *training,
              *([evaluation["meta"]["command"]] if evaluation and evaluation.get("meta", {}).get("command") else []),
              command, "```", "",
-             "## Use", "", how_to_read(config, spec), "",
+             "## Use", "", how_to_read(config, spec), "", *remote_code_lines(config),
              *(custom_generate_usage(name, auto_class, remote, recipe, verifier_ref) if ships_custom_generate(config)
                else []),
              "With align's lossless runtime (install align from its repository: `pip install -e <align checkout>`; "
@@ -361,6 +361,18 @@ def model_card(config: dict[str, Any], meta: dict[str, Any], evaluation: Optiona
              "print(stats.tau)  # tokens per verifier forward; tokens are exactly the verifier's greedy output", "```",
              "", *suffix_index_lines(recipe)]
     return front + "\n".join(body)
+
+
+def remote_code_lines(config: dict[str, Any]) -> list[str]:
+    """The card's word on a drafter that ships its own modelling code (Dream, DiffuCoder, LLaDA), which `align export`
+    makes loadable with transformers alone (align/remote_code.py's `write_loader`)."""
+    if not any(str(ref).startswith("align_loader.") for ref in (config.get("auto_map") or {}).values()):
+        return []
+    return ["Its modelling code is the upstream model's own, unchanged, written for transformers 4: config.json's "
+            "`auto_map` loads each class through `align_loader.py`, which applies align's shims (`align_shims.py`, "
+            "one per transformers 5 change the code meets) and recomputes the rotary buffers transformers 5 leaves "
+            "uninitialised, so `AutoModel.from_pretrained(folder, trust_remote_code=True)` works with transformers "
+            "alone.", ""]
 
 
 def suffix_index_lines(recipe: Recipe) -> list[str]:

@@ -21,6 +21,7 @@ from align.config import ModelSection, RecipeError
 from align.disk import verify_checksums
 # Remote code written for transformers 4 (Dream, DiffuCoder, LLaDA) goes through named compatibility shims as it loads.
 from align.remote_code import install as install_remote_code_shims
+from align.remote_code import restore_computed_buffers
 
 install_remote_code_shims()
 
@@ -99,7 +100,7 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
         model, loading = model
         check_loaded(section.path, loading)
     if section.trust_remote_code:
-        _restore_computed_buffers(model)
+        restore_computed_buffers(model)
     check_finite(section.path, model)
     model.to(device).eval()
     model.requires_grad_(False)
@@ -146,27 +147,6 @@ def check_finite(path: str, model: PreTrainedModel) -> None:
 
     found = non_finite_weights(path) if os.path.isdir(path) else None
     raise RecipeError(f"{found or path} holds NaN or infinite weights; a model with them decodes nothing meaningful")
-
-
-def _restore_computed_buffers(model: PreTrainedModel) -> None:
-    """Recompute the non-persistent buffers of remote code written for transformers 4.
-
-    transformers 5 builds a model on the meta device and fills what the checkpoint holds and what the model's
-    `_init_weights` sets; a non-persistent buffer that the code computes in `__init__` (Dream's and DiffuCoder's rotary
-    `inv_freq`) is left as uninitialised memory, and the model silently reads garbage positions. A skeleton built with
-    its parameters on the meta device (no memory) and its buffers on the CPU gives the values `__init__` computes."""
-    computed = dict(model.named_non_persistent_buffers())
-    if not computed:
-        return
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        skeleton = type(model)(model.config)
-    for name, value in skeleton.named_non_persistent_buffers():
-        if name in computed:
-            module_name, _, leaf = name.rpartition(".")
-            old = computed[name]
-            model.get_submodule(module_name).register_buffer(leaf, value.to(old.device, old.dtype), persistent=False)
 
 
 def _attention_kwargs(section: ModelSection, config: Any = None) -> dict[str, str]:

@@ -15,9 +15,11 @@ behaviour, and align's loader records it on the model (`MASKS_IGNORED`) for the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
@@ -285,3 +287,86 @@ def _changes_under_mask(model: Any, mask_kwargs: Callable[[Any, torch.Tensor], d
     with_mask = model(input_ids=ids, **mask_kwargs(model, hiding)).logits[0, 3].float()
     without = model(input_ids=ids, **mask_kwargs(model, torch.zeros_like(hiding))).logits[0, 3].float()
     return not torch.equal(with_mask, without)
+
+
+def restore_computed_buffers(model: Any) -> None:
+    """Recompute the non-persistent buffers of remote code written for transformers 4.
+
+    transformers 5 builds a model on the meta device and fills what the checkpoint holds and what the model's
+    `_init_weights` sets; a non-persistent buffer that the code computes in `__init__` (Dream's and DiffuCoder's rotary
+    `inv_freq`) is left as uninitialised memory, and the model silently reads garbage positions. A skeleton built with
+    its parameters on the meta device (no memory) and its buffers on the CPU gives the values `__init__` computes."""
+    computed = dict(model.named_non_persistent_buffers())
+    if not computed:
+        return
+    try:
+        from accelerate import init_empty_weights
+
+        building = init_empty_weights(include_buffers=False)
+    except ImportError:  # an exported folder read with transformers alone, without accelerate: built whole, once
+        building = contextlib.nullcontext()
+    with building:
+        skeleton = type(model)(model.config)
+    for name, value in skeleton.named_non_persistent_buffers():
+        if name in computed:
+            module_name, _, leaf = name.rpartition(".")
+            old = computed[name]
+            model.get_submodule(module_name).register_buffer(leaf, value.to(old.device, old.dtype), persistent=False)
+
+
+def restoring_computed_buffers(cls: type) -> type:
+    """`cls` (a remote PreTrainedModel class), whose `from_pretrained` now ends with `restore_computed_buffers`: what
+    align's loader does after loading, for a folder read with transformers alone (`write_loader`)."""
+    if getattr(getattr(cls.__dict__.get("from_pretrained"), "__func__", None), "__align_restores__", False):
+        return cls
+    loading = cls.__dict__.get("from_pretrained")  # Dream's own override, else the one it inherits
+
+    def from_pretrained(klass: type, *args: Any, **kwargs: Any) -> Any:
+        load = loading.__get__(None, klass) if loading is not None else super(cls, klass).from_pretrained
+        model = load(*args, **kwargs)
+        restore_computed_buffers(model)
+        return model
+
+    from_pretrained.__align_restores__ = True
+    cls.from_pretrained = classmethod(from_pretrained)
+    return cls
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# an exported folder that loads with transformers alone
+# --------------------------------------------------------------------------------------------------------------------
+SHIMS_MODULE, LOADER_MODULE = "align_shims", "align_loader"
+
+
+def write_loader(folder: Path, auto_map: dict[str, str]) -> dict[str, str]:
+    """Make the model folder `folder`, whose config.json's `auto_map` names its own modelling code, load under
+    transformers 5 with transformers alone: this module is copied in as `align_shims.py` (it imports torch and the
+    standard library only) and `align_loader.py` imports each class `auto_map` names, through `apply_shims`. Returns
+    the `auto_map` to write, every local entry pointing at the loader. The upstream files are left as they are.
+
+    A folder already written this way (an export exported again) keeps its loader and gets this version's shims."""
+    folder = Path(folder)
+    header = (f"# Copied from align/remote_code.py by `align export`: the shims {LOADER_MODULE}.py applies to this "
+              "folder's modelling code (written for transformers 4) so that transformers 5 loads it.\n")
+    (folder / f"{SHIMS_MODULE}.py").write_text(header + Path(__file__).read_text())
+    if any(ref.startswith(f"{LOADER_MODULE}.") for ref in auto_map.values()):
+        return auto_map
+    local = {auto: ref for auto, ref in auto_map.items() if "--" not in ref}  # "repo--module.Class": another repo's
+    lines = ['"""Written by `align export`. config.json\'s auto_map loads each class through here: this folder\'s own',
+             "modelling code was written for transformers 4, and align's shims (align_shims.py) bridge each change",
+             'transformers 5 made that it meets, as align does when it loads the model. The upstream files are as they',
+             'were shipped."""', "", f"from .{SHIMS_MODULE} import apply_shims, restoring_computed_buffers"]
+    for ref in sorted(set(local.values())):
+        module, name = ref.rsplit(".", 1)
+        lines.append(f"from .{module} import {name}")
+    lines.append("")
+    for auto, ref in sorted(local.items()):
+        name = ref.rsplit(".", 1)[1]
+        # a model class also gets back, after loading, the buffers its __init__ computes (restore_computed_buffers)
+        wrap = "restoring_computed_buffers(apply_shims({}))" if auto != "AutoConfig" else "apply_shims({})"
+        line = f"{name} = " + wrap.format(name)
+        if line not in lines:
+            lines.append(line)
+    (folder / f"{LOADER_MODULE}.py").write_text("\n".join(lines) + "\n")
+    return {auto: f"{LOADER_MODULE}.{ref.rsplit('.', 1)[1]}" if auto in local else ref
+            for auto, ref in auto_map.items()}

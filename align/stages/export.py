@@ -158,6 +158,12 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
                                         recipe.drafter.attention)
         config["drafter_spec"] = spec.to_dict()
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if config.get("auto_map"):
+        # Dream, DiffuCoder, LLaDA: their code needs align's shims under transformers 5; the folder carries them
+        from align.remote_code import write_loader
+
+        config["auto_map"] = write_loader(tmp, config["auto_map"])
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if recipe.calibrate.graph:
         shutil.copy2(recipe.calibrate.graph, tmp / "draft_graph.json")
     if ships_custom_generate(config):
