@@ -395,9 +395,19 @@ def _start(stage: Stage, recipe: Recipe, args: argparse.Namespace, argv: list[st
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
     if stage.launcher:
-        from align.launch import run, single_local_process
+        from align.launch import launch_world, run, single_local_process
 
         if not single_local_process(args):
+            # Checks that need the launch's number of ranks, said here once: a rank that refuses ends the launch,
+            # and the launcher may stop rank 0 before it says why
+            check = getattr(importlib.import_module(stage.module), "check_launch", None)
+            world = launch_world(args)
+            try:
+                if check is not None and world is not None:
+                    check(recipe, world)
+            except RecipeError as e:
+                print(f"align {args.stage}: error: {e}", file=sys.stderr)
+                return EXIT_BAD_INPUT
             return run(args)
     try:
         status = importlib.import_module(stage.module).main(recipe, shlex.join(["align", *argv]))

@@ -329,6 +329,15 @@ def single_local_process(args: argparse.Namespace) -> bool:
             and all(getattr(args, option, None) is None for option in ("node_rank", "include", "exclude")))
 
 
+def launch_world(args: argparse.Namespace) -> Optional[int]:
+    """How many ranks the launch will start, when the options say it (--num_gpus, times --num_nodes); None when a
+    hostfile or --include/--exclude decide."""
+    if args.hostfile is not None or args.num_gpus is None or any(getattr(args, option, None) is not None
+                                                                  for option in ("include", "exclude")):
+        return None
+    return args.num_gpus * (args.num_nodes or 1)
+
+
 def free_port() -> int:
     """A TCP port on this host that is free now (the OS picks it): a rendezvous of ranks on one host."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

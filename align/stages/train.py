@@ -557,13 +557,14 @@ def resume(trainer: Trainer, out: Path) -> int:
         try:
             loaded, client = trainer.engine.load_checkpoint(str(state_dir), tag=tag)
         except Exception as e:  # torch's zip reader, DeepSpeed's asserts: neither names the file
-            raise RecipeError(f"train.out: {state_dir / tag} cannot be loaded ({first_line(e)}): it is damaged; "
-                              f"delete it to resume from an earlier complete state (or write an earlier tag into "
-                              f"{state_dir / 'latest'})") from None
+            raise RecipeError(f"train.out: {state_dir / tag} cannot be loaded ({first_line(e)}); if its files are "
+                              f"damaged, write an earlier complete tag into {state_dir / 'latest'} to resume from "
+                              "there (nothing is deleted)") from None
         if loaded is None or not client or "step" not in client:
-            raise RecipeError(f"train.out: {state_dir / tag} holds no loadable DeepSpeed state (files missing); "
-                              "delete it to resume from an earlier state")
+            raise RecipeError(f"train.out: {state_dir / tag} holds no loadable DeepSpeed state (files missing); write "
+                              f"an earlier complete tag into {state_dir / 'latest'} to resume from there")
         start = client["step"]
+        follow_schedule(trainer.schedule, start)
     metrics = out / "metrics.jsonl"
     if trainer.rank == 0 and metrics.is_file():  # read tolerantly: a cut last line is dropped (and said)
         kept = [r for r in read_log(metrics, "align train") if r.get("step", 0) <= start and "final_tau" not in r]
@@ -571,6 +572,37 @@ def resume(trainer: Trainer, out: Path) -> int:
     if trainer.rank == 0 and start:
         print(f"align train: resuming from step {start}")
     return start
+
+
+def follow_schedule(schedule: Any, step: int) -> None:
+    """Set the optimizer's rate to what this run's schedule gives at `step`. The loaded scheduler state keeps the rate
+    the saved run had last computed: after a resume with a raised train.max_steps, the first step would run at the
+    old schedule's end (0.0 for a finished cosine) and only the next at the new one."""
+    rates = [base * rate(step) for base, rate in zip(schedule.base_lrs, schedule.lr_lambdas)]
+    for group, lr in zip(schedule.optimizer.param_groups, rates):
+        group["lr"] = lr
+    schedule.last_epoch, schedule._last_lr = step, rates
+
+
+def check_launch(recipe: Recipe, world: int) -> None:
+    """What `align train` checks before it launches `world` ranks (cli): that the state it resumes was saved by as many."""
+    step = resume_step(Path(recipe.train.out))
+    if not finished(recipe, step):
+        check_resume_world(recipe, step, world)
+
+
+def check_resume_world(recipe: Recipe, step: int, world: int) -> None:
+    """Refuse (RecipeError, before any model loads) to resume a ZeRO state on another number of ranks than saved it:
+    ZeRO splits the optimizer state into a shard per rank, and DeepSpeed reloads the shards on as many ranks only
+    (it fails an assertion otherwise). The state is whole and valid, and the refusal says so."""
+    state = Path(recipe.train.out) / "ds_state" / f"step_{step}"
+    saved = len(list(state.glob("*zero_pp_rank_*_optim_states.pt"))) if step else 0
+    if saved and saved != world:
+        raise RecipeError(f"train.out: the run in {recipe.train.out} saved step {step} on {saved} ranks (ZeRO-"
+                          f"{recipe.train.zero_stage} keeps an optimizer shard per rank), and this launch has {world}; "
+                          f"that state is complete: resume on {saved} ranks (--num_gpus {saved} on one node), or "
+                          f"train on from its weights as a new run (drafter.path={recipe.train.out}/step_{step}, "
+                          "another train.out; the optimizer starts afresh)")
 
 
 def state_on_every_rank(state_dir: Path, trainer: Trainer) -> Optional[str]:
@@ -880,6 +912,7 @@ def main(recipe: Recipe, command: str) -> int:
             print(f"align train: {out} is complete ({start} of {t.max_steps} steps); nothing to do (a higher "
                   "train.max_steps trains it further)")
         return 0
+    check_resume_world(recipe, start, int(os.environ.get("WORLD_SIZE", 1)))  # the ranks this process is one of
     if int(os.environ.get("RANK", 0)) == 0:
         record_run(recipe)
     rank, world = init_distributed()

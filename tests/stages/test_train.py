@@ -288,3 +288,31 @@ def test_a_build_lock_left_by_a_killed_build_is_named_before_deepspeed_waits_on_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "60 min old" in err[0] and f"delete {stale.parent}" in err[0]
 
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused_and_a_raised_max_steps_takes_effect_at_once(trajectories,
+                                                                                                     tmp_path, capsys):
+    """ZeRO keeps an optimizer shard per rank, and DeepSpeed reloads them on as many ranks only: resuming on another
+    number is refused in one line that says the state is complete and how to go on (it used to call the state
+    "damaged; delete it"), with nothing touched. Resumed on its own number with train.max_steps raised, the first
+    resumed step runs at the new cosine schedule's rate (it ran at the old one's end, 0.0)."""
+    out = tmp_path / "run"
+    args = overrides(trajectories, out, "train.save_every=1", "train.micro_batch_size=2", "train.zero_stage=2")
+    rc, log = launch(1, [*args, "train.max_steps=2"])
+    assert rc == 0, log[-3000:]
+    before = {p: p.read_bytes() for p in sorted((out / "ds_state").rglob("*")) if p.is_file()}
+    # Before launching (align train --num_gpus 2), and on each rank of a launch started by hand
+    assert align(["train", "recipes/tiny/align.yaml", *args, "train.max_steps=4", "--num_gpus", "2"]) == 2
+    said = capsys.readouterr().err.strip()
+    rc, log = launch(2, [*args, "train.max_steps=4"])
+    assert rc != 0 and "this launch has 2" in log, log[-3000:]
+    assert said.startswith("align train: error: train.out: ") and "\n" not in said
+    assert "saved step 2 on 1 ranks" in said and "this launch has 2" in said and "complete" in said
+    assert "delete" not in said
+    assert {p: p.read_bytes() for p in sorted((out / "ds_state").rglob("*")) if p.is_file()} == before
+    rc, log = launch(1, [*args, "train.max_steps=4"])
+    assert rc == 0 and "resuming from step 2" in log, log[-3000:]
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    # warm-up 0: lr · ½(1 + cos(π·step/max_steps)) at step index 2 of 4 and 3 of 4
+    assert records[3]["lr"] == pytest.approx(3e-3 * 0.5)
+    assert records[4]["lr"] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 4)))
