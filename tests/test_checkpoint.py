@@ -84,6 +84,8 @@ def test_merged_model_keeps_the_drafters_class_and_the_runs_dtype(tmp_path):
     state = {k: v.clone() for k, v in drafter.state_dict().items()}
     merged = merged_model(drafter, state)
     assert type(merged) is TinyDream and merged.dtype == torch.bfloat16
+    # Built on the meta device and given the state's tensors: no random initialisation, no second copy of the weights
+    assert all(p.data_ptr() == state[name].data_ptr() for name, p in merged.named_parameters())
     assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), state.values()))
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny" / "tokenizer")
     save_merged(merged, tokenizer, tmp_path / "step_1", {"meta.json": "{}"})
