@@ -123,7 +123,8 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
     import torch.distributed as dist
 
     from align.recipe_files import load_recipe
-    from align.stages.train import TrainData, build_trainer, held_out_streak, init_distributed, train_step
+    from align.stages.train import (TrainData, build_trainer, collective_timeout, held_out_streak, init_distributed,
+                                    train_step)
     from remote_code_families import write_family, write_qwen2
 
     verifier = write_qwen2(tmp_path / "verifier", seed=3)
@@ -137,7 +138,7 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
     for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(port)).items():
         monkeypatch.setenv(name, value)
-    rank, world = init_distributed()
+    rank, world = init_distributed(collective_timeout(load_recipe("recipes/tiny/align.yaml")))
     try:
         for drafter, data_mode in [("block_causal", "online"), ("dream", "on_policy"), ("llada", "online")]:
             folder = (block_causal_drafter(tmp_path / "drafter") if drafter == "block_causal"

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -47,6 +48,7 @@ from align.drafters.loading import (build_drafter, check_aux_layer_ids, check_dr
                                     check_masks_are_read, drafter_reads, load_drafter)
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.drafters.states_cache import StatesCache, batch_states
+from align.hub import hub_snapshot
 from align.launch import free_port
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
@@ -367,8 +369,28 @@ def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
     return stale
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI)."""
+# How fast rank 0 is taken to write and hash a checkpoint while the other ranks wait in their next collective, and
+# what it writes and hashes per byte of drafter weights on disk (bf16: the weights 2 bytes a parameter, DeepSpeed's
+# fp32 master copy and Adam's two moments 12 more): a conservative disk and sha256 rate, not a measured one.
+SAVE_BYTES_PER_SECOND = 200e6
+SAVED_PER_WEIGHT_BYTE = 8
+
+
+def collective_timeout(recipe: Recipe) -> timedelta:
+    """How long a rank waits in a collective for the others before the run fails: DeepSpeed's default (10 minutes)
+    is shorter than rank 0's save of a large drafter (a 26B one writes ~52 GB and hashes ~416 GB with its DeepSpeed
+    state while the other ranks wait), so align sizes it from the drafter's weights on disk: 30 minutes, plus the
+    time to write and hash its checkpoint at SAVE_BYTES_PER_SECOND. $DEEPSPEED_TIMEOUT (minutes) overrides it."""
+    if os.environ.get("DEEPSPEED_TIMEOUT"):
+        return timedelta(minutes=int(os.environ["DEEPSPEED_TIMEOUT"]))
+    folder = Path(recipe.drafter.path) if Path(recipe.drafter.path).is_dir() else hub_snapshot(recipe.drafter.path)
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder is not None else 0
+    return timedelta(minutes=30 + math.ceil(SAVED_PER_WEIGHT_BYTE * weights / SAVE_BYTES_PER_SECOND / 60))
+
+
+def init_distributed(timeout: timedelta) -> tuple[int, int]:
+    """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI).
+    timeout: how long a collective waits for every rank (`collective_timeout`)."""
     import deepspeed
 
     if os.environ.get("LOCAL_RANK", "0") == "0":
@@ -378,7 +400,7 @@ def init_distributed() -> tuple[int, int]:
                           MASTER_PORT=str(free_port()))
     if torch.cuda.is_available():  # each rank owns its GPU before any model is built
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
@@ -915,7 +937,11 @@ def main(recipe: Recipe, command: str) -> int:
     check_resume_world(recipe, start, int(os.environ.get("WORLD_SIZE", 1)))  # the ranks this process is one of
     if int(os.environ.get("RANK", 0)) == 0:
         record_run(recipe)
-    rank, world = init_distributed()
+    timeout = collective_timeout(recipe)
+    rank, world = init_distributed(timeout)
+    if rank == 0 and world > 1:
+        print(f"align train: a rank waits up to {timeout.total_seconds() / 60:.0f} min for the others in a collective "
+              "(rank 0 writes and hashes each checkpoint meanwhile; DEEPSPEED_TIMEOUT=<minutes> sets it)")
     trainer = build_trainer(recipe, data, rank, world)
     start = resume(trainer, out)
     # The experiment trackers (train.report_to) live on rank 0, which holds every metric after the step's reductions.

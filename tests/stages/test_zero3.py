@@ -264,6 +264,26 @@ def test_your_deepspeed_config_is_merged_and_conflicts_are_refused_by_key(tmp_pa
     assert not out.exists()
 
 
+def test_the_collective_timeout_covers_rank_0s_save_of_the_drafter(tmp_path, monkeypatch):
+    """DeepSpeed's default (10 minutes) ends a run whose rank 0 is still writing and hashing a large checkpoint while
+    the others wait in their next collective: align sizes the wait from the drafter's weights (a 26B bf16 drafter:
+    52 GB on disk, about 416 GB written and hashed with its DeepSpeed state), and $DEEPSPEED_TIMEOUT overrides it."""
+    from datetime import timedelta
+
+    from align.stages.train import collective_timeout
+
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    with open(folder / "model-00001-of-00001.safetensors", "wb") as f:
+        f.truncate(52_000_000_000)  # a sparse file: its size, not its bytes
+    big = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={folder}"])
+    assert collective_timeout(big) == timedelta(minutes=30 + 35)  # 416 GB at 200 MB/s: 34.7 minutes
+    assert collective_timeout(load_recipe("recipes/tiny/align.yaml")) == timedelta(minutes=31)  # tiny: its floor
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "7")
+    assert collective_timeout(big) == timedelta(minutes=7)
+
+
 def test_keep_last_prunes_older_checkpoints_never_the_latest(tmp_path):
     from align.stages.train import prune_checkpoints
 
@@ -302,12 +322,12 @@ from align.drafters.loading import check_masks_are_read, load_drafter
 from align.models import is_partitioned, load_tokenizer, partitioned_loading
 from align.recipe_files import load_recipe
 from align.remote_code import masks_ignored
-from align.stages.train import deepspeed_config, init_distributed
+from align.stages.train import collective_timeout, deepspeed_config, init_distributed
 
 folder, remote, report = sys.argv[-3:]  # (the launcher puts --local_rank=N first)
 recipe = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={folder}", f"drafter.trust_remote_code={remote}",
                                                   "drafter.dtype=float32", "train.bf16=false", "train.zero_stage=3"])
-rank, world = init_distributed()
+rank, world = init_distributed(collective_timeout(recipe))
 with partitioned_loading(deepspeed_config(recipe)):
     model, spec = load_drafter(recipe.drafter, load_tokenizer(folder, recipe.drafter.trust_remote_code))
 held = {"partitioned": is_partitioned(model), "whole_elements": sum(p.data.numel() for p in model.parameters()),
