@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import checkout_env
 
@@ -24,6 +25,15 @@ RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 def test_every_recipe_validates(path):
     recipe = load_recipe(path)
     assert recipe.verifier.path and recipe.drafter.path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_gpu_recipe_that_trains_keeps_a_bounded_number_of_saves(path):
+    """The real pairings' recipes (recipes/*.yaml) are for GPUs, where a save of a 26B drafter with its DeepSpeed
+    state is ~416 GB: one that trains sets train.keep_last (Spiffy's LLaDA recipe trains nothing)."""
+    recipe = load_recipe(path)
+    trains = "train" in yaml.safe_load(path.read_text())
+    assert not trains or recipe.train.keep_last is not None, f"{path.name} trains and keeps every save"
 
 
 def local_prompts(prefix: str, prompts: Path) -> list[str]:
