@@ -103,10 +103,15 @@ stage spiffy_exact spiffy_eval $A exact "$out/spiffy/eval/eval.json"
 # Spiffy; Gemma 4 + DiffusionGemma: ZeRO-3 bf16; a DFlash drafter trained from scratch), with their Hub ids swapped
 # for tiny random models of the same architectures, through their stages on the recipes' own devices (auto: this GPU).
 # On a CPU the test suite runs the same tests. They need no stage above.
+# Each align command in a fresh process, as a user runs them; the Dream/LLaDA ones on the upstream files when
+# $ALIGN_REMOTE_CODE names them: a training step of each family, its export reloaded with transformers alone (a fresh
+# interpreter that never imports align), and with 2 or more GPUs a 2-rank ZeRO-3 LLaDA run on uneven windows (it hung).
 if [ "$gpus" -ge 1 ]; then
+  remote_tests=(tests/drafters/test_drafter_families.py)
+  if [ "$gpus" -ge 2 ]; then remote_tests+=(tests/stages/test_zero3.py); fi
   stage recipe_tests - "$py" -m pytest -q -p no:cacheprovider tests/test_recipes.py \
-    tests/drafters/test_diffusion_gemma.py \
-    tests/drafters/test_dflash.py -k "recipe or train_from_scratch"
+    tests/drafters/test_diffusion_gemma.py tests/drafters/test_dflash.py "${remote_tests[@]}" \
+    -k "recipe or train_from_scratch or training_step_and_the_export or drops_masks"
   # Not a check but a measurement the GPU is needed for: the verifier's cost curve, which sizes drafts and trees.
   stage verify_costs - $A verify-costs checkpoints/tiny/verifier qwen2.5-7b llama-3.1-8b --out "$out/verify_costs.json"
 fi
