@@ -148,6 +148,7 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
     if adapter:
         write_merged_weights(recipe, source, tmp)
     config = json.loads((tmp / "config.json").read_text())
+    updates = {}  # what config.json gains here, written once
     if "drafter_spec" not in config:
         from transformers import AutoConfig
 
@@ -156,13 +157,14 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
                                         load_tokenizer(str(source), remote),
                                         recipe.drafter.mask_token_id, recipe.drafter.logits_shift,
                                         recipe.drafter.attention)
-        config["drafter_spec"] = spec.to_dict()
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        updates["drafter_spec"] = spec.to_dict()
     if config.get("auto_map"):
         # Dream, DiffuCoder, LLaDA: their code needs align's shims under transformers 5; the folder carries them
         from align.remote_code import write_loader
 
-        config["auto_map"] = write_loader(tmp, config["auto_map"])
+        updates["auto_map"] = write_loader(tmp, config["auto_map"])
+    if updates:
+        config.update(updates)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if recipe.calibrate.graph:
         shutil.copy2(recipe.calibrate.graph, tmp / "draft_graph.json")
