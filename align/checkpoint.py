@@ -73,6 +73,108 @@ def save_merged(model: Any, tokenizer: Any, final: Path, files: dict[str, str], 
         record_checksums(tmp)
 
 
+# The shard size of a streamed save, and so what rank 0 holds at once (with one module's gathered parameters):
+# transformers' own default (50 GB) would hold a 26B bf16 drafter whole; 5 GB is the Hub's usual shard.
+STREAM_SHARD_BYTES = 5 * 1024**3
+
+
+def _full_shape_state(model: Any) -> dict[str, Any]:
+    """The model's state dict as meta tensors of the whole shapes: a ZeRO-3 parameter's own tensor is an empty
+    placeholder between forwards, its shape is `ds_shape`."""
+    import torch
+
+    return {key: torch.empty(getattr(t, "ds_shape", t.shape), dtype=t.dtype, device="meta")
+            for key, t in model.state_dict(keep_vars=True).items()}
+
+
+def streamed_save_plan(model: Any, shard_bytes: int = STREAM_SHARD_BYTES) -> Optional[Any]:
+    """save_pretrained's shard plan for `model` (huggingface_hub's StateDictSplit: which key goes in which file),
+    built from the shapes alone, or None where save_pretrained would rename weights on the way out (transformers'
+    weight conversions: the names a streamed save writes would not be the ones from_pretrained reads)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    _tied_keys_as_mapping(model)
+    state = _full_shape_state(model)
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    # As save_pretrained: a tied weight is written once, under the name from_pretrained expects.
+    state = remove_tied_weights_from_state_dict(state, model)
+    if set(revert_weight_conversion(model, dict(state))) != set(state):
+        return None
+    # In the modules' order (save_pretrained may sort them): a shard is then complete as soon as its modules are
+    # gathered, and rank 0 holds no weight of a later shard while it waits.
+    return split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                              max_shard_size=shard_bytes)
+
+
+def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dict[str, str], writer: bool,
+                  kind: str = "train") -> int:
+    """What save_merged writes, for a model whose parameters ZeRO-3 partitions over the ranks: every rank calls it
+    (each module's parameters are gathered in turn, a collective), and the `writer` rank (rank 0) writes each
+    safetensors shard of `plan` (streamed_save_plan) as soon as its last weight arrives, then frees it. Rank 0 holds
+    at most a shard and a module: DeepSpeed's consolidated state dict would hold the whole drafter in its host memory
+    (52 GB for a 26B bf16 drafter). The folder holds what save_pretrained writes at that shard size: the same files,
+    index, weights and configs (tested against it), the shards filled in the modules' order. Returns the most weight
+    bytes rank 0 held at once (0 on the other ranks)."""
+    import contextlib
+
+    import deepspeed
+    from safetensors.torch import save_file
+    from transformers.dynamic_module_utils import custom_object_save
+
+    owner = plan.tensor_to_filename
+    missing = {name: set(keys) for name, keys in plan.filename_to_tensors.items()}
+    pending: dict[str, Any] = {}
+    held = most_held = 0
+    with atomic_folder(final, kind) if writer else contextlib.nullcontext() as tmp:
+        for prefix, module in model.named_modules():
+            params = dict(module.named_parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                if not writer:
+                    continue
+                buffers = {n: b for n, b in module.named_buffers(recurse=False)
+                           if n not in module._non_persistent_buffers_set}
+                for name, tensor in {**params, **buffers}.items():
+                    key = f"{prefix}.{name}" if prefix else name
+                    if key not in owner or key in pending:
+                        continue
+                    pending[key] = tensor.detach().to("cpu", copy=True).contiguous()
+                    held += pending[key].nbytes
+                    most_held = max(most_held, held)
+                    shard = owner[key]
+                    missing[shard].discard(key)
+                    if not missing[shard]:
+                        weights = {k: pending.pop(k) for k in plan.filename_to_tensors[shard]}
+                        save_file(weights, str(tmp / shard), metadata={"format": "pt"})
+                        held -= sum(t.nbytes for t in weights.values())
+        if not writer:
+            return 0
+        unwritten = sorted(k for keys in missing.values() for k in keys)
+        if unwritten:  # a state dict key that no module names (a hook renames it): nothing is published
+            raise RuntimeError(f"the streamed save found no parameter for {unwritten[:3]} in the model's modules")
+        if plan.is_sharded:
+            total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_parameters": total, **plan.metadata}, "weight_map": plan.tensor_to_filename},
+                indent=2, sort_keys=True) + "\n")
+        # The rest of save_pretrained (transformers 5): the config with the weights' dtype and the class, the
+        # generation config, remote code.
+        model.config.dtype = str(model.dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__]
+        if model.is_remote_code():
+            custom_object_save(model, tmp, config=model.config)
+        model.config.save_pretrained(tmp)
+        if model.can_generate():
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        record_checksums(tmp)
+    return most_held
+
+
 # A LoRA run's step_<N>/ holds its adapter (peft's files), the base drafter's config and tokenizer, and a pointer to
 # the base drafter (BASE_RECORD): a save writes megabytes where the merged model would rewrite every frozen weight.
 ADAPTER_CONFIG = "adapter_config.json"

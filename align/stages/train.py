@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from align.checkpoint import (commit_state, is_adapter_folder, merged_model, save_adapter, save_merged, state_to_resume,
-                              step_folders, weights_sha256_of)
+from align.checkpoint import (commit_state, is_adapter_folder, merged_model, save_adapter, save_merged, save_streamed,
+                              state_to_resume, step_folders, streamed_save_plan, weights_sha256_of)
 from align.config import Recipe, RecipeError, first_line
 from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
@@ -849,7 +849,18 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
     """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
     atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
     module = trainer.engine.module
-    if recipe.train.zero_stage == 3:
+    files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
+    plan = (streamed_save_plan(module) if recipe.train.zero_stage == 3 and not hasattr(module, "peft_config")
+            else None)
+    if plan is not None:
+        # Each shard written as its modules are gathered: rank 0 never holds the whole drafter. Around it, what
+        # DeepSpeed's own consolidation does: every parameter partitioned first (the small ones it keeps whole
+        # too), and those whole again after.
+        optimizer = trainer.engine.optimizer
+        optimizer.checkpoint_event_prologue()
+        save_streamed(module, plan, trainer.tokenizer, out / f"step_{step}", files, writer=trainer.rank == 0)
+        optimizer.checkpoint_event_epilogue()
+    elif recipe.train.zero_stage == 3:
         # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
         # at a time and copies them to rank 0's host memory only: no rank holds the whole model on its device (a
         # gather of every parameter at once would add the full 16-bit model to each GPU).
@@ -859,8 +870,7 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
     else:
         state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
                  else None)
-    if trainer.rank == 0:
-        files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
+    if trainer.rank == 0 and plan is None:
         if hasattr(module, "peft_config") and recipe.dflash is None:
             # The adapter only, with a checked pointer to the base drafter: readers merge it, export writes it merged.
             save_adapter(module, state, trainer.tokenizer, recipe.drafter.path, out / f"step_{step}", files)

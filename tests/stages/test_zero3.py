@@ -316,7 +316,9 @@ def test_the_held_out_metric_reads_a_fixed_sample_of_capped_size():
 # holds, then (the engine built) check the masks as align train does and compare every gathered weight with the file.
 PARTITIONED_LOAD = """
 import json, sys
+from pathlib import Path
 import deepspeed, torch
+from align.checkpoint import save_streamed, streamed_save_plan
 from safetensors.torch import load_file
 from align.drafters.loading import check_masks_are_read, load_drafter
 from align.models import is_partitioned, load_tokenizer, partitioned_loading
@@ -347,6 +349,15 @@ model.eval()
 with torch.no_grad():  # the engine's hooks gather each layer for the forward; computed buffers (rotary) as built
     logits = model(input_ids=torch.arange(3, 11)[None]).logits[0].tolist()
 held.update(masks_ignored=masks_ignored(model), equal=equal, parameters=len(list(model.parameters())), logits=logits)
+# align train's save of a partitioned drafter, in shards of a quarter of the weights: each rank gathers, rank 0 writes.
+weight_bytes = sum(p.ds_numel * p.element_size() for p in model.parameters())
+plan = streamed_save_plan(model, weight_bytes // 4)
+engine.optimizer.checkpoint_event_prologue()
+held["held_bytes"] = save_streamed(model, plan, load_tokenizer(folder, recipe.drafter.trust_remote_code),
+                                   Path(f"{report}.saved"), {}, writer=rank == 0)
+engine.optimizer.checkpoint_event_epilogue()
+held.update(weight_bytes=weight_bytes, shards=len(plan.filename_to_tensors),
+            largest_bytes=max(p.ds_numel * p.element_size() for p in model.parameters()))
 with open(f"{report}.{rank}", "w") as f:
     json.dump(held, f)
 torch.distributed.barrier()
@@ -390,3 +401,10 @@ def test_zero3_loads_each_ranks_partition_only_and_the_gathered_weights_are_the_
         assert report["masks_ignored"] == masks_ignored(model) == (family == "llada")
         with torch.no_grad():
             assert torch.equal(torch.tensor(report["logits"]), model(input_ids=torch.arange(3, 11)[None]).logits[0])
+    # The streamed save: rank 0 held about a shard, never the drafter, and the folder loads as the whole model.
+    assert reports[0]["shards"] >= 3 and reports[1]["held_bytes"] == 0
+    assert reports[0]["held_bytes"] <= reports[0]["weight_bytes"] // 4 + reports[0]["largest_bytes"]
+    saved, _ = load_whole(whole.model_copy(update={"path": str(tmp_path / "report.saved")}),
+                          load_tokenizer(str(tmp_path / "report.saved"), remote))
+    for (name, tensor), (saved_name, saved_tensor) in zip(model.state_dict().items(), saved.state_dict().items()):
+        assert name == saved_name and torch.equal(tensor, saved_tensor), name
