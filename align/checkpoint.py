@@ -126,6 +126,9 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
 
     owner = plan.tensor_to_filename
     missing = {name: set(keys) for name, keys in plan.filename_to_tensors.items()}
+    # Every floating weight in the run's dtype, as save_merged writes it: ZeRO-3 casts the parameters only, and a
+    # persistent buffer (Gemma 4's per-layer `layer_scalar`) would stay in the dtype it was loaded in.
+    dtype = model.dtype
     pending: dict[str, Any] = {}
     held = most_held = 0
     with atomic_folder(final, kind) if writer else contextlib.nullcontext() as tmp:
@@ -140,7 +143,8 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
                     key = f"{prefix}.{name}" if prefix else name
                     if key not in owner or key in pending:
                         continue
-                    pending[key] = tensor.detach().to("cpu", copy=True).contiguous()
+                    pending[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype,
+                                                      copy=True).contiguous()
                     held += pending[key].nbytes
                     most_held = max(most_held, held)
                     shard = owner[key]
