@@ -21,7 +21,7 @@ from align.config import ModelSection, RecipeError
 from align.disk import verify_checksums
 # Remote code written for transformers 4 (Dream, DiffuCoder, LLaDA) goes through named compatibility shims as it loads.
 from align.remote_code import install as install_remote_code_shims
-from align.remote_code import restore_computed_buffers
+from align.remote_code import restore_computed_buffers, restores_on_load
 
 install_remote_code_shims()
 
@@ -99,7 +99,7 @@ def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     if checked:
         model, loading = model
         check_loaded(section.path, loading)
-    if section.trust_remote_code:
+    if section.trust_remote_code and not restores_on_load(type(model)):  # (an export's loader did it already)
         restore_computed_buffers(model)
     check_finite(section.path, model)
     model.to(device).eval()

@@ -314,10 +314,16 @@ def restore_computed_buffers(model: Any) -> None:
             model.get_submodule(module_name).register_buffer(leaf, value.to(old.device, old.dtype), persistent=False)
 
 
+def restores_on_load(cls: type) -> bool:
+    """Whether `cls.from_pretrained` already ends with `restore_computed_buffers` (an exported folder's loader wrapped
+    it: restoring_computed_buffers)."""
+    return getattr(getattr(cls.__dict__.get("from_pretrained"), "__func__", None), "__align_restores__", False)
+
+
 def restoring_computed_buffers(cls: type) -> type:
     """`cls` (a remote PreTrainedModel class), whose `from_pretrained` now ends with `restore_computed_buffers`: what
     align's loader does after loading, for a folder read with transformers alone (`write_loader`)."""
-    if getattr(getattr(cls.__dict__.get("from_pretrained"), "__func__", None), "__align_restores__", False):
+    if restores_on_load(cls):
         return cls
     loading = cls.__dict__.get("from_pretrained")  # Dream's own override, else the one it inherits
 
