@@ -577,7 +577,8 @@ def resume(trainer: Trainer, out: Path) -> int:
     start = 0
     if tag is not None:
         try:
-            loaded, client = trainer.engine.load_checkpoint(str(state_dir), tag=tag)
+            loaded, client = trainer.engine.load_checkpoint(str(state_dir), tag=tag,
+                                                            load_module_strict=not is_lora(trainer.engine.module))
         except Exception as e:  # torch's zip reader, DeepSpeed's asserts: neither names the file
             raise RecipeError(f"train.out: {state_dir / tag} cannot be loaded ({first_line(e)}); if its files are "
                               f"damaged, write an earlier complete tag into {state_dir / 'latest'} to resume from "
@@ -845,12 +846,17 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
 # --------------------------------------------------------------------------------------------------------------------
 # saving and the final check
 # --------------------------------------------------------------------------------------------------------------------
+def is_lora(module: Any) -> bool:
+    """Whether the drafter trains LoRA adapters (a peft model), its base frozen."""
+    return hasattr(module, "peft_config")
+
+
 def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
     """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
     atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
     module = trainer.engine.module
     files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
-    plan = (streamed_save_plan(module) if recipe.train.zero_stage == 3 and not hasattr(module, "peft_config")
+    plan = (streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module)
             else None)
     if plan is not None:
         # Each shard written as its modules are gathered: rank 0 never holds the whole drafter. Around it, what
@@ -867,7 +873,7 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
         state = trainer.engine._zero3_consolidated_16bit_state_dict()
         if state is not None and trainer.device.type == "cpu":
             state = {k: v.clone() for k, v in state.items()}  # on a CPU `.cpu()` copies nothing: own the weights
-    elif hasattr(module, "peft_config") and recipe.dflash is None:
+    elif is_lora(module) and recipe.dflash is None:
         # save_adapter copies the adapter's tensors alone to the CPU: no host copy of the frozen base (15 GB for a
         # 7B drafter) for the ~160 MB it writes.
         state = module.state_dict() if trainer.rank == 0 else None
@@ -876,15 +882,17 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
         state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
                  else None)
     if trainer.rank == 0 and plan is None:
-        if hasattr(module, "peft_config") and recipe.dflash is None:
+        if is_lora(module) and recipe.dflash is None:
             # The adapter only, with a checked pointer to the base drafter: readers merge it, export writes it merged.
             save_adapter(module, state, trainer.tokenizer, recipe.drafter.path, out / f"step_{step}", files)
         else:
             save_merged(merged_model(module, state), trainer.tokenizer, out / f"step_{step}", files)
     # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
     with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
+        # A LoRA run's state leaves out the frozen base (15 GB a save for a 7B drafter): a resume loads the base from
+        # drafter.path, whose identity the step folder records and checks.
         trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},
-                                       save_latest=False)
+                                       save_latest=False, exclude_frozen_parameters=is_lora(module))
     if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
         commit_state(out / "ds_state", f"step_{step}")
         if recipe.train.keep_last is not None:

@@ -138,6 +138,18 @@ def test_a_changed_base_drafter_is_refused_in_one_line(lora_run, tmp_path, capsy
     assert not (tmp_path / "export").exists()
 
 
+def test_a_lora_runs_deepspeed_state_leaves_out_the_frozen_base(lora_run):
+    """The state a resume reads holds the adapter's weights and no frozen base weight (a 7B base is 15 GB a save);
+    the resume below loads the base from drafter.path, which check_resumed_weights holds to the run's."""
+    _, _, out = lora_run
+    module = torch.load(out / "ds_state" / "step_2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    adapter = load_file(str(out / "step_2" / "adapter_model.safetensors"))
+    # (DeepSpeed's filter walks named_parameters, which names a tied weight once: the tiny drafter's output
+    # embedding, the input embedding's alias, stays)
+    assert {key for key in module if ".lora_" not in key} <= {"base_model.model.lm_head.weight"}
+    assert len([key for key in module if ".lora_" in key]) == len(adapter)
+
+
 def test_a_lora_run_resumes_from_its_adapter_checkpoint(lora_run):
     """Run last: it adds step_3 to the fixture's run (DeepSpeed state resumed, the new save an adapter again)."""
     _, base, out = lora_run
