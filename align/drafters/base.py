@@ -10,7 +10,7 @@ drafter (`MaskedDrafter`: Dream, LLaDA, the tiny drafters; bidirectional or bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 from transformers import PreTrainedModel
@@ -65,6 +65,16 @@ class Windows(Protocol):
 
     @property
     def num_windows(self) -> int: ...
+
+
+def with_padding_forwards(logits: torch.Tensor, count: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`logits` with `count` more forwards' logits (`forward()`, on a one-token input) added times zero. Under ZeRO-3
+    every forward of a module, and its backward, gathers the module's parameters from every rank: a rank with less
+    work in a step must still make as many forwards as the others, and these stay in the graph so that their
+    backwards run too."""
+    for _ in range(count):
+        logits = logits + 0.0 * forward().sum().to(logits.dtype)
+    return logits
 
 
 class Drafter(Protocol):

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from align.drafters.base import HiddenTap, VerifiedRows, Windows
+from align.drafters.base import HiddenTap, VerifiedRows, Windows, with_padding_forwards
 from align.drafters.masked import DrafterContext
 from align.drafters.noise import model_input
 from align.drafters.spec import REFUSED_METHODS, DrafterSpec
@@ -89,9 +89,8 @@ def canvas_window_logits(model: Any, spec: DrafterSpec, batch: Windows, forwards
     loss.
 
     forwards: make at least this many window forwards (encoder and decoder each), the ones beyond the batch's used
-    windows on a one-token context, their logits added to the result times zero. Under ZeRO-3 every forward of a
-    module, and its backward, gathers the module's parameters from every rank: ranks whose rows have fewer windows
-    must still make as many forwards, and the padding ones stay in the graph so that their backwards run too.
+    windows on a fresh one-token context (with_padding_forwards: ranks whose rows have fewer windows make as many
+    collectives under ZeRO-3).
     """
     B, W, gamma = batch.targets.shape
     canvas = torch.full((1, gamma), spec.mask_token_id, dtype=torch.long, device=batch.clean_ids.device)
@@ -105,11 +104,8 @@ def canvas_window_logits(model: Any, spec: DrafterSpec, batch: Windows, forwards
             logits[w] = canvas_logits(model, spec, context, canvas, state)[0]  # (γ, V)
         zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
         rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
-    out = torch.stack(rows)
-    for _ in range(forwards - batch.num_windows):
-        padding = canvas_logits(model, spec, batch.clean_ids[:1, :1], canvas)  # a fresh one-token context
-        out = out + 0.0 * padding.sum().to(out.dtype)
-    return out
+    return with_padding_forwards(torch.stack(rows), forwards - batch.num_windows,
+                                 lambda: canvas_logits(model, spec, batch.clean_ids[:1, :1], canvas))
 
 
 class CanvasDecoder:

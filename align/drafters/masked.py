@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from align.drafters.base import HiddenTap, VerifiedRows, Windows
+from align.drafters.base import HiddenTap, VerifiedRows, Windows, with_padding_forwards
 from align.drafters.noise import model_input
 from align.drafters.spec import REFUSED_METHODS, DrafterSpec
 from align.masks import attention_masks, block_causal_allowed, full_mask_kwargs
@@ -257,9 +257,8 @@ def _unpadded_rows_logits(model: Any, input_ids: torch.Tensor, mask: torch.Tenso
     its real tokens, needs no mask; the padding positions get zero logits (no window reads them).
 
     input_ids: (B, T); mask: (B, 1, T, T) additive, which must hide exactly each row's right padding from its tokens.
-    forwards: make at least this many forwards, the ones beyond B on the first row's first token, added times zero:
-    under ZeRO-3 each forward and its backward gather the parameters from every rank, so a rank with fewer rows must
-    still make as many (the padding ones stay in the graph so that their backwards run too).
+    forwards: make at least this many forwards, the ones beyond B on the first row's first token
+    (with_padding_forwards: a rank with fewer rows makes as many collectives under ZeRO-3).
     """
     B, T = input_ids.shape
     lengths = (mask[:, 0, 0] == 0).sum(-1)  # the keys a row's first token attends to: its real tokens
@@ -270,9 +269,7 @@ def _unpadded_rows_logits(model: Any, input_ids: torch.Tensor, mask: torch.Tenso
                              "right padding")
     rows = [model(input_ids=input_ids[b : b + 1, : int(n)]).logits[0] for b, n in enumerate(lengths)]
     out = torch.stack([torch.nn.functional.pad(row, (0, 0, 0, T - row.shape[0])) for row in rows])
-    for _ in range(forwards - B):
-        out = out + 0.0 * model(input_ids=input_ids[:1, :1]).logits.sum().to(out.dtype)
-    return out
+    return with_padding_forwards(out, forwards - B, lambda: model(input_ids=input_ids[:1, :1]).logits)
 
 
 # --------------------------------------------------------------------------------------------------------------------
