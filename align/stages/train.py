@@ -856,8 +856,7 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
     atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
     module = trainer.engine.module
     files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
-    plan = (streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module)
-            else None)
+    plan = streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module) else None
     if plan is not None:
         # Each shard written as its modules are gathered: rank 0 never holds the whole drafter. Around it, what
         # DeepSpeed's own consolidation does: every parameter partitioned first (the small ones it keeps whole
@@ -890,7 +889,7 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
     # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
     with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
         # A LoRA run's state leaves out the frozen base (15 GB a save for a 7B drafter): a resume loads the base from
-        # drafter.path, whose identity the step folder records and checks.
+        # drafter.path, whose weights check_resumed_weights holds to the ones the run started from.
         trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},
                                        save_latest=False, exclude_frozen_parameters=is_lora(module))
     if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
