@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from align.checkpoint import STREAM_SHARD_BYTES, merged_model, save_merged, save_streamed, streamed_save_plan
 from align.recipe_files import load_recipe
-from align.stages.train import collective_timeout, deepspeed_config, init_distributed
+from align.stages.train import collective_timeout, deepspeed_config, gathering_for_a_save, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 # (hidden size, layers): about 45M, 120M and 330M parameters.
@@ -49,9 +49,8 @@ def _one_save(model, engine, tokenizer, folder: Path, streamed: bool, rank: int)
     start = time.perf_counter()
     if streamed:
         plan = streamed_save_plan(model, sum(p.ds_numel * p.element_size() for p in model.parameters()) // 8)
-        engine.optimizer.checkpoint_event_prologue()
-        save_streamed(model, plan, tokenizer, folder, {}, writer=rank == 0)
-        engine.optimizer.checkpoint_event_epilogue()
+        with gathering_for_a_save(engine):
+            save_streamed(model, plan, tokenizer, folder, {}, writer=rank == 0)
     else:
         state = engine._zero3_consolidated_16bit_state_dict()
         if rank == 0:

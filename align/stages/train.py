@@ -18,6 +18,7 @@ differ), a finished run says so and does nothing, and the run folder is locked w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -851,6 +852,15 @@ def is_lora(module: Any) -> bool:
     return hasattr(module, "peft_config")
 
 
+@contextlib.contextmanager
+def gathering_for_a_save(engine: Any) -> Iterator[None]:
+    """Around a save's gathers of ZeRO-3 parameters, what DeepSpeed's own consolidation does: every parameter
+    partitioned first (ZeRO-3 keeps the small ones whole), and those whole again after."""
+    engine.optimizer.checkpoint_event_prologue()
+    yield
+    engine.optimizer.checkpoint_event_epilogue()
+
+
 def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
     """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
     atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
@@ -858,13 +868,22 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
     files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
     plan = streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module) else None
     if plan is not None:
-        # Each shard written as its modules are gathered: rank 0 never holds the whole drafter. Around it, what
-        # DeepSpeed's own consolidation does: every parameter partitioned first (the small ones it keeps whole
-        # too), and those whole again after.
-        optimizer = trainer.engine.optimizer
-        optimizer.checkpoint_event_prologue()
-        save_streamed(module, plan, trainer.tokenizer, out / f"step_{step}", files, writer=trainer.rank == 0)
-        optimizer.checkpoint_event_epilogue()
+        # Each shard written as its modules are gathered: rank 0 never holds the whole drafter.
+        with gathering_for_a_save(trainer.engine):
+            save_streamed(module, plan, trainer.tokenizer, out / f"step_{step}", files, writer=trainer.rank == 0)
+    elif recipe.train.zero_stage == 3 and is_lora(module) and recipe.dflash is None:
+        # The adapter alone, a parameter at a time, copied to rank 0's host: DeepSpeed's consolidation would gather
+        # the frozen base as well (the whole model on rank 0) for a ~160 MB adapter.
+        import deepspeed
+
+        state = {}
+        with gathering_for_a_save(trainer.engine):
+            for name, param in module.named_parameters():
+                if param.requires_grad:
+                    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                        if trainer.rank == 0:
+                            state[name] = param.detach().to("cpu", copy=True)
+        state = state if trainer.rank == 0 else None
     elif recipe.train.zero_stage == 3:
         # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
         # at a time and copies them to rank 0's host memory only: no rank holds the whole model on its device (a

@@ -324,7 +324,7 @@ from align.drafters.loading import check_masks_are_read, load_drafter
 from align.models import is_partitioned, load_tokenizer, partitioned_loading
 from align.recipe_files import load_recipe
 from align.remote_code import masks_ignored
-from align.stages.train import collective_timeout, deepspeed_config, init_distributed
+from align.stages.train import collective_timeout, deepspeed_config, gathering_for_a_save, init_distributed
 
 folder, remote, report = sys.argv[-3:]  # (the launcher puts --local_rank=N first)
 recipe = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={folder}", f"drafter.trust_remote_code={remote}",
@@ -352,10 +352,9 @@ held.update(masks_ignored=masks_ignored(model), equal=equal, parameters=len(list
 # align train's save of a partitioned drafter, in shards of a quarter of the weights: each rank gathers, rank 0 writes.
 weight_bytes = sum(p.ds_numel * p.element_size() for p in model.parameters())
 plan = streamed_save_plan(model, weight_bytes // 4)
-engine.optimizer.checkpoint_event_prologue()
-held["held_bytes"] = save_streamed(model, plan, load_tokenizer(folder, recipe.drafter.trust_remote_code),
-                                   Path(f"{report}.saved"), {}, writer=rank == 0)
-engine.optimizer.checkpoint_event_epilogue()
+with gathering_for_a_save(engine):
+    held["held_bytes"] = save_streamed(model, plan, load_tokenizer(folder, recipe.drafter.trust_remote_code),
+                                       Path(f"{report}.saved"), {}, writer=rank == 0)
 held.update(weight_bytes=weight_bytes, shards=len(plan.filename_to_tensors),
             largest_bytes=max(p.ds_numel * p.element_size() for p in model.parameters()))
 with open(f"{report}.{rank}", "w") as f:
