@@ -141,7 +141,7 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
                            if n not in module._non_persistent_buffers_set}
                 for name, tensor in {**params, **buffers}.items():
                     key = f"{prefix}.{name}" if prefix else name
-                    if key not in owner or key in pending:
+                    if key not in owner:  # a tied weight's second name, or a key save_pretrained ignores
                         continue
                     pending[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype,
                                                       copy=True).contiguous()
@@ -165,7 +165,7 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
                 indent=2, sort_keys=True) + "\n")
         # The rest of save_pretrained (transformers 5): the config with the weights' dtype and the class, the
         # generation config, remote code.
-        model.config.dtype = str(model.dtype).split(".")[1]
+        model.config.dtype = str(dtype).split(".")[1]
         model.config.architectures = [type(model).__name__]
         if model.is_remote_code():
             custom_object_save(model, tmp, config=model.config)

@@ -866,12 +866,15 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
     atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
     module = trainer.engine.module
     files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
+    # A LoRA run's step folder is its adapter, with a checked pointer to the base drafter (a DFlash drafter's LoRA is
+    # merged): readers merge it, export writes it merged.
+    adapter_only = is_lora(module) and recipe.dflash is None
     plan = streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module) else None
     if plan is not None:
         # Each shard written as its modules are gathered: rank 0 never holds the whole drafter.
         with gathering_for_a_save(trainer.engine):
             save_streamed(module, plan, trainer.tokenizer, out / f"step_{step}", files, writer=trainer.rank == 0)
-    elif recipe.train.zero_stage == 3 and is_lora(module) and recipe.dflash is None:
+    elif recipe.train.zero_stage == 3 and adapter_only:
         # The adapter alone, a parameter at a time, copied to rank 0's host: DeepSpeed's consolidation would gather
         # the frozen base as well (the whole model on rank 0) for a ~160 MB adapter.
         import deepspeed
@@ -891,7 +894,7 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
         state = trainer.engine._zero3_consolidated_16bit_state_dict()
         if state is not None and trainer.device.type == "cpu":
             state = {k: v.clone() for k, v in state.items()}  # on a CPU `.cpu()` copies nothing: own the weights
-    elif is_lora(module) and recipe.dflash is None:
+    elif adapter_only:
         # save_adapter copies the adapter's tensors alone to the CPU: no host copy of the frozen base (15 GB for a
         # 7B drafter) for the ~160 MB it writes.
         state = module.state_dict() if trainer.rank == 0 else None
@@ -900,8 +903,7 @@ def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta
         state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
                  else None)
     if trainer.rank == 0 and plan is None:
-        if is_lora(module) and recipe.dflash is None:
-            # The adapter only, with a checked pointer to the base drafter: readers merge it, export writes it merged.
+        if adapter_only:
             save_adapter(module, state, trainer.tokenizer, recipe.drafter.path, out / f"step_{step}", files)
         else:
             save_merged(merged_model(module, state), trainer.tokenizer, out / f"step_{step}", files)
