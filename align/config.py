@@ -194,8 +194,8 @@ class TrainSection(Section):
     activation_checkpointing: bool = False
     #: a DFlash run: keep each trajectory's verifier hidden states in a file under train.out after its first step
     #: (removed when the run ends), so that later epochs read them instead of running the verifier (speculators'
-    #: offline mode, filled as the run goes); only with losses that read no verifier distributions, offline data,
-    #: and every rank on one machine
+    #: offline mode, filled as the run goes), with its final states too where a KD loss reads its logits; only with
+    #: offline data and every rank on one machine
     cache_verifier_states: bool = False
     gradient_accumulation_steps: int = Field(default=1, ge=1)
     #: gradient-norm clip; 0: off

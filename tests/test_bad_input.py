@@ -345,9 +345,8 @@ NEW_USER_CASES = [
     # An empty mapping once passed and the first step crashed on every rank with a traceback.
     ("train", "recipes/tiny/align.yaml", ["train.losses={{}}"], "train.losses: "),
     ("train", "recipes/tiny/align.yaml", ["train.losses={{ce_streak: 0}}"], "train.losses.ce_streak: "),
-    # The verifier-states cache keeps hidden states only: a step that reads the verifier's outputs cannot use it.
-    ("train", "recipes/tiny/dflash.yaml", ["train.cache_verifier_states=true", "train.losses={{fkl: 1.0}}"],
-     "train.cache_verifier_states: with the losses ['fkl']"),
+    # The verifier-states cache holds the verifier's states at the true prefix: a step that runs it on new inputs
+    # cannot use it.
     ("train", "recipes/tiny/dflash.yaml", ["train.cache_verifier_states=true", "train.data_mode=on_policy"],
      "train.cache_verifier_states: with train.data_mode=on_policy"),
     ("train", "recipes/tiny/dflash.yaml", ["dflash.draft_vocab_size=100000"], "dflash.draft_vocab_size: 100000 is more"),
@@ -731,6 +730,21 @@ def test_training_windows_past_the_drafters_context_are_refused(toy, tmp_path):
                                           r"the context of .*drafter \(16 tokens, drafter.path\)"):
         check_data(recipe)
     check_data(load_recipe("recipes/tiny/align.yaml", toy_args(toy, tmp_path)))  # the toy drafter's own context
+
+
+def test_offline_kd_losses_need_stored_top_k_unless_a_dflash_step_runs_the_verifier(toy, tmp_path, monkeypatch):
+    """Offline, a KD loss reads the verifier's distributions from the trajectories' stored top-k; a DFlash step runs
+    the verifier (or reads its cached final states) anyway, so it needs none."""
+    import align.stages.train as train_stage
+    from align.recipe_files import load_recipe
+
+    args = [*toy_args(toy, tmp_path), "train.losses={ce_streak: 1.0, fkl: 1.0}"]
+    rows = train_stage.load_checked_trajectories(load_recipe("recipes/tiny/align.yaml", args))
+    monkeypatch.setattr(train_stage, "load_checked_trajectories",
+                        lambda recipe: rows.remove_columns(["topk_ids", "topk_logprobs"]))
+    with pytest.raises(RecipeError, match=r"^train.losses: KD losses need verifier distributions"):
+        train_stage.check_data(load_recipe("recipes/tiny/align.yaml", args))
+    train_stage.check_data(load_recipe("recipes/tiny/dflash.yaml", [*args, "train.cache_verifier_states=true"]))
 
 
 @pytest.mark.parametrize("override, expected", [

@@ -387,9 +387,31 @@ def dflash_block_logits(drafter: DFlashDrafter, verifier: Any, anchor_ids: torch
 
 
 @torch.no_grad()
-def verifier_states(verifier: Any, clean_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """(B, L) token ids -> (B, L, n_aux·H): the verifier's hidden states a DFlash drafter reads, from its decoder."""
-    return aux_hidden(verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True).hidden_states, layer_ids)
+def verifier_states(verifier: Any, clean_ids: torch.Tensor, layer_ids: list[int], with_last: bool = False
+                    ) -> torch.Tensor:
+    """(B, L) token ids -> (B, L, n_aux·H): the verifier's hidden states a DFlash drafter reads, from its decoder.
+    with_last: also its final (normed) state, (B, L, (n_aux + 1)·H), from which KD losses' verifier logits come."""
+    out = verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True)
+    aux = aux_hidden(out.hidden_states, layer_ids)
+    return torch.cat([aux, out.last_hidden_state.to(aux.dtype)], dim=-1) if with_last else aux
+
+
+@torch.no_grad()
+def window_verifier_logits(drafter: DFlashDrafter, verifier: Any, last: torch.Tensor, starts: torch.Tensor,
+                           gamma: int) -> torch.Tensor:
+    """The verifier's logits at every window position, (B, W, γ, V) over the drafter's vocabulary, from its final
+    states last (B, L, H). The LM head runs on the window positions only (over all L it costs as much as the rest)."""
+    B, L, _ = last.shape
+    W = starts.shape[1]
+    index = (starts[..., None] - 1 + torch.arange(gamma, device=starts.device)).clamp(0, L - 1)  # (B, W, γ)
+    at_windows = last.gather(1, index.view(B, -1, 1).expand(-1, -1, last.shape[-1])).to(verifier.dtype)
+    head = verifier.get_output_embeddings()
+    vocab = DraftVocab.of(drafter)
+    if vocab is None:
+        return head(at_windows).view(B, W, gamma, -1)
+    # the head's rows for the draft vocabulary alone: a sixth of the work on SmolLM2
+    bias = None if head.bias is None else head.bias[vocab.target_ids]
+    return F.linear(at_windows, head.weight[vocab.target_ids], bias).view(B, W, gamma, -1)
 
 
 def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch.Tensor, starts: torch.Tensor,
@@ -401,28 +423,21 @@ def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch
     its context the positions before s−1, exactly what the runtime gives it). Returns the drafter's logits and the
     verifier's (for KD losses, from the same forward), both (B, W, γ, V) over the drafter's vocabulary: a pruned
     drafter's draft ids (`DraftVocab` maps targets to them), where the verifier's logits are its logits for those
-    tokens alone. aux: the rows' verifier states (B, L, n_aux·H) when the trainer has them already (its cache); the
-    verifier does not run then, and its logits are None.
+    tokens alone. aux: the rows' verifier states when the trainer has them already (its cache), (B, L, n_aux·H), or
+    (B, L, (n_aux + 1)·H) with the final states (`verifier_states(with_last=True)`); the verifier does not run then,
+    and its logits come from the final states, or are None without them.
     """
     B, L = clean_ids.shape
     W = starts.shape[1]
+    aux_width = len(drafter.config.aux_hidden_state_layer_ids) * drafter.config.target_hidden_size
     verifier_logits = None
     if aux is None:
         with torch.no_grad():
-            # The decoder alone: the LM head runs on the window positions only (over all L it costs as much as the
-            # rest).
-            out = verifier.get_decoder()(input_ids=clean_ids, output_hidden_states=True)
-            aux = aux_hidden(out.hidden_states, drafter.config.aux_hidden_state_layer_ids)
-            index = (starts[..., None] - 1 + torch.arange(gamma, device=starts.device)).clamp(0, L - 1)  # (B, W, γ)
-            last = out.last_hidden_state
-            at_windows = last.gather(1, index.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
-            head = verifier.get_output_embeddings()
-            vocab = DraftVocab.of(drafter)
-            if vocab is None:
-                verifier_logits = head(at_windows).view(B, W, gamma, -1)
-            else:  # the head's rows for the draft vocabulary alone: a sixth of the work on SmolLM2
-                bias = None if head.bias is None else head.bias[vocab.target_ids]
-                verifier_logits = F.linear(at_windows, head.weight[vocab.target_ids], bias).view(B, W, gamma, -1)
+            aux = verifier_states(verifier, clean_ids, drafter.config.aux_hidden_state_layer_ids, with_last=True)
+    if aux.shape[-1] > aux_width:
+        with torch.no_grad():
+            verifier_logits = window_verifier_logits(drafter, verifier, aux[..., aux_width:], starts, gamma)
+        aux = aux[..., :aux_width]
     ctx_positions = torch.arange(L, device=clean_ids.device).expand(B, -1)
     context_kv = drafter.context_kv(drafter.project_context(aux), ctx_positions)
     anchors = (starts - 1).clamp_min(0)  # (B, W)

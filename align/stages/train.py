@@ -112,7 +112,8 @@ def check_data(recipe: Recipe) -> TrainData:
     needs_verifier = any(needs_verifier_distributions(name) for name in t.losses)
     online = t.labels_online()
     rows = load_checked_trajectories(recipe)
-    if needs_verifier and not online and "topk_ids" not in rows.column_names:
+    # A DFlash step has the verifier's exact distributions: it runs the verifier (or reads its cached states) anyway.
+    if needs_verifier and not online and recipe.dflash is None and "topk_ids" not in rows.column_names:
         raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "
                           "trajectories.store_topk > 0 when making the trajectories")
     longest = max(len(c) for c in rows["completion_ids"])
@@ -236,12 +237,11 @@ def check_train(recipe: Recipe) -> None:
         if recipe.train.activation_checkpointing:  # said before any folder is written, not once the models are built
             raise RecipeError("train.activation_checkpointing: the DFlash drafter does not support gradient "
                               "checkpointing (two layers: little to save); set train.activation_checkpointing=false")
-    if recipe.train.cache_verifier_states:
-        reads = [name for name in recipe.train.losses if needs_verifier_distributions(name)]
-        if reads or recipe.train.data_mode != "offline":
-            why = f"the losses {reads}" if reads else f"train.data_mode={recipe.train.data_mode}"
-            raise RecipeError(f"train.cache_verifier_states: with {why}, every step reads the verifier's outputs, "
-                              "which the cache does not keep (only its hidden states): set it to false")
+    if recipe.train.cache_verifier_states and recipe.train.data_mode != "offline":
+        # KD losses offline read the verifier's logits at the true prefix, which the cache's final states give; a
+        # verifier run along drafts or on new data is a new forward every step.
+        raise RecipeError(f"train.cache_verifier_states: with train.data_mode={recipe.train.data_mode}, every step "
+                          "runs the verifier on new inputs, which no cache holds: set it to false")
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
 
 
@@ -548,6 +548,11 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
                    engine.device, mask_token, states)
 
 
+def cache_final_states(recipe: Recipe) -> bool:
+    """Whether the states cache also keeps the verifier's final states: a KD loss reads its logits from them."""
+    return any(needs_verifier_distributions(name) for name in recipe.train.losses)
+
+
 def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Optional[torch.nn.Module], rank: int,
                       world: int) -> StatesCache:
     """train.cache_verifier_states: the cache files made by rank 0 under train.out, mapped by every rank. verifier:
@@ -561,7 +566,8 @@ def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Opt
                           "span several machines: set it to false")
     cap = recipe.train.max_sequence_length or math.inf  # the builders cut each row there: so are its states
     lengths = [min(len(p) + len(c), cap) for p, c in zip(data.rows["prompt_ids"], data.rows["completion_ids"])]
-    width = len(model.config.aux_hidden_state_layer_ids) * model.config.target_hidden_size
+    # KD losses' verifier logits come from its final states, kept beside the ones the drafter reads.
+    width = (len(model.config.aux_hidden_state_layer_ids) + cache_final_states(recipe)) * model.config.target_hidden_size
     cache = StatesCache(Path(recipe.train.out), lengths, width, verifier.dtype)
     if rank == 0:
         cache.create()
@@ -771,9 +777,11 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     totals: dict[str, float] = {}
     if trainer.states is not None:  # the rows' verifier states: read where a step computed them already
         layer_ids = trainer.engine.module.config.aux_hidden_state_layer_ids
+        with_last = cache_final_states(recipe)
         for ids, batch in zip(micro_ids, batches):
-            batch.verifier_states = batch_states(trainer.states, ids, batch.clean_ids,
-                                                 lambda clean: verifier_states(trainer.verifier, clean, layer_ids))
+            batch.verifier_states = batch_states(
+                trainer.states, ids, batch.clean_ids,
+                lambda clean: verifier_states(trainer.verifier, clean, layer_ids, with_last=with_last))
     for rows, batch in zip(micro_rows, batches):
         # max(1, ·): a step may draw no window at all (train.max_sequence_length filled by its prompts); its losses
         # are then 0 rather than 0 / 0

@@ -88,6 +88,26 @@ def test_training_windows_see_what_the_runtime_shows_the_drafter(pruned):
         torch.testing.assert_close(windows[:, w], expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("pruned", [False, True])
+def test_cached_states_give_the_windows_and_verifier_logits_of_the_verifier_s_forward(pruned):
+    """train.cache_verifier_states: the drafter's windows from cached states are those of a step that runs the
+    verifier; with the final states cached too, so are the verifier logits KD losses read; without them, none."""
+    from align.drafters.dflash import dflash_window_logits, verifier_states
+
+    verifier = tiny_verifier()
+    drafter = pruned_dflash(verifier) if pruned else tiny_dflash(verifier)
+    ids = torch.randint(0, MASK, (2, 14), generator=torch.Generator().manual_seed(0))
+    starts = torch.tensor([[3, 8, 10], [2, 5, 11]])
+    layer_ids = drafter.config.aux_hidden_state_layer_ids
+    windows, verifier_logits = dflash_window_logits(drafter, verifier, ids, starts, 4)
+    cached = dflash_window_logits(drafter, verifier, ids, starts, 4, verifier_states(verifier, ids, layer_ids, True))
+    torch.testing.assert_close(cached[0], windows)
+    torch.testing.assert_close(cached[1], verifier_logits)
+    aux_only = dflash_window_logits(drafter, verifier, ids, starts, 4, verifier_states(verifier, ids, layer_ids))
+    torch.testing.assert_close(aux_only[0], windows)
+    assert aux_only[1] is None
+
+
 def training_step_loss(drafter: DFlashDrafter, verifier: LlamaForCausalLM, loss: str, data_mode: str,
                        rows: list[dict]) -> torch.Tensor:
     """The training loop's losses on `rows` (γ 3, 2 windows a row), summed and back-propagated."""

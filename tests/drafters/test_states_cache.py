@@ -43,7 +43,8 @@ def test_rows_are_computed_once_and_read_back_exactly(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_train_the_same_with_cached_states_and_remove_them(toy_trajectories, tmp_path):
     """24 steps of 4 rows over 2 ranks pass two epochs of the toy trajectories: the later steps read states another
-    rank computed, and the losses equal those of a run that recomputes them (fp32: to rounding)."""
+    rank computed, and the losses equal those of a run that recomputes them (fp32: to rounding), a KD loss's too
+    (its verifier logits from the cached final states)."""
     from align.launch import free_port
     from conftest import TOY_TRAJECTORIES, checkout_env
 
@@ -54,7 +55,7 @@ def test_two_ranks_train_the_same_with_cached_states_and_remove_them(toy_traject
         args = [f"verifier.path={root / 'ck' / 'verifier'}", f"trajectories.out={traj}", *TOY_TRAJECTORIES,
                 f"data.dir={root / 'data'}", f"train.out={out}", "train.gamma=4", "train.windows_per_sequence=4",
                 "train.max_steps=24", "train.micro_batch_size=2", "train.eval_every=100", "train.save_every=24",
-                "train.final_eval_prompts=0", "train.losses={ce_streak: 1.0}", "dflash.aux_layer_ids=[0]",
+                "train.final_eval_prompts=0", "train.losses={ce_streak: 1.0, fkl: 1.0}", "dflash.aux_layer_ids=[0]",
                 "dflash.intermediate_size=48", f"train.cache_verifier_states={str(cached).lower()}"]
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
                str(free_port()), "align/train.py", "recipes/tiny/dflash.yaml", *args]
