@@ -247,11 +247,14 @@ class TrainSection(Section):
                              "unset")
         return self
 
+    def reads_verifier_distributions(self) -> bool:
+        """Whether a loss of the recipe reads the verifier's distributions, not its tokens alone (LOSSES says which)."""
+        return any(LOSSES[name].reads == "verifier_logits" for name in self.losses)
+
     def labels_online(self) -> bool:
         """Whether the verifier runs inside the training step: on-policy, or online with a loss that reads its
-        distributions (LOSSES says which do)."""
-        return self.data_mode == "on_policy" or (
-            self.data_mode == "online" and any(LOSSES[name].reads == "verifier_logits" for name in self.losses))
+        distributions."""
+        return self.data_mode == "on_policy" or (self.data_mode == "online" and self.reads_verifier_distributions())
 
 
 class GkdSection(Section):

@@ -109,11 +109,10 @@ class Trainer:
 def check_data(recipe: Recipe) -> TrainData:
     """Load the trajectories and refuse, before any model is loaded, what cannot train as the recipe says."""
     t = recipe.train
-    needs_verifier = any(needs_verifier_distributions(name) for name in t.losses)
     online = t.labels_online()
     rows = load_checked_trajectories(recipe)
     # A DFlash step has the verifier's exact distributions: it runs the verifier (or reads its cached states) anyway.
-    if needs_verifier and not online and recipe.dflash is None and "topk_ids" not in rows.column_names:
+    if t.reads_verifier_distributions() and not online and recipe.dflash is None and "topk_ids" not in rows.column_names:
         raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "
                           "trajectories.store_topk > 0 when making the trajectories")
     longest = max(len(c) for c in rows["completion_ids"])
@@ -548,11 +547,6 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
                    engine.device, mask_token, states)
 
 
-def cache_final_states(recipe: Recipe) -> bool:
-    """Whether the states cache also keeps the verifier's final states: a KD loss reads its logits from them."""
-    return any(needs_verifier_distributions(name) for name in recipe.train.losses)
-
-
 def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Optional[torch.nn.Module], rank: int,
                       world: int) -> StatesCache:
     """train.cache_verifier_states: the cache files made by rank 0 under train.out, mapped by every rank. verifier:
@@ -567,7 +561,8 @@ def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Opt
     cap = recipe.train.max_sequence_length or math.inf  # the builders cut each row there: so are its states
     lengths = [min(len(p) + len(c), cap) for p, c in zip(data.rows["prompt_ids"], data.rows["completion_ids"])]
     # KD losses' verifier logits come from its final states, kept beside the ones the drafter reads.
-    width = (len(model.config.aux_hidden_state_layer_ids) + cache_final_states(recipe)) * model.config.target_hidden_size
+    with_last = recipe.train.reads_verifier_distributions()
+    width = (len(model.config.aux_hidden_state_layer_ids) + with_last) * model.config.target_hidden_size
     cache = StatesCache(Path(recipe.train.out), lengths, width, verifier.dtype)
     if rank == 0:
         cache.create()
@@ -777,7 +772,7 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     totals: dict[str, float] = {}
     if trainer.states is not None:  # the rows' verifier states: read where a step computed them already
         layer_ids = trainer.engine.module.config.aux_hidden_state_layer_ids
-        with_last = cache_final_states(recipe)
+        with_last = recipe.train.reads_verifier_distributions()  # the final states too: KD losses' logits
         for ids, batch in zip(micro_ids, batches):
             batch.verifier_states = batch_states(
                 trainer.states, ids, batch.clean_ids,
