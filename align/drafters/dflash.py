@@ -431,12 +431,10 @@ def dflash_window_logits(drafter: DFlashDrafter, verifier: Any, clean_ids: torch
     W = starts.shape[1]
     aux_width = len(drafter.config.aux_hidden_state_layer_ids) * drafter.config.target_hidden_size
     verifier_logits = None
-    if aux is None:
-        with torch.no_grad():
-            aux = verifier_states(verifier, clean_ids, drafter.config.aux_hidden_state_layer_ids, with_last=True)
+    if aux is None:  # both functions run without grad: the verifier is frozen
+        aux = verifier_states(verifier, clean_ids, drafter.config.aux_hidden_state_layer_ids, with_last=True)
     if aux.shape[-1] > aux_width:
-        with torch.no_grad():
-            verifier_logits = window_verifier_logits(drafter, verifier, aux[..., aux_width:], starts, gamma)
+        verifier_logits = window_verifier_logits(drafter, verifier, aux[..., aux_width:], starts, gamma)
         aux = aux[..., :aux_width]
     ctx_positions = torch.arange(L, device=clean_ids.device).expand(B, -1)
     context_kv = drafter.context_kv(drafter.project_context(aux), ctx_positions)
