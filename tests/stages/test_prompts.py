@@ -15,12 +15,10 @@ from align.cli import main
 from align.config import PromptsSection
 from align.models import load_tokenizer
 from align.stages.prompts import Filter
+from conftest import CHAT_TEMPLATE as TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "checkpoints" / "tiny" / "verifier"
-# Turns closed by the tiny tokenizer's end-of-text token, as ChatML closes them with <|im_end|>.
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 RECIPE = "recipes/smollm2/prompts.yaml"
 
 
@@ -28,18 +26,6 @@ def one_line_refusal(capsys) -> str:
     err = capsys.readouterr().err
     assert err.startswith("align prompts: error: ") and err.count("\n") == 1, err
     return err
-
-
-@pytest.fixture(scope="module")
-def chat_verifier(tmp_path_factory) -> Path:
-    """The tiny verifier (weights linked) with a chat template."""
-    dest = tmp_path_factory.mktemp("chat") / "verifier"
-    dest.mkdir()
-    for f in TINY.iterdir():
-        if f.name != "manifest.json":
-            (dest / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy2(f, dest / f.name)
-    (dest / "chat_template.jinja").write_text(TEMPLATE)
-    return dest
 
 
 # --------------------------------------------------------------------------------------------------------------------
