@@ -53,7 +53,12 @@ def resolve_dtype(name: str, device: torch.device, path: Optional[str] = None, t
     if name == "auto":
         if path is None:
             raise ValueError('dtype "auto" is the checkpoint\'s: resolve_dtype needs the model\'s path')
-        saved = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "dtype", None)
+        from align.drafters.dflash import speculators_dflash_config, speculators_type
+
+        # a speculators folder's config.json has no transformers model_type: AutoConfig cannot read it
+        config = (speculators_dflash_config(path) if speculators_type(path) == "dflash" else
+                  AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+        saved = getattr(config, "dtype", None)
         saved = DTYPES.get(saved, saved) if isinstance(saved, str) else saved
         return saved if saved in DTYPES.values() else torch.float32
     return DTYPES[name]

@@ -147,8 +147,8 @@ def load_model_config(key: str, section: ModelSection) -> Any:
     install()
 
     kind = align.drafters.dflash.speculators_type(section.path)  # a speculators folder: no model_type of its own
-    if kind == "dflash":
-        return align.drafters.dflash.speculators_dflash_config(section.path)
+    if kind == "dflash":  # not align's: its config and weights' headers checked against the format, one line
+        return align.drafters.dflash.check_speculators_folder(section.path, key)
     if kind is not None:
         raise RecipeError(f"{key}: {section.path} is a speculators {kind} drafter; align runs speculators DFlash "
                           "drafters only (speculators_model_type dflash)")
@@ -226,6 +226,10 @@ def check_models(recipe: Recipe, keys: Iterable[str]) -> None:
             verifier_config = config
         elif verifier_config is not None:
             check_vocab_compatible(verifier_config, config, key)
+            if getattr(config, "model_type", None) == "align_dflash":  # it reads the verifier's layers
+                from align.drafters.dflash import check_dflash_verifier
+
+                check_dflash_verifier(config, verifier_config, key, section.path)
 
 
 def check_output(key: str, value: str, writable: bool = True) -> None:
@@ -323,6 +327,15 @@ def drafter_kind(recipe: Recipe, key: str = "drafter.path") -> str:
     """The drafter's DrafterSpec kind (standalone or dflash), from its config alone (check_drafter)."""
     section = model_section(recipe, key)
     return check_drafter(key, section, load_model_config(key, section), recipe.verifier.path).kind
+
+
+def check_decodes_alone(recipe: Recipe, where: str) -> None:
+    """A DFlash drafter drafts from the verifier's hidden states and never decodes on its own: refused from its config
+    where the drafter decodes alone as a diffusion LM (`where`: align calibrate, eval.mode=dllm), before any weights
+    load, rather than at its first block."""
+    if drafter_kind(recipe) == "dflash":
+        raise RecipeError(f"drafter.path: {recipe.drafter.path} is a DFlash drafter, which drafts from the verifier's "
+                          f"hidden states and does not decode alone; {where} needs a standalone diffusion drafter")
 
 
 def check_new_tokens(recipe: Recipe, new_key: str, model_keys: Iterable[str]) -> None:

@@ -299,6 +299,13 @@ def served_drafter_kind(recipe: Any) -> str:
     vllm_python("serve_check")
     folder = Path(recipe.serve_check.drafter)
     kind = drafter_kind(folder)
+    if kind == "speculators":  # not align's: checked against the format and the verifier as every stage checks it
+        from align.drafters.dflash import check_dflash_verifier, check_speculators_folder
+        from align.preflight import load_model_config
+
+        checked = check_speculators_folder(str(folder), "serve_check.drafter")
+        check_dflash_verifier(checked, load_model_config("verifier.path", recipe.verifier), "serve_check.drafter",
+                              str(folder))
     config = json.loads((folder / "config.json").read_text())
     block_size = config.get("block_size", 0)
     if recipe.decode.gamma > block_size - 1:

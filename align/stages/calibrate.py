@@ -18,7 +18,7 @@ from align.draft_graph import POSITION_ORDERS, calibrate
 from align.drafters.loading import load_drafter
 from align.methods import eos_token_ids
 from align.models import load_tokenizer
-from align.preflight import check_new_tokens, fits_context, model_context
+from align.preflight import check_decodes_alone, check_new_tokens, fits_context, model_context
 
 
 def models(recipe: Recipe) -> tuple[str, ...]:
@@ -36,7 +36,8 @@ FEW_PROMPTS = 10
 
 def check(recipe: Recipe) -> None:
     """`align calibrate`'s checks beyond its models': the new tokens leave room for a prompt in the drafter's
-    context (each prompt is checked by the stage, before the drafter's weights load)."""
+    context (each prompt is checked by the stage, before the drafter's weights load), and it decodes alone."""
+    check_decodes_alone(recipe, "align calibrate")
     check_new_tokens(recipe, "decode.max_new_tokens", ("drafter.path",))
 
 

@@ -12,7 +12,7 @@ from align.decoding.options import METHOD_MODELS
 from align.draft_graph import DraftGraph, check_graph_drafter
 from align.drafters.spec import method_refusal
 from align.methods import check_suffix_corpus
-from align.preflight import check_new_tokens, check_tiny_default, drafter_kind
+from align.preflight import check_decodes_alone, check_new_tokens, check_tiny_default, drafter_kind
 from align.stages.evaluate import dllm, speculative
 
 
@@ -48,6 +48,7 @@ def check(recipe: Recipe) -> None:
         if refusals:
             raise RecipeError(f"eval.methods: {refusals[0]}")
     if e.mode == "dllm":
+        check_decodes_alone(recipe, "eval.mode=dllm")
         if c.graph is None:
             raise RecipeError("calibrate.graph: eval.mode=dllm needs a draft_graph.json (make one with align "
                               "calibrate)")
