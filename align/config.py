@@ -810,7 +810,47 @@ class MemorySection(Section):
     device: Literal["cpu", "cuda"] = "cpu"
 
 
+# Every recipe key naming a file or folder, where a leading ~ is the user's home, by one rule, at validation (so in
+# recipes, overrides and align.load alike): the shell leaves ~ alone in `eval.out=~/x` (not a variable assignment) and
+# YAML never expands it, and a `~` folder was made in the working directory. `*`: every item of a list or value of a
+# mapping. tests/test_home_paths.py holds every other string key of the schema to its not being a path.
+PATH_KEYS: tuple[str, ...] = (
+    "verifier.path", "drafter.path", "ar_drafter.path", "data.dir", "data.train_prompts", "data.train_prompts.*.path",
+    "trajectories.out", "train.out", "train.deepspeed_config", "gkd.out", "decode.cps_proxy_corpus",
+    "decode.suffix_corpus", "calibrate.out", "calibrate.graph", "calibrate.prompts", "eval.prompts", "eval.out",
+    "eval.compare_drafters.*", "export.out", "export.eval", "serve_check.drafter", "serve_check.out",
+    "convert.source", "convert.out", "prompts.out", "sharegpt.file", "sharegpt.out", "sharegpt.decontaminate.*",
+    "derive.out", "bootstrap.out", "memory.out",
+)
+
+
+def expand_home(tree: Any, keys: tuple[str, ...] = PATH_KEYS) -> Any:
+    """A copy of a recipe tree (nested dicts, as YAML and overrides give it) with ~ expanded in the values at `keys`."""
+    import os
+
+    def expand(node: Any, parts: list[str]) -> Any:
+        if not parts:
+            return os.path.expanduser(node) if isinstance(node, str) and node.startswith("~") else node
+        head, rest = parts[0], parts[1:]
+        if head == "*" and isinstance(node, list):
+            return [expand(item, rest) for item in node]
+        if head == "*" and isinstance(node, dict):
+            return {k: expand(v, rest) for k, v in node.items()}
+        if isinstance(node, dict) and head in node:
+            return {**node, head: expand(node[head], rest)}
+        return node
+
+    for key in keys:
+        tree = expand(tree, key.split("."))
+    return tree
+
+
 class Recipe(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_home(cls, data: Any) -> Any:
+        return expand_home(data) if isinstance(data, dict) else data
+
     #: free text shown in manifests and model cards
     name: str = "recipe"
     verifier: VerifierSection = VerifierSection()
