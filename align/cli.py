@@ -29,7 +29,7 @@ import yaml
 
 from align.config import Recipe, RecipeError
 from align.drafters.spec import VERIFIER_ARCHITECTURES
-from align.launch import integer_in
+from align.launch import check_launch, integer_in, single_local_process
 from align.preflight import check_inputs, check_models, check_output
 from align.recipe_fields import Dtype
 from align.recipe_files import get_key, load_recipe
@@ -372,6 +372,8 @@ def _run(argv: list[str]) -> int:
     try:
         recipe = load_recipe(args.recipe, overrides)
         check_stage(stage, recipe)
+        if stage.launcher and not single_local_process(args):
+            check_launch(args)  # the flags passed to DeepSpeed's runner, before a folder is held or a process starts
         held = hold_outputs(stage, recipe, args) if stage.module is not None else ExitStack()
     except RecipeError as e:
         if int(os.environ.get("RANK", 0)) == 0:  # under a launcher (deepspeed align/train.py), each rank would say it

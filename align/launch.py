@@ -162,10 +162,12 @@ def integer_in(low: int, high: Optional[int] = None) -> Callable[[str], int]:
 
 
 def existing_file(text: str) -> str:
-    """An argparse type: a file that exists (deepspeed would run locally, without a word, on a missing hostfile)."""
-    if not Path(text).is_file():
+    """An argparse type: a file that exists (deepspeed would run locally, without a word, on a missing hostfile), ~
+    its user's home as in every path of a recipe (the shell leaves it in `--hostfile=~/hosts`)."""
+    path = os.path.expanduser(text)
+    if not Path(path).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
-    return text
+    return path
 
 
 def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,6 +261,18 @@ def check_filters(args: argparse.Namespace) -> None:
             raise RecipeError(f"{flag}: {host} has slots 0..{pool[host] - 1} ({where}), not {beyond[0]}")
 
 
+# Where DeepSpeed's runner looks for a hostfile when it is given none (its DLTS_HOSTFILE): a file there is used.
+RUNNER_HOSTFILE = "/job/hostfile"
+
+
+def visible_gpus() -> Optional[int]:
+    """The GPUs the runner would start ranks on without a hostfile; None on a host without CUDA (ranks on gloo, as
+    many as asked)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
 def check_launch(args: argparse.Namespace) -> None:
     """The launcher options together, checked before anything starts (RecipeError, one line): what DeepSpeed's runner
     would otherwise meet with an assertion, a traceback, or an ssh attempt. Fills in --master_addr for --node_rank."""
@@ -269,6 +283,14 @@ def check_launch(args: argparse.Namespace) -> None:
     if args.hostfile is None:
         if node_rank is not None:
             raise RecipeError("--node_rank needs --hostfile (every host's line, the same file on every host)")
+        if args.num_nodes not in (None, 1) and not Path(RUNNER_HOSTFILE).is_file():
+            # the runner would start, find this host alone, and end in its own ValueError traceback
+            raise RecipeError(f"--num_nodes {args.num_nodes} needs --hostfile (the hosts to run on, 'host slots=N' "
+                              "per line); without one DeepSpeed's runner finds this host alone")
+        gpus = visible_gpus() if args.num_gpus is not None else None
+        if gpus is not None and args.num_gpus > gpus:
+            # the runner starts a rank per slot asked for; a rank past the visible GPUs dies at cuda:<rank>
+            raise RecipeError(f"--num_gpus {args.num_gpus}: this host has {gpus} visible GPU(s)")
         return
     hosts = hostfile_hosts(args.hostfile)
     if args.num_nodes is not None and args.num_nodes > len(hosts):

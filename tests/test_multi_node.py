@@ -265,12 +265,34 @@ def test_node_rank_is_deepspeeds_no_ssh_and_the_master_defaults_to_the_first_hos
     (["--include", "gpu-7"], "--include: gpu-7 is not a host of this host (no --hostfile); its hosts: localhost"),
     (["--hostfile", "{hosts}", "--exclude", "node-c:0"], "--exclude: node-c is not a host of {hosts}"),
     (["--hostfile", "{hosts}", "--include", "node-a@node-b:1"], "--include: node-b has slots 0..0 ({hosts}), not 1"),
+    (["--num_nodes", "2"], "--num_nodes 2 needs --hostfile"),
+    (["--num_gpus", "2"], "--num_gpus 2: this host has 1 visible GPU(s)"),
 ])
 def test_launcher_options_that_do_not_go_together_are_refused(tmp_path, monkeypatch, argv, says):
     monkeypatch.setenv("LOCAL_SIZE", "2")  # this host's slots, as DeepSpeed's CPU accelerator counts them
+    monkeypatch.setattr("align.launch.RUNNER_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.setattr("align.launch.visible_gpus", lambda: 1)  # a host with one GPU
     paths = {"hosts": two_hosts(tmp_path), "bad": tmp_path / "bad", "empty": tmp_path / "empty"}
     paths["bad"].write_text("node-a 1\n")
     paths["empty"].write_text("# nothing\n")
     with pytest.raises(RecipeError) as refusal:
         check_launch(launch_args(*(a.format(**paths) for a in argv)))
     assert says.format(**paths) in str(refusal.value)
+
+
+def test_num_nodes_without_a_hostfile_is_refused_before_the_launcher_starts(tmp_path, monkeypatch, capsys):
+    # issue 52: the runner started, then ended in its own ValueError traceback ("Num nodes is >1 but no extra nodes")
+    import align.launch
+    from align.cli import main
+
+    monkeypatch.setattr(align.launch, "RUNNER_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.setattr(align.launch, "start_child", lambda *a, **k: pytest.fail("the launcher started"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    monkeypatch.chdir(ROOT)
+    code = main(["trajectories", "recipes/tiny/align.yaml", f"data.train_prompts={prompts}",
+                 f"trajectories.out={tmp_path / 'traj'}", "--num_nodes", "2", "--num_gpus", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("align trajectories: error: --num_nodes 2 needs --hostfile"), err
+    assert not (tmp_path / "traj").exists()
