@@ -215,11 +215,13 @@ def models(recipe: Recipe) -> tuple[str, ...]:
 
 
 def check(recipe: Recipe) -> None:
+    """The recipe and the verifier (its chat template, the system prompts it renders: `plan`) first, then the machine
+    (vLLM's environment), so that a recipe's refusal is the same whichever environments this checkout has."""
+    plan(recipe)
     if recipe.prompts.backend == "vllm":
         from align.vllm_engine import vllm_python
 
         vllm_python("prompts.backend")
-    plan(recipe)
 
 
 def _read_json(path: Path) -> Optional[dict[str, Any]]:

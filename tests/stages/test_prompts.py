@@ -39,7 +39,7 @@ def test_the_user_turn_is_read_off_the_template(chat_verifier):
     assert end_of_turn_ids(tokenizer, TEMPLATE.replace("<|endoftext|>", "\n")) == []
 
 
-def test_a_system_prompt_steers_its_chunks_only(chat_verifier, tmp_path, capsys):
+def test_a_system_prompt_steers_its_chunks_only(chat_verifier, tmp_path, capsys, monkeypatch):
     import torch
 
     from align.recipe_files import load_recipe
@@ -71,8 +71,12 @@ def test_a_system_prompt_steers_its_chunks_only(chat_verifier, tmp_path, capsys)
     (dropping / "chat_template.jinja").write_text(TEMPLATE.replace("{% for m in messages %}",
                                                                    "{% for m in messages if m.role != 'system' %}"))
     capsys.readouterr()
-    assert main(["prompts", RECIPE, *args, f"verifier.path={dropping}"]) == 2
-    assert "does not render the system message 'You help with arithmetic.'" in one_line_refusal(capsys)
+    # RECIPE samples with vLLM: the template is refused first, with vLLM's environment or without it (issue 52)
+    for vllm in (None, str(tmp_path / "no-vllm" / "python")):
+        if vllm is not None:
+            monkeypatch.setenv("ALIGN_VLLM_PYTHON", vllm)
+        assert main(["prompts", RECIPE, *args, f"verifier.path={dropping}"]) == 2
+        assert "does not render the system message 'You help with arithmetic.'" in one_line_refusal(capsys)
     assert not (tmp_path / "prompts").exists()  # refused before the output folder is made
 
 
