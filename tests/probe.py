@@ -300,6 +300,7 @@ def build(root: Path, family: Optional[Path] = None, full: bool = True) -> Sandb
     with_template(ck / "verifier", models / "chat_verifier")  # what align prompts samples from (Magpie)
     with captured():
         dflash_drafter(ck / "verifier", S / "dflash" / "step_1")
+        speculators_folders(ck / "verifier", S / "spec")
     from align.draft_graph import DraftGraph
 
     DraftGraph((frozenset({(1, 1)}), frozenset({(1, 1), (2, 1)}), frozenset({(1, 2)})), block_length=8).save(
@@ -345,6 +346,37 @@ def dflash_drafter(verifier: Path, folder: Path) -> None:
     torch.manual_seed(0)
     drafter, _ = new_dflash_drafter(section, DFlashSection(intermediate_size=64), section, tokenizer.mask_token_id, 4)
     save_merged(drafter, tokenizer, folder, {})
+
+
+def speculators_folders(verifier: Path, root: Path) -> None:
+    """root/full and root/pruned (a 64-token draft vocabulary): a DFlash drafter on the sandbox's verifier written as
+    speculators saves one (no copy of the verifier's embeddings), with the verifier's tokenizer as align export
+    writes it: the folders issue 52's cases edit key by key."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from align.drafters.dflash import DFlashDrafter, config_for_verifier, speculators_config
+    from align.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(verifier))
+    verifier_config = AutoConfig.from_pretrained(verifier)
+    for name, vocab in (("full", None), ("pruned", 64)):
+        torch.manual_seed(0)
+        config = config_for_verifier(verifier_config, tokenizer.mask_token_id, intermediate_size=64, block_size=5,
+                                     draft_vocab_size=vocab)
+        drafter = DFlashDrafter(config)
+        if vocab is not None:
+            ids = torch.arange(10, 10 + 2 * vocab, 2)  # ascending verifier ids, speculators' order
+            drafter.d2t.copy_(ids - torch.arange(vocab))
+            drafter.t2d[ids] = True
+        folder = root / name
+        folder.mkdir(parents=True)
+        write(folder / "config.json", json.dumps(speculators_config(config, str(verifier), ["LlamaForCausalLM"],
+                                                                    torch.float32), indent=2))
+        save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        tokenizer.save_pretrained(folder)
 
 
 @contextlib.contextmanager
@@ -881,6 +913,7 @@ def cases() -> list[Case]:
     table += surface_cases()
     table += api_cases()
     table += operator_cases()
+    table += foreign_cases()
     return table
 
 
@@ -1461,6 +1494,312 @@ def readme_scripts_agree() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# issue 52: what align did not write (foreign drafter folders, DeepSpeed JSON, prompt mixtures, launcher flags)
+# --------------------------------------------------------------------------------------------------------------------
+def spec_edit(base: str, config: Optional[Callable[[dict], Any]] = None,
+              weights: Optional[Callable[[dict], Any]] = None) -> Callable[[Sandbox], None]:
+    """A setup: S/bad/spec, a copy of S/spec/<base> (a speculators DFlash folder) with its config.json and/or its
+    weights edited in place by the given functions."""
+    def setup(s: Sandbox) -> None:
+        from safetensors.torch import load_file, save_file
+
+        folder = s.root / "bad" / "spec"
+        shutil.copytree(s.root / "spec" / base, folder)
+        if config is not None:
+            raw = json.loads((folder / "config.json").read_text())
+            config(raw)
+            (folder / "config.json").write_text(json.dumps(raw))
+        if weights is not None:
+            tensors = load_file(str(folder / "model.safetensors"))
+            weights(tensors)
+            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return setup
+
+
+def _set(path: str, value: Any) -> Callable[[dict], None]:
+    """An edit setting the dotted key `path` of a JSON object to `value`."""
+    def edit(raw: dict) -> None:
+        *parents, last = path.split(".")
+        for part in parents:
+            raw = raw[part]
+        raw[last] = value
+    return edit
+
+
+def _drop(path: str) -> Callable[[dict], None]:
+    def edit(raw: dict) -> None:
+        *parents, last = path.split(".")
+        for part in parents:
+            raw = raw[part]
+        raw.pop(last)
+    return edit
+
+
+def _reshape(name: str) -> Callable[[dict], None]:
+    """Half of a weight's last dimension (a 1-D norm: half its length)."""
+    return lambda t: t.__setitem__(name, t[name][..., : t[name].shape[-1] // 2].contiguous())
+
+
+LAYER_WEIGHTS_52 = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                    "post_attention_layernorm.weight")
+
+
+def foreign_cases() -> list[Case]:
+    """Issue 52: folders and files align did not write, each refused in one line naming the key before any model is
+    built: a speculators folder edited key by key and weight by weight, folders of one format where another is read,
+    a user's DeepSpeed JSON, prompt mixtures, and the launcher flags passed on to DeepSpeed."""
+    import torch
+
+    S = "{S}"
+    table: list[Case] = []
+    add = table.append
+    tl = "transformer_layer_config"
+
+    # --- a speculators DFlash folder's config.json, key by key (align eval reads it as drafter.path) ------------
+    configs: list[tuple[str, Callable[[dict], None], str]] = []
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        configs += [(f"{tl}.{key} removed", _drop(f"{tl}.{key}"), f"{tl}.{key} is missing"),
+                    (f"{tl}.{key} a string", _set(f"{tl}.{key}", "32"), f"{tl}.{key} is '32'"),
+                    (f"{tl}.{key} 0", _set(f"{tl}.{key}", 0), f"{tl}.{key} is 0")]
+    configs += [
+        (f"{tl} removed", _drop(tl), f"{tl} is missing"), (f"{tl} a string", _set(tl, "qwen3"), f"{tl} is str"),
+        (f"{tl}.num_key_value_heads not dividing the heads", _set(f"{tl}.num_key_value_heads", 3), "does not divide"),
+        (f"{tl}.head_dim 0", _set(f"{tl}.head_dim", 0), "head_dim is 0"),
+        (f"{tl}.rms_norm_eps negative", _set(f"{tl}.rms_norm_eps", -1e-6), "rms_norm_eps"),
+        (f"{tl}.rope_theta a string", _set(f"{tl}.rope_theta", "big"), "rope_theta"),
+        (f"{tl}.max_position_embeddings 0", _set(f"{tl}.max_position_embeddings", 0), "max_position_embeddings"),
+        (f"{tl}.hidden_act gelu", _set(f"{tl}.hidden_act", "gelu"), "hidden_act is 'gelu'"),
+        (f"{tl}.attention_bias true", _set(f"{tl}.attention_bias", True), "attention_bias"),
+        (f"{tl}.layer_types sliding", _set(f"{tl}.layer_types", ["sliding_attention"]), "layer_types"),
+        (f"{tl}.rope_parameters yarn", _set(f"{tl}.rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}),
+         "rope_type is 'yarn'"),
+        ("aux_hidden_state_layer_ids removed", _drop("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids"),
+        ("aux_hidden_state_layer_ids a number", _set("aux_hidden_state_layer_ids", 0), "aux_hidden_state_layer_ids"),
+        ("aux_hidden_state_layer_ids empty", _set("aux_hidden_state_layer_ids", []), "aux_hidden_state_layer_ids"),
+        ("aux_hidden_state_layer_ids negative", _set("aux_hidden_state_layer_ids", [-1]),
+         "aux_hidden_state_layer_ids"),
+        ("aux_hidden_state_layer_ids booleans", _set("aux_hidden_state_layer_ids", [True]),
+         "aux_hidden_state_layer_ids"),
+        ("aux_hidden_state_layer_ids past the verifier's depth", _set("aux_hidden_state_layer_ids", [1]),
+         "must be below the verifier's 1 layers"),
+        ("mask_token_id removed", _drop("mask_token_id"), "mask_token_id is missing"),
+        ("mask_token_id a string", _set("mask_token_id", "3"), "mask_token_id is '3'"),
+        ("mask_token_id negative", _set("mask_token_id", -1), "mask_token_id is -1"),
+        ("mask_token_id past the vocabulary", _set("mask_token_id", 10 ** 6), "mask_token_id is 1000000"),
+        ("block_size 1", _set("block_size", 1), "block_size is 1"),
+        ("block_size a string", _set("block_size", "5"), "block_size"),
+        ("draft_vocab_size 0", _set("draft_vocab_size", 0), "draft_vocab_size is 0"),
+        ("draft_vocab_size past the vocabulary", _set("draft_vocab_size", 10 ** 6), "draft_vocab_size is 1000000"),
+        ("target_hidden_size 0", _set("target_hidden_size", 0), "target_hidden_size is 0"),
+        ("target_hidden_size narrower than the verifier's", _set("target_hidden_size", 16), "fc.weight"),
+        ("speculators_model_type eagle3", _set("speculators_model_type", "eagle3"), "speculators eagle3 drafter"),
+        ("speculators_model_type removed", _drop("speculators_model_type"), "model_type"),
+        ("config.json a list", lambda raw: raw.clear(), "model_type"),
+    ]
+    for what, edit, expect in configs:
+        add(refuse(f"speculators folder: {what}", "52", ["eval", "{R}", f"drafter.path={S}/bad/spec",
+                                                         f"eval.out={S}/out/e"], expect, setup=spec_edit("full", edit)))
+
+    # --- its weights: every one removed, some reshaped, renamed, retyped; a pruned vocabulary's maps -------------
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight", *(f"layers.0.{n}" for n in LAYER_WEIGHTS_52)]
+    weights: list[tuple[str, str, Callable[[dict], None], str]] = [
+        (f"{name} removed", "full", (lambda n: lambda t: t.pop(n))(name), f"{name} is missing") for name in names]
+    weights += [
+        ("fc.weight reshaped", "full", _reshape("fc.weight"), "fc.weight is [32, 16]"),
+        ("a q_proj reshaped", "full", _reshape("layers.0.self_attn.q_proj.weight"), "q_proj.weight is [32, 16]"),
+        ("norm.weight reshaped", "full", _reshape("norm.weight"), "norm.weight is [16]"),
+        ("fc.weight renamed", "full", lambda t: t.__setitem__("fc.bias", t.pop("fc.weight")), "fc.weight is missing"),
+        ("a layer renamed", "full", lambda t: t.update({k.replace("layers.0.", "layers.1."): t.pop(k) for k in list(t)
+                                                        if k.startswith("layers.0.")}), "is missing"),
+        ("an integer weight", "full", lambda t: t.__setitem__("norm.weight", t["norm.weight"].long()),
+         "norm.weight is I64"),
+        ("a second layer's weight", "full", lambda t: t.__setitem__("layers.1.mlp.up_proj.weight",
+                                                                    t["layers.0.mlp.up_proj.weight"].clone()),
+         "layers.1.mlp.up_proj.weight is no weight"),
+        ("a wrong copy of the verifier's embeddings", "full",
+         lambda t: t.__setitem__("embed_tokens.weight", torch.zeros(4, 32)), "embed_tokens.weight is [4, 32]"),
+        ("d2t removed", "pruned", lambda t: t.pop("d2t"), "d2t is missing"),
+        ("the pruned lm_head removed", "pruned", lambda t: t.pop("lm_head.weight"), "lm_head.weight is missing"),
+        ("d2t a float", "pruned", lambda t: t.__setitem__("d2t", t["d2t"].float()), "d2t is F32"),
+        ("d2t outside the vocabulary", "pruned", lambda t: t.__setitem__("d2t", t["d2t"] + 10 ** 5),
+         "outside the verifier's vocabulary"),
+        ("d2t descending", "pruned", lambda t: t.__setitem__("d2t", t["d2t"].flip(0).contiguous()), "ascending"),
+        ("t2d not marking d2t's ids", "pruned", lambda t: t.__setitem__("t2d", torch.zeros_like(t["t2d"])),
+         "t2d does not mark"),
+        ("t2d reshaped", "pruned", lambda t: t.__setitem__("t2d", t["t2d"][:10].contiguous()), "t2d is [10]"),
+    ]
+    for what, base, edit, expect in weights:
+        add(refuse(f"speculators weights: {what}", "52", ["eval", "{R}", f"drafter.path={S}/bad/spec",
+                                                          f"eval.out={S}/out/e"], expect,
+                   setup=spec_edit(base, weights=edit)))
+    add(refuse("speculators weights: none", "52", ["eval", "{R}", f"drafter.path={S}/bad/spec", f"eval.out={S}/out/e"],
+               "has no weights", setup=lambda s: (spec_edit("full")(s), (s.root / "bad/spec/model.safetensors").unlink())))
+    add(refuse("speculators weights: torn", "52", ["eval", "{R}", f"drafter.path={S}/bad/spec", f"eval.out={S}/out/e"],
+               "truncated or corrupt", setup=lambda s: (spec_edit("full")(s), (s.root / "bad/spec/model.safetensors")
+                                                        .write_bytes(b"\x08" + b"\x00" * 7 + b"{}"))))
+
+    # --- the same folders through the other readers: compare_drafters, align.load, train, calibrate, dllm eval ---
+    others = [
+        ("eval.compare_drafters", ["eval", "{R}", f"eval.compare_drafters={{x: {S}/bad/spec}}", f"eval.out={S}/out/e"],
+         "eval.compare_drafters.x"),
+        ("train from it", ["train", "{R}", f"drafter.path={S}/bad/spec", f"train.out={S}/out/r"], "drafter.path"),
+    ]
+    for label, argv, expect in others:
+        for what, base, edit in (("fc.weight removed", "full", {"weights": lambda t: t.pop("fc.weight")}),
+                                 ("d2t removed", "pruned", {"weights": lambda t: t.pop("d2t")}),
+                                 ("transformer_layer_config removed", "full", {"config": _drop(tl)})):
+            add(refuse(f"{label}: speculators {what}", "52", argv, expect, setup=spec_edit(base, **edit),
+                       sub=argv[0] == "train"))
+
+    def load(drafter: str, **kwargs: Any) -> Callable[[Sandbox], Any]:
+        def call(s: Sandbox) -> Any:
+            import align
+
+            return align.load(verifier=str(s.root / "ck" / "verifier"), drafter=drafter.replace("{S}", str(s.root)),
+                              device="cpu", **kwargs)
+        return call
+
+    for what, base, edit, expect in [
+            ("layer ids past the verifier's depth", "full", {"config": _set("aux_hidden_state_layer_ids", [3])},
+             "must be below the verifier's 1 layers"),
+            ("fc.weight reshaped", "full", {"weights": _reshape("fc.weight")}, "fc.weight is [32, 16]"),
+            ("d2t removed", "pruned", {"weights": lambda t: t.pop("d2t")}, "d2t is missing"),
+            ("no transformer_layer_config", "full", {"config": _drop(tl)}, f"{tl} is missing"),
+            ("no model_type, dtype auto", "full", {"config": _drop("speculators_model_type")}, "model_type"),
+            ("a gelu MLP", "full", {"config": _set(f"{tl}.hidden_act", "gelu")}, "hidden_act")]:
+        add(Case(f"load: speculators {what}", "52", api=load(f"{S}/bad/spec", dtype="auto"), expect=expect,
+                 setup=spec_edit(base, **edit)))
+    # dtype auto read a speculators config.json with transformers' AutoConfig, which needs a model_type it has not
+    add(Case("load: an unedited speculators folder, dtype auto", "52", api=load(f"{S}/spec/full", dtype="auto"),
+             kind="fault", check=lambda s, r: ("handled", "loaded") if r.error is None else
+             ("other", f"{type(r.error).__name__}: {r.error}"[:150])))
+
+    # --- a folder of one format where another is read ------------------------------------------------------------
+    formats = [
+        ("a speculators folder as verifier", ["eval", "{R}", f"verifier.path={S}/spec/full", "eval.methods=[ar]",
+                                              f"eval.out={S}/out/e"], "verifier.path"),
+        ("a speculators folder as AR drafter", ["eval", "{R}", f"ar_drafter.path={S}/spec/full",
+                                                "eval.methods=[sd_ar]", f"eval.out={S}/out/e"], "ar_drafter.path"),
+        ("an align DFlash folder as AR drafter", ["eval", "{R}", f"ar_drafter.path={S}/dflash/step_1",
+                                                  "eval.methods=[sd_ar]", f"eval.out={S}/out/e"], "ar_drafter.path"),
+        ("the verifier as a compared drafter", ["eval", "{R}", f"eval.compare_drafters={{v: {S}/ck/verifier}}",
+                                                f"eval.out={S}/out/e"], "eval.compare_drafters.v"),
+        ("an EAGLE-3 folder as a compared drafter", ["eval", "{R}", f"eval.compare_drafters={{e: {S}/bad/eagle3}}",
+                                                     f"eval.out={S}/out/e"], "eagle3"),
+        ("a speculators folder to calibrate", ["calibrate", "{R}", f"drafter.path={S}/spec/full",
+                                               f"calibrate.out={S}/out/c"], "does not decode alone"),
+        ("a speculators folder in dllm eval", ["eval", "{R}", f"drafter.path={S}/spec/full", "eval.mode=dllm",
+                                               f"eval.out={S}/out/e"], "does not decode alone"),
+        ("an align DFlash folder to calibrate", ["calibrate", "{R}", f"drafter.path={S}/dflash/step_1",
+                                                 f"calibrate.out={S}/out/c"], "does not decode alone"),
+    ]
+    for what, argv, expect in formats:
+        add(refuse(f"format: {what}", "52", argv, expect,
+                   setup=eagle3_folder if "EAGLE" in what else None))
+
+    # --- a user's DeepSpeed JSON (train.deepspeed_config) ----------------------------------------------------------
+    ds = [
+        ("not JSON", "{zero", "is not JSON"), ("a list", "[1]", "is not a JSON object"),
+        ("an optimizer", '{"optimizer": {"type": "Adam"}}', "optimizer is not taken from your file"),
+        ("a scheduler", '{"scheduler": {"type": "WarmupLR"}}', "scheduler is not taken"),
+        ("train_batch_size", '{"train_batch_size": 64}', "train_batch_size is not taken"),
+        ("fp16 on", '{"fp16": {"enabled": true}}', "fp16 is not taken"),
+        ("a micro-batch size of its own", '{"train_micro_batch_size_per_gpu": 7}', "train.micro_batch_size"),
+        ("another ZeRO stage", '{"zero_optimization": {"stage": 3}}', "train.zero_stage"),
+        ("ZeRO as a number", '{"zero_optimization": 2}', "zero_optimization"),
+        ("bf16 as a plain boolean", '{"bf16": true}', "train.bf16"),
+        ("gradient clipping of its own", '{"gradient_clipping": 5.0}', "train.grad_clip"),
+        ("accumulation steps as a string", '{"gradient_accumulation_steps": "1"}', "gradient_accumulation_steps"),
+        ("steps_per_print a string", '{"steps_per_print": "often"}', "steps_per_print"),
+        ("an unknown key", '{"zero_optimisation": {"stage": 2}}', "zero_optimisation"),
+        ("NVMe offload without a path", '{"zero_optimization": {"offload_param": {"device": "nvme"}}}',
+         "offload_param"),
+        ("a CUDA-only setting on a CPU run", '{"zero_optimization": {"offload_optimizer": {"device": "cpu", '
+         '"pin_memory": true}}, "communication_data_type": "fp16"}', "communication_data_type"),
+    ]
+    for what, content, expect in ds:
+        add(refuse(f"deepspeed JSON: {what}", "52", ["train", "{R}", f"train.deepspeed_config={S}/bad/ds.json",
+                                                     f"train.out={S}/out/r", "train.max_steps=1"], expect,
+                   setup=bad("ds.json", content), sub=True))
+    add(refuse("deepspeed JSON: a missing file", "52", ["train", "{R}", f"train.deepspeed_config={S}/bad/none.json",
+                                                        f"train.out={S}/out/r"], "train.deepspeed_config", sub=True))
+    add(refuse("deepspeed JSON: a folder", "52", ["train", "{R}", f"train.deepspeed_config={S}/work",
+                                                  f"train.out={S}/out/r"], "train.deepspeed_config", sub=True))
+
+    # --- prompt mixtures (data.train_prompts as a list; align trajectories reads them) ----------------------------
+    def mix(*sources: str) -> str:
+        return "data.train_prompts=[" + ", ".join(sources) + "]"
+
+    good = f"{{path: {S}/bad/good.jsonl}}"
+    # enough prompts for any source's share of trajectories.num_prompts: a short one is refused for that
+    prompts_file = bad("good.jsonl", "".join(json.dumps({"prompt": f"def f{i}(a, b):"}) + "\n" for i in range(48)))
+    mixtures = [
+        ("a weight of 0", mix(good, f"{{path: {S}/bad/good.jsonl, weight: 0}}"), "weight"),
+        ("a negative weight", mix(f"{{path: {S}/bad/good.jsonl, weight: -1}}"), "weight"),
+        ("a weight as text", mix(f"{{path: {S}/bad/good.jsonl, weight: heavy}}"), "weight"),
+        ("an infinite weight", mix(f"{{path: {S}/bad/good.jsonl, weight: .inf}}"), "weight"),
+        ("a source without a path", mix("{weight: 1}"), "path"),
+        ("an unknown key in a source", mix(f"{{path: {S}/bad/good.jsonl, wieght: 2}}"), "wieght"),
+        ("a missing file", mix(good, f"{{path: {S}/bad/none.jsonl}}"), "none.jsonl"),
+        ("an empty file", mix(good, f"{{path: {S}/bad/empty.jsonl}}"), "empty.jsonl"),
+        ("a file without the prompt column", mix(good, f"{{path: {S}/bad/other.jsonl}}"), "prompt"),
+        ("a prompt_column that is not there", mix(f"{{path: {S}/bad/good.jsonl, prompt_column: question}}"),
+         "question"),
+        ("a column of numbers", mix(good, f"{{path: {S}/bad/numbers.jsonl}}"), "numbers.jsonl"),
+        ("a torn JSONL line", mix(good, f"{{path: {S}/bad/torn.jsonl}}"), "torn.jsonl"),
+        ("a Hub id offline", mix(good, "{path: nobody/no-such-prompts}"), "nobody/no-such-prompts"),
+        ("an empty mixture", "data.train_prompts=[]", "data.train_prompts"),
+        ("a folder that is no dataset", mix(good, f"{{path: {S}/work}}"), "work"),
+    ]
+    files = {"empty.jsonl": "", "other.jsonl": '{"question": "why?"}\n', "numbers.jsonl": '{"prompt": 5}\n',
+             "torn.jsonl": '{"prompt": "a"}\n{"prompt": "b'}
+
+    def mixture_files(s: Sandbox) -> None:
+        prompts_file(s)
+        for name, content in files.items():
+            write(s.root / "bad" / name, content)
+
+    for what, override, expect in mixtures:
+        add(refuse(f"mixture: {what}", "52", ["trajectories", "{R}", override, f"trajectories.out={S}/out/t"],
+                   expect, setup=mixture_files))
+
+    # --- launcher flags passed on to DeepSpeed's runner ------------------------------------------------------------
+    hosts = bad("hosts", "node-a slots=1\nnode-b slots=1\n")
+    launches = [
+        ("--num_nodes 2 without a hostfile", ["--num_nodes", "2"], "--num_nodes 2 needs --hostfile", None),
+        ("--num_nodes 3 with a hostfile of 2", ["--hostfile", f"{S}/bad/hosts", "--num_nodes", "3"],
+         "names 2 host(s)", hosts),
+        ("--node_rank without a hostfile", ["--node_rank", "0"], "--node_rank needs --hostfile", None),
+        ("--node_rank past the hosts", ["--hostfile", f"{S}/bad/hosts", "--node_rank", "2"], "--node_rank 2", hosts),
+        ("--include with --exclude", ["--include", "localhost:0", "--exclude", "localhost:1"], "do not go together",
+         None),
+        ("--num_gpus with --include", ["--num_gpus", "2", "--include", "localhost:0"], "do not go together", None),
+        ("--include an unknown host", ["--include", "gpu-7"], "gpu-7 is not a host", None),
+        ("a hostfile line without slots", ["--hostfile", f"{S}/bad/hosts", "--node_rank", "0"], "slots=N",
+         bad("hosts", "node-a 1\n")),
+        ("an empty hostfile", ["--hostfile", f"{S}/bad/hosts", "--node_rank", "0"], "names no host", bad("hosts", "")),
+        ("a hostfile naming a host twice", ["--hostfile", f"{S}/bad/hosts", "--node_rank", "0"], "a second time",
+         bad("hosts", "node-a slots=1\nnode-a slots=1\n")),
+    ]
+    for stage, out in (("train", "train.out"), ("trajectories", "trajectories.out")):
+        for what, flags, expect, setup in launches:
+            if stage == "trajectories" and what not in ("--num_nodes 2 without a hostfile",
+                                                        "--node_rank without a hostfile", "--include with --exclude"):
+                continue
+            add(refuse(f"launch {stage}: {what}", "52", [stage, "{R}", *flags, f"{out}={S}/out/l"], expect,
+                       setup=setup, sub=True))
+
+    # --- ~ in a path key -------------------------------------------------------------------------------------------
+    add(Case("eval.out=~/x is the home's x, not ./~", "52", argv=["validate", "{R}", "eval.out=~/x", "--get",
+                                                                   "eval.out"], kind="fault", ci=True,
+             check=lambda s, r: ("handled", r.out.strip()) if r.code == 0 and r.out.strip() == os.path.expanduser(
+                 "~/x") and not (s.root / "work" / "~").exists() else ("silent", f"exit {r.code}: {r.out.strip()}")))
+    return table
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # running the table
 # --------------------------------------------------------------------------------------------------------------------
 def select(table: list[Case], sandbox: Sandbox, ci: bool = False, findings: Optional[set[str]] = None,
@@ -1509,10 +1848,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--family", default=None, metavar="ROOT",
                         help="a toy family already built (the root tests/conftest.py's toy_family makes)")
     parser.add_argument("--strict", action="store_true", help="exit 1 unless every case is clean or handled")
+    parser.add_argument("--no-run", action="store_true",
+                        help="build no finished training run (the cases that need one are left out)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="align-probe-") as tmp:
         t0 = time.perf_counter()
-        sandbox = build(Path(tmp), family=Path(args.family) if args.family else None, full=not args.ci)
+        sandbox = build(Path(tmp), family=Path(args.family) if args.family else None, full=not (args.ci or args.no_run))
         print(f"sandbox built in {time.perf_counter() - t0:.0f} s: {tmp}", file=sys.stderr)
         chosen = select(cases(), sandbox, args.ci, set(args.finding.split(",")) if args.finding else None,
                         args.contains)
