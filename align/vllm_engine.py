@@ -294,9 +294,9 @@ def drafter_kind(folder: Path) -> str:
 
 
 def served_drafter_kind(recipe: Any) -> str:
-    """`align serve-check`'s input, checked before the stage starts (cli): vLLM's environment, serve_check.drafter
-    (a folder vLLM can serve, or an align DFlash checkpoint) and decode.gamma against its block. Returns its kind."""
-    vllm_python("serve_check")
+    """`align serve-check`'s input, checked before the stage starts (cli): serve_check.drafter (a folder vLLM can
+    serve, or an align DFlash checkpoint), decode.gamma against its block, then vLLM's environment (the inputs first:
+    their refusals are the same whichever environments this checkout has). Returns its kind."""
     folder = Path(recipe.serve_check.drafter)
     kind = drafter_kind(folder)
     if kind == "speculators":  # not align's: checked against the format and the verifier as every stage checks it
@@ -315,4 +315,5 @@ def served_drafter_kind(recipe: Any) -> str:
     if prompts is not None and most > prompts:
         raise RecipeError(f"serve_check.concurrency: {most} requests in flight need at least {most} prompts, and "
                           f"eval.num_prompts is {prompts}")
+    vllm_python("serve_check")
     return kind

@@ -43,7 +43,8 @@ def string_fields(model: type[BaseModel] = Recipe, prefix: str = "") -> set[str]
 
 def test_every_string_key_is_a_path_key_or_named_as_none():
     paths = {key.split(".*")[0] for key in PATH_KEYS}
-    assert string_fields() - paths - NOT_PATHS == set()
+    unnamed = string_fields() - paths - NOT_PATHS
+    assert not unnamed, f"{sorted(unnamed)}: add a path key to align/config.py's PATH_KEYS, any other to NOT_PATHS"
     assert not paths & NOT_PATHS
 
 

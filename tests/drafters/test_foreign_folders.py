@@ -256,9 +256,8 @@ def test_a_dflash_folder_where_the_drafter_decodes_alone_is_refused_from_its_con
     assert f"drafter.path: {folder} is a DFlash drafter" in err and where in err, err
 
 
-@pytest.mark.skipif(not (ROOT / ".venv-vllm" / "bin" / "python").is_file(), reason="serve-check checks vLLM's "
-                    "environment first (.venv-vllm: bash launch/setup_vllm.sh)")
-def test_serve_check_refuses_an_edited_folder_before_vllm_starts(capsys, started, folders, tmp_path):
+def test_serve_check_refuses_an_edited_folder_before_vllm_starts(capsys, started, folders, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALIGN_VLLM_PYTHON", str(tmp_path / "no-vllm" / "python"))  # the folder is refused first
     folder = edited(folders["full"], tmp_path / "edited", weights=lambda t: t.pop("fc.weight"))
     code = main(["serve-check", "recipes/tiny/dflash.yaml", f"serve_check.drafter={folder}", "decode.gamma=4",
                  f"serve_check.out={tmp_path / 'serve'}"])
