@@ -174,8 +174,9 @@ class TrainSection(Section):
     gamma: int = Field(default=16, ge=1)
     #: windows drawn from each trajectory per step (a block-causal drafter trains them in one forward)
     windows_per_sequence: int = Field(default=4, ge=1)
-    #: offline: stored trajectories; online: verifier labels inside the step; on_policy: drafter proposes, verifier labels
-    data_mode: Literal["offline", "online", "on_policy"] = "offline"
+    #: offline: stored trajectories; online: verifier labels inside the step; on_policy: drafter proposes, verifier
+    #: labels; rejections (DFlash, Draft-OPD): the anchors greedy decoding visits, where verification rejected a draft
+    data_mode: Literal["offline", "online", "on_policy", "rejections"] = "offline"
     #: optimiser steps
     max_steps: int = Field(default=200, ge=1)
     #: peak learning rate (AdamW)

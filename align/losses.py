@@ -69,6 +69,8 @@ def rowwise(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Ten
     vocab = inputs[0].shape[-1]
     flat = [x.reshape(-1, *x.shape[len(lead):]) for x in inputs]
     rows_per_chunk = max(1, LOSS_CHUNK_ELEMENTS // max(1, vocab))
+    if flat[0].shape[0] == 0:  # no rows (a selection that kept none): no values, still a graph back to the logits
+        return flat[0].float().sum(-1).view(lead)
     return _RowwiseChunked.apply(fn, rows_per_chunk, *flat).view(lead)
 
 
@@ -245,6 +247,40 @@ def chain(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
     prefix = torch.cumsum(_target_log_probs(draft_logits, targets, mask), dim=-1)
     expected = torch.exp(prefix).sum(-1)  # (B,)
     return -torch.log1p(expected).sum() / num_windows
+
+
+# Draft-OPD's position decay on the reverse KL (verl's examples/on_policy_distillation_trainer/
+# run_qwen_gsm8k_forward-ins.sh).
+OPD_DECAY = 0.8
+
+
+def draft_opd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *,
+              num_windows: int) -> torch.Tensor:
+    """Draft-OPD (arXiv 2605.29343), per window: forward KL(p‖q) at every position greedy verification sees (the
+    drafts it keeps and the one it rejects), plus 0.8^r · reverse KL(q‖p) at the rejected position r.
+
+    The rejected position is the first one where the drafter's argmax is not the verifier's (greedy verification's
+    rule), found here rather than taken from the data, so that the loss means the same in every data mode: with
+    train.data_mode=rejections every window ends in one; in a teacher-forced window the positions after the first
+    rejection, which verification never reaches, are left out. The reverse KL pushes the drafter's mass off the token
+    it wrongly drafted; the forward KL keeps the kept drafts where they were. (B, γ, V) logits, (B, γ) mask.
+    """
+    with torch.no_grad():
+        wrong = (draft_logits.argmax(-1) != verifier_logits.argmax(-1)) & mask
+        before = torch.cumsum(wrong.int(), dim=-1) - wrong.int()  # rejections strictly before each position
+        seen = mask & (before == 0)
+        rejected = wrong & (before == 0)  # (B, γ): at most one True a window
+        decay = OPD_DECAY ** torch.arange(draft_logits.shape[1], device=draft_logits.device, dtype=torch.float32)
+        reverse_weight = decay * rejected
+    # One chunked pass for both terms (selecting the rows instead would copy them: as much memory as the logits).
+    return rowwise(_row_opd, draft_logits, verifier_logits, seen.float(), reverse_weight).sum() / num_windows
+
+
+def _row_opd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, forward_weight: torch.Tensor,
+             reverse_weight: torch.Tensor) -> torch.Tensor:
+    """(n, V) x2, (n,) x2 -> (n,) forward_weight·KL(p‖q) + reverse_weight·KL(q‖p)."""
+    return (forward_weight * _row_fkl(draft_logits, verifier_logits)
+            + reverse_weight * _row_rkl(draft_logits, verifier_logits))
 
 
 def _per_position(values: torch.Tensor, mask: torch.Tensor, num_tokens: int) -> torch.Tensor:

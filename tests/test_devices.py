@@ -17,7 +17,7 @@ from align.decoding.path_search import TrigramModel
 from align.decoding.spiffy import spiffy_generate
 from align.draft_graph import calibrate
 from align.drafters.spec import DrafterSpec
-from align.losses import WINDOW_LOSSES, needs_verifier_distributions
+from align.losses import WINDOW_LOSSES, needs_verifier_distributions, normalisation
 from align.methods import METHODS, Setup
 from align.windows import (WINDOW_BUILDERS, topk_window_logits, verifier_path_logits, verifier_window_logits,
                            window_logits)
@@ -90,12 +90,8 @@ def test_windows_and_losses_create_their_tensors_on_the_models_device(attention)
         values = []
         for name, (loss, _) in WINDOW_LOSSES.items():
             for verifier_logits in (online, stored):
-                if not needs_verifier_distributions(name):
-                    values.append(loss(draft_logits, targets, mask, num_windows=4))
-                elif name == "streak_tv":
-                    values.append(loss(draft_logits, verifier_logits, mask, num_windows=4))
-                else:
-                    values.append(loss(draft_logits, verifier_logits, mask, num_tokens=10))
+                against = verifier_logits if needs_verifier_distributions(name) else targets
+                values.append(loss(draft_logits, against, mask, **normalisation(name, 4, 10)))
     assert {t.device.type for t in (draft_logits, online, stored, on_policy, *values)} == {"cpu"}
     assert all(torch.isfinite(v) for v in values)
 

@@ -56,7 +56,8 @@ from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_di
 from align.mask_token import dflash_mask_token
 from align.memory_probe import peak_per_gpu
 from align.models import is_partitioned, load_tokenizer, load_verifier
-from align.preflight import load_model_config
+from align.onpolicy import rejection_batch
+from align.preflight import drafter_kind, load_model_config
 from align.recipe_files import get_key
 from align.tracking import check_trackers, open_trackers
 from align.windows import (WINDOW_BUILDERS, WindowBatch, topk_window_logits, verifier_path_logits,
@@ -236,7 +237,10 @@ def check_train(recipe: Recipe) -> None:
         if recipe.train.activation_checkpointing:  # said before any folder is written, not once the models are built
             raise RecipeError("train.activation_checkpointing: the DFlash drafter does not support gradient "
                               "checkpointing (two layers: little to save); set train.activation_checkpointing=false")
-    if recipe.train.cache_verifier_states and recipe.train.data_mode != "offline":
+    if recipe.train.data_mode == "rejections" and recipe.dflash is None and drafter_kind(recipe) != "dflash":
+        raise RecipeError(f"train.data_mode: rejections walks the anchors a DFlash drafter's block-parallel drafts "
+                          f"visit; {recipe.drafter.path} is a {drafter_kind(recipe)} drafter (use on_policy)")
+    if recipe.train.cache_verifier_states and recipe.train.data_mode not in ("offline", "rejections"):
         # KD losses offline read the verifier's logits at the true prefix, which the cache's final states give; a
         # verifier run along drafts or on new data is a new forward every step.
         raise RecipeError(f"train.cache_verifier_states: with train.data_mode={recipe.train.data_mode}, every step "
@@ -690,6 +694,20 @@ def agreed_forwards(trainer: Trainer, batch: WindowBatch, recipe: Recipe) -> int
     return int(count.item())
 
 
+def rejections_of(trainer: Trainer, batch: WindowBatch, rows: list[dict], recipe: Recipe, position: int
+                  ) -> WindowBatch:
+    """train.data_mode=rejections: `batch`'s rows' windows at the anchors greedy decoding visits where verification
+    rejected the draft (align/onpolicy.py). The verifier runs once for the rows (or its states come from the cache),
+    for the drafter's no-grad pass over every anchor and the trained pass over the rejected ones."""
+    if batch.verifier_states is None:
+        batch.verifier_states = verifier_states(trainer.verifier, batch.clean_ids,
+                                                trainer.engine.module.config.aux_hidden_state_layer_ids,
+                                                with_last=recipe.train.reads_verifier_distributions())
+    t = recipe.train
+    return rejection_batch(trainer.engine.module, trainer.spec, trainer.verifier, batch, rows, t.gamma,
+                           t.windows_per_sequence, trainer.pad_id, np.random.default_rng([t.seed, position, 1]))
+
+
 def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recipe: Recipe, num_windows: int,
                    num_tokens: int) -> dict[str, torch.Tensor]:
     """Each weighted loss of the recipe on one micro-batch, normalised by the whole step's window/token counts."""
@@ -763,13 +781,6 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                              np.random.default_rng([t.seed, p]), max_len=t.max_sequence_length).to(trainer.device)
                for p, rows in zip(positions, micro_rows)]
-    # Normalise by the whole step's counts over every rank, so accumulation and data parallelism change nothing.
-    counts = torch.tensor([sum(b.num_windows for b in batches), sum(int(b.target_mask.sum()) for b in batches)],
-                          dtype=torch.float64, device=trainer.device)
-    if world > 1:
-        dist.all_reduce(counts)
-    scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
-    totals: dict[str, float] = {}
     if trainer.states is not None:  # the rows' verifier states: read where a step computed them already
         layer_ids = trainer.engine.module.config.aux_hidden_state_layer_ids
         with_last = recipe.train.reads_verifier_distributions()  # the final states too: KD losses' logits
@@ -777,6 +788,16 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
             batch.verifier_states = batch_states(
                 trainer.states, ids, batch.clean_ids,
                 lambda clean: verifier_states(trainer.verifier, clean, layer_ids, with_last=with_last))
+    if t.data_mode == "rejections":
+        batches = [rejections_of(trainer, batch, rows, recipe, p)
+                   for batch, rows, p in zip(batches, micro_rows, positions)]
+    # Normalise by the whole step's counts over every rank, so accumulation and data parallelism change nothing.
+    counts = torch.tensor([sum(b.num_windows for b in batches), sum(int(b.target_mask.sum()) for b in batches)],
+                          dtype=torch.float64, device=trainer.device)
+    if world > 1:
+        dist.all_reduce(counts)
+    scale = t.gradient_accumulation_steps * world  # DeepSpeed divides by both; undo it for an exact sum
+    totals: dict[str, float] = {}
     for rows, batch in zip(micro_rows, batches):
         # max(1, ·): a step may draw no window at all (train.max_sequence_length filled by its prompts); its losses
         # are then 0 rather than 0 / 0

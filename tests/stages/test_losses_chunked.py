@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from align import losses
-from align.losses import WINDOW_LOSSES, mdlm, next_token
+from align.losses import WINDOW_LOSSES, mdlm, next_token, normalisation
 from align.memory_probe import peak_bytes
 
 
@@ -65,6 +65,17 @@ def _ref_jsd(d, v, m, n, beta=0.5):
     return ((beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)) * m).sum() / n
 
 
+def _ref_draft_opd(d, v, m, n):
+    with torch.no_grad():
+        wrong = (d.argmax(-1) != v.argmax(-1)) & m
+        before = torch.cumsum(wrong.int(), -1) - wrong.int()
+        seen, rejected = m & (before == 0), wrong & (before == 0)
+    log_q, log_p = torch.log_softmax(d.float(), -1), torch.log_softmax(v.float(), -1)
+    log_q_kept = torch.log_softmax(d.float().masked_fill(log_p == float("-inf"), float("-inf")), -1)  # as rkl
+    decay = 0.8 ** _positions(d)
+    return ((_kl(log_p, log_q) * seen).sum() + (decay * _kl(log_q_kept, log_p) * rejected).sum()) / n
+
+
 def _positions(d):
     return torch.arange(d.shape[1], dtype=torch.float32)
 
@@ -83,6 +94,7 @@ REFERENCE = {
     "tvd": lambda d, v, m, n: (0.5 * (torch.softmax(v.float(), -1) - torch.softmax(d.float(), -1)).abs().sum(-1)
                                * m).sum() / n,
     "jsd": _ref_jsd,
+    "draft_opd": _ref_draft_opd,
 }
 
 
@@ -91,9 +103,7 @@ def test_every_window_loss_has_a_reference():
 
 
 def _call(name, fn, draft, other, mask, n):
-    kwargs = {"num_windows": n} if name in ("streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce",
-                                             "first_error_focal", "chain", "streak_tv") else {"num_tokens": n}
-    return fn(draft, other, mask, **kwargs)
+    return fn(draft, other, mask, **normalisation(name, n, n))  # num_windows or num_tokens, as LOSSES declares
 
 
 def _inputs(windows, gamma, vocab, seed, topk=None):
@@ -211,7 +221,7 @@ def _loss_peak(name, lm_head, windows):
 
 
 @pytest.mark.slow  # dequantising the real LM head takes ~30 s
-@pytest.mark.parametrize("name", ["streak", "fkl", "jsd"])
+@pytest.mark.parametrize("name", ["streak", "fkl", "jsd", "draft_opd"])
 def test_real_vocabulary_loss_memory_is_bounded_beyond_the_logits_gradient(name, gemma_lm_head):
     assert gemma_lm_head.shape[0] == 262_144
     (small, small_grad), (large, large_grad) = (_loss_peak(name, gemma_lm_head, w) for w in (4, 8))
