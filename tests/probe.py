@@ -1712,12 +1712,16 @@ def foreign_cases() -> list[Case]:
         ("bf16 as a plain boolean", '{"bf16": true}', "train.bf16"),
         ("gradient clipping of its own", '{"gradient_clipping": 5.0}', "train.grad_clip"),
         ("accumulation steps as a string", '{"gradient_accumulation_steps": "1"}', "gradient_accumulation_steps"),
-        ("steps_per_print a string", '{"steps_per_print": "often"}', "steps_per_print"),
-        ("an unknown key", '{"zero_optimisation": {"stage": 2}}', "zero_optimisation"),
+        # align/deepspeed_json.py (check_deepspeed_json): DeepSpeed's types, its keys, the offloads the stage runs
+        ("steps_per_print a string", '{"steps_per_print": "often"}',
+         "steps_per_print: Input should be a valid integer"),
+        ("an unknown key", '{"zero_optimisation": {"stage": 2}}', "did you mean 'zero_optimization'?"),
         ("NVMe offload without a path", '{"zero_optimization": {"offload_param": {"device": "nvme"}}}',
-         "offload_param"),
+         "zero_optimization.offload_param: DeepSpeed offloads it only under ZeRO-3"),
+        # the base recipe's train.zero_stage is 0: the optimizer offload is what DeepSpeed would drop (fp16
+        # communication is a valid DeepSpeed setting, which gloo runs)
         ("a CUDA-only setting on a CPU run", '{"zero_optimization": {"offload_optimizer": {"device": "cpu", '
-         '"pin_memory": true}}, "communication_data_type": "fp16"}', "communication_data_type"),
+         '"pin_memory": true}}, "communication_data_type": "fp16"}', "zero_optimization.offload_optimizer"),
     ]
     for what, content, expect in ds:
         add(refuse(f"deepspeed JSON: {what}", "52", ["train", "{R}", f"train.deepspeed_config={S}/bad/ds.json",

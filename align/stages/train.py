@@ -41,6 +41,7 @@ from align.checkpoint import (commit_state, is_adapter_folder, merged_model, sav
 from align.config import Recipe, RecipeError, first_line
 from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
 from align.decoding.specdiff import specdiff_generate
+from align.deepspeed_json import check_deepspeed_json
 from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
@@ -429,6 +430,7 @@ def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
         return derived
     given = read_deepspeed_config(t.deepspeed_config)
     merged = merge_deepspeed_config(derived, given)
+    check_deepspeed_json(given, merged, t.deepspeed_config)  # types, names, offloads: as DeepSpeed reads them
     if "offload_optimizer" in merged["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in given:
         # align's optimizer is a torch AdamW (no C++ build), which DeepSpeed refuses to offload unless told: it steps
         # the offloaded fp32 state on the CPU as its own CPU Adam would, more slowly.
