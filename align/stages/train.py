@@ -196,9 +196,11 @@ def resume_step(out: Path) -> int:
 
 def models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
-    on-policy) and for the final real τ."""
+    on-policy), for the final real τ, and for a DFlash drafter.path, which reads its hidden states in every step (so
+    that its layer ids are checked against that verifier before launching, and its weights are a resume's too)."""
     t = recipe.train
-    labels = ("verifier.path",) if t.labels_online() or t.final_eval_prompts else ()
+    dflash_path = recipe.dflash is None and drafter_kind(recipe) == "dflash"
+    labels = ("verifier.path",) if t.labels_online() or t.final_eval_prompts or dflash_path else ()
     return tuple(dict.fromkeys(drafter_reads(recipe) + labels))
 
 

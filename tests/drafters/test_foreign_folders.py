@@ -264,3 +264,16 @@ def test_serve_check_refuses_an_edited_folder_before_vllm_starts(capsys, started
     err = capsys.readouterr().err
     assert code == 2 and not started and err.count("\n") == 1, err
     assert f"serve_check.drafter: {folder}: model.safetensors's fc.weight is missing" in err, err
+
+
+def test_train_checks_a_dflash_folder_against_the_verifier_it_reads_before_launching(capsys, started, built, folders,
+                                                                                    tmp_path):
+    """`align train` on a speculators folder (no dflash section) loads the verifier for its hidden states in every
+    step, so the folder's layer ids are checked against that verifier before launching, with no final τ asked."""
+    folder = edited(folders["full"], tmp_path / "deep",
+                    config=lambda r: r.__setitem__("aux_hidden_state_layer_ids", [1, 3, 99]))
+    code = main(["train", "recipes/tiny/dflash.yaml", "dflash=null", f"drafter.path={folder}",
+                 "train.final_eval_prompts=0", f"train.out={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not started and not built and err.count("\n") == 1, err
+    assert "must be below the verifier's 7 layers" in err and not (tmp_path / "run").exists()
