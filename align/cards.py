@@ -112,12 +112,29 @@ def data_source(value: Optional[str], default: str) -> DataSource:
     if local.is_file():
         with local.open("rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: prompt files can be large
-        return DataSource(None, local.name, f"`{local.name}` (a local file, sha256 `{digest}`)")
+        return DataSource(None, local.name, f"`{local.name}` (a local file, sha256 `{digest}`)"
+                          + made_by_align(local, digest))
     if local.is_dir():
         return DataSource(None, local.resolve().name, f"`{local.resolve().name}` (a local dataset folder)")
     if is_hub_id(value):
         return DataSource(value, value, f"[{value}]({HUB}/datasets/{value})")
     return DataSource(None, local.name, f"`{local.name}` (a local file, not found at export)")
+
+
+def made_by_align(file: Path, digest: str) -> str:
+    """Where a prompt file an align stage wrote came from, and its licence situation (`align sharegpt`'s manifest
+    beside it, when it still lists this very file): "" for any other file."""
+    try:
+        manifest = json.loads((file.parent / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(manifest, dict) or (manifest.get("files") or {}).get(file.name) != digest:
+        return ""
+    if "licence" not in manifest:
+        return ""
+    source = manifest.get("source") or {}
+    origin = source.get("package") or Path(str(source.get("file", "?"))).name
+    return f", written by `align {manifest.get('stage')}` from {origin}. {manifest['licence']}"
 
 
 def hardware(machine: dict[str, Any]) -> str:

