@@ -114,7 +114,8 @@ def check_data(recipe: Recipe) -> TrainData:
     online = t.labels_online()
     rows = load_checked_trajectories(recipe)
     # A DFlash step has the verifier's exact distributions: it runs the verifier (or reads its cached states) anyway.
-    if t.reads_verifier_distributions() and not online and recipe.dflash is None and "topk_ids" not in rows.column_names:
+    if t.reads_verifier_distributions() and not online and not drafts_from_states(recipe) \
+            and "topk_ids" not in rows.column_names:
         raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "
                           "trajectories.store_topk > 0 when making the trajectories")
     longest = max(len(c) for c in rows["completion_ids"])
@@ -194,13 +195,19 @@ def resume_step(out: Path) -> int:
     return int(STEP_FOLDER.match(tag).group(1)) if tag else 0
 
 
+def drafts_from_states(recipe: Recipe) -> bool:
+    """Whether the drafter trained is a DFlash drafter (a new one, the dflash section, or drafter.path's, from its
+    config alone): it reads the verifier's hidden states in every step, from which KD losses get the verifier's exact
+    distributions too."""
+    return recipe.dflash is not None or drafter_kind(recipe) == "dflash"
+
+
 def models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
     on-policy), for the final real τ, and for a DFlash drafter.path, which reads its hidden states in every step (so
     that its layer ids are checked against that verifier before launching, and its weights are a resume's too)."""
     t = recipe.train
-    dflash_path = recipe.dflash is None and drafter_kind(recipe) == "dflash"
-    labels = ("verifier.path",) if t.labels_online() or t.final_eval_prompts or dflash_path else ()
+    labels = ("verifier.path",) if t.labels_online() or t.final_eval_prompts or drafts_from_states(recipe) else ()
     return tuple(dict.fromkeys(drafter_reads(recipe) + labels))
 
 
@@ -240,7 +247,7 @@ def check_train(recipe: Recipe) -> None:
         if recipe.train.activation_checkpointing:  # said before any folder is written, not once the models are built
             raise RecipeError("train.activation_checkpointing: the DFlash drafter does not support gradient "
                               "checkpointing (two layers: little to save); set train.activation_checkpointing=false")
-    if recipe.train.data_mode == "rejections" and recipe.dflash is None and drafter_kind(recipe) != "dflash":
+    if recipe.train.data_mode == "rejections" and not drafts_from_states(recipe):
         raise RecipeError(f"train.data_mode: rejections walks the anchors a DFlash drafter's block-parallel drafts "
                           f"visit; {recipe.drafter.path} is a {drafter_kind(recipe)} drafter (use on_policy)")
     if recipe.train.cache_verifier_states and recipe.train.data_mode not in ("offline", "rejections"):
