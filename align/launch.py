@@ -19,6 +19,7 @@ import socket
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -377,6 +378,39 @@ def launch_port(args: argparse.Namespace) -> Optional[int]:
     return free_port()
 
 
+# The variables a rank of align reads (ALIGN_*, DEEPSPEED_TIMEOUT, its threads) and the Hugging Face libraries and
+# trackers it drives read (offline mode, caches, tokens). DeepSpeed's pdsh runner gives a remote host's ranks only the
+# NCCL/PYTHON/UCX/MV2/MLFLOW variables (and its accelerator's) of the launching shell; the rest must be in the env file
+# it reads (its documented .deepspeed_env), which align writes for the launch.
+FORWARDED_PREFIXES = ("ALIGN_", "DEEPSPEED_TIMEOUT", "OMP_NUM_THREADS", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
+                      "TOKENIZERS_", "WANDB_", "TRACKIO_")
+DS_ENV_FILE = ".deepspeed_env"  # DeepSpeed's name for it (its DS_ENV_FILE variable renames it)
+
+
+def escaped_for_export(value: str) -> str:
+    """A value as DeepSpeed's pdsh runner needs it in its env file: it writes `export KEY=value;` into the remote
+    shell's command, in double quotes when the value has a character outside [\\w@%+=:,./-] (ALIGN_HELD_LOCKS is
+    JSON), so \\ " $ ` are escaped for them (a value with none of those characters is unchanged)."""
+    return re.sub(r'([\\"$`])', r"\\\1", value)
+
+
+def remote_env_file(env: dict[str, str]) -> Path:
+    """A DeepSpeed env file ('KEY=value' lines) of the launching environment's FORWARDED_PREFIXES variables, then the
+    lines of the user's own .deepspeed_env files (home, then here, as DeepSpeed reads them: theirs win), since
+    DS_ENV_FILE pointing at this file makes DeepSpeed read it in their place."""
+    lines = [f"{key}={escaped_for_export(value)}" for key, value in sorted(env.items())
+             if key.startswith(FORWARDED_PREFIXES) and "\n" not in value]
+    name = env.get("DS_ENV_FILE", DS_ENV_FILE)
+    for place in (Path.home(), Path.cwd()):
+        own = place / name
+        if own.is_file():
+            lines += [line for line in own.read_text().splitlines() if "=" in line]
+    fd, path = tempfile.mkstemp(prefix="align-deepspeed-env-", text=True)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return Path(path)
+
+
 def run(args: argparse.Namespace) -> int:
     """Launch the stage on every rank; returns its exit status. Raises RecipeError (before anything starts) for
     launcher options that do not go together."""
@@ -387,7 +421,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"align {args.stage}:", " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores
-    process = start_child(cmd, env=env)
-    status = process.wait()  # an interrupt meanwhile: cli stops the whole group (stop_children)
-    forget_child(process)
+    # Other hosts' ranks (a hostfile, reached by pdsh over ssh) start in a login shell without this environment.
+    env_file = remote_env_file(env) if args.hostfile is not None and args.node_rank is None else None
+    if env_file is not None:
+        env["DS_ENV_FILE"] = str(env_file)  # an absolute path: DeepSpeed's join with its folders leaves it as it is
+    try:
+        process = start_child(cmd, env=env)
+        status = process.wait()  # an interrupt meanwhile: cli stops the whole group (stop_children)
+        forget_child(process)
+    finally:
+        if env_file is not None:
+            env_file.unlink(missing_ok=True)
     return status

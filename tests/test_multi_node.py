@@ -5,6 +5,7 @@ running the same 2 ranks, bit for bit. Bad settings are refused in one line, exi
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -106,6 +107,71 @@ def test_two_nodes_by_multi_node_sh_train_as_one_node_does(toy_trajectories, one
         assert f"--no_ssh --node_rank {rank}" in log and "dist_world_size=2" in log, log[-3000:]
         assert "'node-a': [0], 'node-b': [1]" in log, log[-3000:]  # global rank mapping: node-a has rank 0
     assert_same_run(out, one_node)
+
+
+def test_the_env_file_carries_each_value_through_deepspeeds_pdsh_export_to_the_remote_shell(tmp_path, monkeypatch):
+    """align's env file, read line by line as DeepSpeed's runner reads it and exported by its PDSHRunner as the
+    remote shell's command does: every forwarded value arrives as it was (JSON, spaces, $ ` \\ and quotes), the
+    user's own .deepspeed_env wins where it names a variable too, and nothing else is forwarded."""
+    import argparse
+
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    from align.launch import remote_env_file
+
+    sent = {"ALIGN_HELD_LOCKS": json.dumps({"/runs/my run": 123}), "DEEPSPEED_TIMEOUT": "7",
+            "ALIGN_ODD": 'a$b`c\\d"e f', "HF_HOME": "/ours", "UNRELATED": "left here"}
+    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("HF_HOME=/theirs\n")
+    file = remote_env_file(sent)
+    runner = PDSHRunner(argparse.Namespace(user_args=[], user_script="align/train.py"), "")
+    for line in file.read_text().splitlines():
+        key, value = line.split("=", maxsplit=1)
+        runner.add_export(key, value)
+    file.unlink()
+    exports = "".join(f"export {key}={value}; " for key, value in runner.exports.items())  # as PDSHRunner.get_cmd
+    shown = subprocess.run(["env", "-i", "bash", "-c", exports + f"{sys.executable} -c 'import json, os; "
+                            "print(json.dumps(dict(os.environ)))'"], capture_output=True, text=True, check=True)
+    received = json.loads(shown.stdout)
+    assert {key: received.get(key) for key in sent} == {**sent, "HF_HOME": "/theirs", "UNRELATED": None}
+
+
+# pdsh as DeepSpeed's runner calls it (pdsh -S -f N -w host1,host2 <command>): each host's command runs in a shell that,
+# as an ssh login does, has none of the caller's environment, its %n the host's index in the list.
+FAKE_PDSH = r"""#!/usr/bin/env bash
+while [ $# -gt 0 ]; do case "$1" in -S) shift ;; -f) shift 2 ;; -w) hosts=$2; shift 2 ;; *) break ;; esac; done
+n=0; pids=""
+for host in $(echo "$hosts" | tr , ' '); do
+  env -i HOME="$HOME" PATH=/usr/bin:/bin bash -c "$(echo "$*" | sed "s/%n/$n/g")" & pids="$pids $!"; n=$((n + 1))
+done
+status=0; for pid in $pids; do wait $pid || status=1; done; exit $status
+"""
+
+
+@pytest.mark.slow  # a 2-rank DeepSpeed run
+def test_ranks_reached_over_pdsh_get_the_environment_align_reads(toy_trajectories, one_node, tmp_path):
+    """A hostfile's hosts are reached by pdsh over ssh, whose shell has none of the launching environment (issue 51):
+    here a pdsh that runs each host's command under `env -i`, and an ssh that answers the runner's reachability
+    check. DEEPSPEED_TIMEOUT reaches rank 0 (which says the timeout it read), the lock align's launcher holds for the
+    ranks (ALIGN_HELD_LOCKS) reaches both, and the run trains as one node does."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, text in (("pdsh", FAKE_PDSH), ("ssh", "#!/bin/sh\nexit 0\n")):
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "align.cli", "train", *recipe_args(toy_trajectories, out), "--hostfile",
+           str(hostfile), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    [(status, log)] = run_all([(cmd, env(DEEPSPEED_TIMEOUT="7", PATH=f"{tools}:{os.environ['PATH']}"))])
+    assert status == 0, log[-3000:]
+    assert "pdsh" in log and "a rank waits up to 7 min" in log, log[-3000:]
+    assert_same_run(out, one_node)
+    # the runner read align's env file for the launch, which is removed after it
+    [env_file] = set(re.findall(r"deepspeed_env file = (\S+)", log))
+    assert "align-deepspeed-env-" in env_file and not Path(env_file).exists()
 
 
 @pytest.mark.slow  # a 1-rank DeepSpeed run
