@@ -31,7 +31,7 @@ def num_accepted(drafts: torch.Tensor, targets: torch.Tensor, target_mask: torch
     return matches.long().cumprod(-1).sum(-1)
 
 
-def visited_windows(completion_len: int, accepted: list[int], gamma: int) -> list[tuple[int, int]]:
+def visited_windows(completion_len: int, accepted: list[int]) -> list[tuple[int, int]]:
     """The walk of greedy chain decoding over one completion: (offset into the completion of the first drafted
     position, drafts kept there) at each anchor visited. accepted: drafts kept at every offset 0..completion_len−1.
     The first is offset 1: the prefill's forward gives the completion's first token, and the drafter drafts after it."""
@@ -87,7 +87,7 @@ def rejection_batch(model: Any, spec: DrafterSpec, verifier: Any, batch: WindowB
     accepted = num_accepted(drafts, everywhere.targets, everywhere.target_mask).tolist()
     picked, seen = [], []
     for b, (p, n) in enumerate(zip(prompt_lens, lengths)):
-        rejected = [(offset, kept) for offset, kept in visited_windows(n - p, accepted[b], gamma)
+        rejected = [(offset, kept) for offset, kept in visited_windows(n - p, accepted[b])
                     if kept < min(gamma, n - p - offset)]  # a draft wholly kept, or the completion's end: no rejection
         if len(rejected) > windows:
             rejected = [rejected[i] for i in sorted(rng.choice(len(rejected), size=windows, replace=False))]

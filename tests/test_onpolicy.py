@@ -87,7 +87,7 @@ def test_the_walk_over_every_anchor_is_the_runtime_s_greedy_chain_decoding(pair)
         drafts = logits.argmax(-1)
         drafts = drafts if vocab is None else vocab.target_ids[drafts]
         accepted = num_accepted(drafts, everywhere.targets, everywhere.target_mask)[0].tolist()
-        walk = visited_windows(len(answer), accepted, GAMMA)
+        walk = visited_windows(len(answer), accepted)
         assert walk == runtime_walk(verifier, drafter, prompt)
         kept_any |= any(kept > 0 for _, kept in walk)
         rejected_any |= any(kept < min(GAMMA, len(answer) - offset) for offset, kept in walk)
