@@ -548,6 +548,9 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
     body += ["## Serve with vLLM", "",
              "`\"method\": \"dflash\"` is needed unless the drafter's path contains `dflash` (vLLM 0.32 guesses the "
              "method from the path, and runs any other as a standalone draft model).", "",
+             *([f"{k} draft tokens a step of the {config['block_size'] - 1} its blocks draft (the folder's "
+                "`speculative_tokens`, chosen at export): fewer tokens to verify per request keep the drafter from "
+                "slowing a server whose batches are full.", ""] if k < config["block_size"] - 1 else []),
              "```bash", f"vllm serve {verifier_ref} --speculative-config "
              f"'{{\"method\": \"dflash\", \"model\": \"{name}\", \"num_speculative_tokens\": {k}}}'", "```", "",
              "```python", "from vllm import LLM, SamplingParams", "",

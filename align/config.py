@@ -479,6 +479,11 @@ class ExportSection(Section):
     #: the verifier's Hub id (org/name), for the card's snippets and the speculators config when verifier.path is a
     #: local folder (whose path the folder never names); None: the verifier's own id, else a placeholder
     verifier_hub_id: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    #: format speculators: the draft tokens per step that `vllm serve <the folder>` serves and the card's commands
+    #: pass (the speculators config's `speculative_tokens`), at most the drafter's block_size − 1; None: all a block
+    #: drafts. Fewer verify fewer tokens per request, which is what keeps a drafter from slowing a server whose
+    #: batches are full (`align serve-check ... decode.gamma=<k>` measures a setting at several concurrencies)
+    num_speculative_tokens: Optional[int] = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> "ExportSection":
@@ -490,6 +495,9 @@ class ExportSection(Section):
                              "license_name and license_link")
         if self.license == "other" and not (self.license_name and self.license_link):
             raise ValueError("license other needs license_name and license_link (the Hub shows them in its place)")
+        if self.num_speculative_tokens is not None and self.format != "speculators":
+            raise ValueError("num_speculative_tokens is what vLLM serves from a speculators folder; set "
+                             "format=speculators, or leave it unset")
         return self
 
 

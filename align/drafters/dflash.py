@@ -464,9 +464,15 @@ SPECULATORS_CONFIG_VERSION = "0.9.0"  # the speculators release whose DFlash con
 
 
 def speculators_config(config: DFlashConfig, verifier_path: str, verifier_architectures: list[str],
-                       dtype: torch.dtype) -> dict[str, Any]:
+                       dtype: torch.dtype, speculative_tokens: Optional[int] = None) -> dict[str, Any]:
     """config.json of speculators' `DFlashSpeculatorConfig` for this drafter. The draft layers are described as a
-    Qwen3 config (vLLM's qwen3_dflash reads it: always q/k norms, no attention bias)."""
+    Qwen3 config (vLLM's qwen3_dflash reads it: always q/k norms, no attention bias). speculative_tokens: the draft
+    tokens a step serves (`vllm serve <folder>` reads them from the proposal method); None: all a block drafts."""
+    if speculative_tokens is None:
+        speculative_tokens = config.block_size - 1
+    if not 1 <= speculative_tokens <= config.block_size - 1:
+        raise ValueError(f"speculative_tokens {speculative_tokens}: the drafter's blocks draft 1 to "
+                         f"{config.block_size - 1} tokens")
     layer = {
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
@@ -494,7 +500,7 @@ def speculators_config(config: DFlashConfig, verifier_path: str, verifier_archit
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_path, "architectures": list(verifier_architectures)},
@@ -516,9 +522,10 @@ def speculators_weights(drafter: DFlashDrafter, verifier: Any) -> dict[str, torc
 
 
 def write_speculators_folder(drafter: DFlashDrafter, verifier: Any, verifier_path: str, tokenizer: Any,
-                             folder: Any) -> dict[str, Any]:
+                             folder: Any, speculative_tokens: Optional[int] = None) -> dict[str, Any]:
     """The files vLLM loads, as speculators saves them: config.json, model.safetensors (`speculators_weights`) and the
-    tokenizer, into the existing `folder`. Returns the config (`align export` and `align serve-check` both write it)."""
+    tokenizer, into the existing `folder`; speculative_tokens as `speculators_config`'s. Returns the config
+    (`align export` and `align serve-check` both write it)."""
     import json
     from pathlib import Path
 
@@ -526,7 +533,7 @@ def write_speculators_folder(drafter: DFlashDrafter, verifier: Any, verifier_pat
 
     folder = Path(folder)
     config = speculators_config(drafter.config, verifier_path, list(verifier.config.architectures or []),
-                                drafter.fc.weight.dtype)
+                                drafter.fc.weight.dtype, speculative_tokens)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.cpu() for k, v in speculators_weights(drafter, verifier).items()},
               str(folder / "model.safetensors"), metadata={"format": "pt"})

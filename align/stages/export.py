@@ -24,7 +24,7 @@ from align.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, adapt
 from align.config import ExportSection, Recipe, RecipeError
 from align.disk import CHECKSUMS, MARKER, atomic_folder, non_finite_weights
 from align.hub import hub_offline
-from align.preflight import check_file, check_inputs, drafter_kind, read_eval
+from align.preflight import check_file, check_inputs, drafter_kind, load_model_config, model_section, read_eval
 from align.provenance import Origin, origin, scrub, scrub_folder
 
 EXIT_UPLOAD_FAILED = 1
@@ -119,7 +119,8 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     # The config names its verifier: by export.verifier_hub_id when set (a local verifier's path is cut to its
     # folder's name with the machine's other paths).
     config = write_speculators_folder(drafter, load_verifier(recipe.verifier),
-                                      recipe.export.verifier_hub_id or recipe.verifier.path, tokenizer, tmp)
+                                      recipe.export.verifier_hub_id or recipe.verifier.path, tokenizer, tmp,
+                                      recipe.export.num_speculative_tokens)
     evaluation, meta = copy_run_records(recipe, source, tmp)
     (tmp / "README.md").write_text(speculators_card(config, meta, evaluation, recipe, command))
     copy_licence_file(recipe, origin(recipe.verifier.path), tmp)
@@ -219,6 +220,12 @@ def check(recipe: Recipe) -> None:
     if recipe.export.format == "speculators" and drafter_kind(recipe) != "dflash":
         raise RecipeError(f"export.format: speculators takes a DFlash drafter; {recipe.drafter.path} is a standalone "
                           "diffusion drafter (export.format=align)")
+    tokens = recipe.export.num_speculative_tokens
+    if tokens is not None:
+        block_size = load_model_config("drafter.path", model_section(recipe, "drafter.path")).block_size
+        if tokens > block_size - 1:
+            raise RecipeError(f"export.num_speculative_tokens: {tokens}, but the drafter's blocks draft "
+                              f"{block_size - 1} tokens (block_size {block_size}); set {block_size - 1} or fewer")
     if recipe.export.eval is not None:
         read_eval(recipe.export.eval, "export.eval", ("tau", "speedup"))
     # The training run's records beside a checkpoint go into the card (its recipe, base model, final τ).

@@ -108,6 +108,15 @@ def identity_problems(identical: dict[str, bool], dtype: str) -> tuple[list[str]
                 "where forwards of other shapes and engines round differently (the token-for-token check is float32)")
 
 
+def exported_speculative_tokens(folder: Path) -> Optional[int]:
+    """The draft tokens a speculators folder says to serve (its first proposal method's), if it says."""
+    spec = json.loads((folder / "config.json").read_text()).get("speculators_config")
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    first = methods[0] if isinstance(methods, list) and methods else None
+    tokens = first.get("speculative_tokens") if isinstance(first, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
 def served(result: ServeResult, reference: list[list[int]]) -> dict[str, Any]:
     differ = [i for i, (got, want) in enumerate(zip(result.outputs, reference)) if got != want]
     return {"identical": not differ, "differing_prompts": differ, "tokens_per_second": result.tokens_per_second,
@@ -173,6 +182,10 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
             spec = drafter_spec_from_config(drafter.config)
         prompts = [ids.to(verifier.device) for ids in prompts]
         print(f"serve-check: {len(prompts)} prompts, {d.max_new_tokens} new tokens, γ={d.gamma}, drafter {s.drafter}")
+        exported = exported_speculative_tokens(folder) if kind != "align" else None
+        if exported is not None and exported != d.gamma:
+            print(f"serve-check: serving γ={d.gamma} (decode.gamma); `vllm serve` of this folder serves its own "
+                  f"{exported} (export.num_speculative_tokens)")
 
         # align's runtime: AR greedy (the reference) and specdiff with the drafter, one warm-up prompt first.
         ar_generate(verifier, prompts[0], min(d.max_new_tokens, 8), Sampling(), eos_ids=eos_ids)
@@ -232,6 +245,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
                   "vllm_speedup": drafted.tokens_per_second / plain.tokens_per_second},
         "meta": {"command": command, "recipe": recipe.to_dict(), "drafter": s.drafter, "drafter_format": kind,
                  "num_prompts": len(prompts), "max_new_tokens": d.max_new_tokens, "gamma": d.gamma,
+                 "exported_speculative_tokens": exported,
                  "prompts_sha256": prompt_ids_sha256(prompt_ids), "dtype": vllm_dtype(verifier.dtype),
                  "vllm": plain.vllm_version, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "machine": served_on()},

@@ -364,3 +364,42 @@ def test_eval_json_names_each_drafter_so_that_it_resolves_from_anywhere(compared
          "weights_sha256": weights_sha256(run / "aligned")}]
     assert weights_sha256(run / "base") == hashlib.sha256((run / "base" / "model.safetensors").read_bytes()).hexdigest()
     assert meta["exact_match_semantics"]["dtype"] == "float32" and meta["exact_match_semantics"]["device"] == "cpu"
+
+
+def test_a_speculators_export_carries_the_draft_tokens_chosen_for_serving(tmp_path, capsys):
+    """export.num_speculative_tokens is written where `vllm serve <folder>` reads it (the first proposal method's
+    speculative_tokens) and into the card's commands; more than a block drafts, or on an align-format export, is
+    refused in one line before anything is written."""
+    from align.checkpoint import save_merged
+    from align.config import DFlashSection, VerifierSection
+    from align.drafters.loading import new_dflash_drafter
+    from align.models import load_tokenizer
+
+    verifier = str(ROOT / "checkpoints" / "tiny" / "verifier")
+    tokenizer = load_tokenizer(verifier)
+    torch.manual_seed(0)
+    section = VerifierSection(path=verifier, device="cpu", dtype="float32")
+    drafter, _ = new_dflash_drafter(section, DFlashSection(aux_layer_ids=[1]), section, tokenizer.mask_token_id, 4)
+    save_merged(drafter, tokenizer, tmp_path / "step_1", {})  # blocks of 5: 4 draft tokens
+    common = ["recipes/tiny/dflash.yaml", f"verifier.path={verifier}", f"drafter.path={tmp_path / 'step_1'}",
+              "export.format=speculators"]
+
+    assert main(["export", *common, f"export.out={tmp_path / 'two'}", "export.num_speculative_tokens=2"]) in (0, None)
+    config = json.loads((tmp_path / "two" / "config.json").read_text())
+    assert config["block_size"] == 5 and config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    card = (tmp_path / "two" / "README.md").read_text()
+    assert card.count('"num_speculative_tokens": 2') == 2 and "2 draft tokens a step of the 4" in card
+    assert main(["export", *common, f"export.out={tmp_path / 'all'}"]) in (0, None)
+    config = json.loads((tmp_path / "all" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert "draft tokens a step of the" not in (tmp_path / "all" / "README.md").read_text()
+
+    capsys.readouterr()
+    for extra, said in [(["export.num_speculative_tokens=5"], "export.num_speculative_tokens: 5, but the drafter's "
+                                                               "blocks draft 4 tokens"),
+                        (["export.num_speculative_tokens=2", "export.format=align"], "format=speculators"),
+                        (["export.num_speculative_tokens=0"], "export.num_speculative_tokens")]:
+        assert main(["export", *common, f"export.out={tmp_path / 'refused'}", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "refused").exists()

@@ -162,3 +162,18 @@ def test_differing_outputs_fail_in_float32_and_are_noted_in_bf16():
                                                     None)
     failures, note = identity_problems(differ, "bfloat16")
     assert failures == [] and note.startswith("outputs of vLLM with the drafter differ") and "bfloat16" in note
+
+
+@pytest.mark.parametrize("config, tokens", [
+    ({"speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]}}, 3),
+    ({"speculators_config": {"proposal_methods": []}}, None),
+    ({"speculators_config": {"proposal_methods": {"speculative_tokens": 3}}}, None),
+    ({"speculators_config": {"proposal_methods": [{"speculative_tokens": True}]}}, None),
+    ({"speculators_config": "greedy"}, None),
+    ({}, None),
+])
+def test_the_folders_own_draft_tokens_are_read_where_vllm_reads_them(tmp_path, config, tokens):
+    from align.stages.serve_check import exported_speculative_tokens
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert exported_speculative_tokens(tmp_path) == tokens
