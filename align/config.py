@@ -145,8 +145,12 @@ class TrajectoriesSection(Section):
     num_prompts: Optional[int] = Field(default=None, ge=1)
     #: verifier top-k log-probs stored per completion position, for KD losses; 0: none
     store_topk: int = Field(default=0, ge=0)
-    #: prompts per verifier batch
+    #: prompts per verifier batch; chunks are cut from the prompts longest first, so that a batch is padded to
+    #: lengths alike and the first chunk meets the largest memory need
     batch_size: int = Field(default=8, ge=1)
+    #: prompts of more tokens than this (as the verifier reads them, chat template included) are left out and
+    #: counted; None: every prompt the verifier's context holds. One long prompt pads its whole batch to its length
+    max_prompt_tokens: Optional[int] = Field(default=None, ge=1)
     # vLLM batches continuously and is faster for large runs; it runs in its own environment (launch/setup_vllm.sh).
     # Greedy float32 completions are token-identical between the two; sampled ones differ (other random streams).
     #: who generates the completions: hf (transformers generate) or vllm

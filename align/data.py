@@ -456,7 +456,10 @@ def read_trajectory_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def load_trajectories(path: str | Path) -> Any:
-    """All chunks as one `datasets.Dataset`, each Arrow file checked against the manifest's checksum first."""
+    """All chunks as one `datasets.Dataset` in prompt order (by `prompt_index`, a prompt's completions in the order
+    sampled), each Arrow file checked against the manifest's checksum first. Chunks are cut longest prompt first for
+    the verifier's batches (stages/trajectories.py): that order is the sampler's, not the data's."""
+    import numpy as np
     from datasets import concatenate_datasets, load_from_disk
 
     path = Path(path)
@@ -473,7 +476,14 @@ def load_trajectories(path: str | Path) -> Any:
         except Exception as e:
             raise RecipeError(f"trajectories: {path / 'chunks' / name} cannot be read ({first_line(e)}); delete it "
                               "and rerun align trajectories to regenerate it") from None
-    return concatenate_datasets(parts)
+    data = concatenate_datasets(parts)
+    if "prompt_index" not in data.column_names:
+        return data
+    prompt_index = np.asarray(data["prompt_index"])
+    if np.all(prompt_index[1:] >= prompt_index[:-1]):
+        return data
+    # an index mapping held in memory: a cache file would land inside the checksummed chunk folders
+    return data.select(np.argsort(prompt_index, kind="stable"), keep_in_memory=True)
 
 
 # recipe key -> its entry in the trajectories manifest's settings: trajectories made otherwise are not the data this

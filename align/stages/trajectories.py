@@ -43,8 +43,8 @@ SETTING_KEYS: dict[str, str] = {
     "trajectories.completions_per_prompt": "completions_per_prompt", "trajectories.store_topk": "store_topk",
     "trajectories.batch_size": "batch_size", "trajectories.backend": "backend", "train.seed": "seed",
 }
-PROMPT_KEYS = ("trajectories.num_prompts", "data.train_prompts", "data.train_split", "data.prompt_column",
-               "data.chat_template", "data.dir")
+PROMPT_KEYS = ("trajectories.num_prompts", "trajectories.max_prompt_tokens", "data.train_prompts", "data.train_split",
+               "data.prompt_column", "data.chat_template", "data.dir")
 
 
 def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[str],
@@ -52,6 +52,8 @@ def settings_of(recipe: Recipe, prompt_ids: list[list[int]], template: Optional[
     return {
         **{name: get_key(recipe, key) for key, name in SETTING_KEYS.items()},
         "num_prompts": len(prompt_ids),
+        # which prompts each chunk holds (chunk_order): a folder written in another order is another set of chunks
+        "chunk_order": "longest_first",
         # the token ids the verifier read, and the chat template that rendered them (align train compares it)
         "prompts_sha256": prompt_ids_sha256(prompt_ids), "chat_template_sha256": template_sha256(template),
         # where each completion stopped (data.eos_token_ids, as eval stops; align train compares it)
@@ -140,6 +142,50 @@ def sample_chunk(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], rec
     return rows
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation that failed: CUDA's (torch.OutOfMemoryError) or the CPU allocator's, a plain RuntimeError."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
+
+
+def sample_fitting(verifier: Any, tokenizer: Any, prompt_ids: list[list[int]], recipe: Recipe, seed: int,
+                   end_tokens: frozenset[int], where: str, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """`sample_chunk`'s rows and how many times the batch was split: a batch that runs out of memory is retried as
+    two halves (each its own generate() call and seed, seed + its first prompt's offset in the chunk, so that sampled
+    completions of a split chunk differ from an unsplit one's; greedy ones do not), said on the console. One prompt
+    that does not fit is refused in one line, naming the cap that leaves it out; the chunks written stay."""
+    try:
+        return sample_chunk(verifier, tokenizer, prompt_ids, recipe, seed + offset, end_tokens), 0
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not out_of_memory(error):
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the failed batch's blocks, before the halves allocate theirs
+    longest = max(map(len, prompt_ids))
+    if len(prompt_ids) == 1:
+        raise RecipeError(f"trajectories.max_prompt_tokens: {where}: one prompt of {longest} tokens with "
+                          f"{recipe.trajectories.completions_per_prompt} completion(s) of up to "
+                          f"{recipe.trajectories.max_new_tokens} tokens runs out of memory on {verifier.device}; set "
+                          f"trajectories.max_prompt_tokens below {longest} to leave such prompts out, then rerun "
+                          "(the chunks written are kept)")
+    half = len(prompt_ids) // 2
+    tqdm.write(f"trajectories: {where}: {len(prompt_ids)} prompts (the longest {longest} tokens) ran out of memory; "
+               f"retrying as {half} and {len(prompt_ids) - half}")
+    first, first_splits = sample_fitting(verifier, tokenizer, prompt_ids[:half], recipe, seed, end_tokens, where,
+                                         offset)
+    second, second_splits = sample_fitting(verifier, tokenizer, prompt_ids[half:], recipe, seed, end_tokens, where,
+                                           offset + half)
+    return first + second, 1 + first_splits + second_splits
+
+
+def chunk_order(prompt_ids: list[list[int]], max_prompt_tokens: Optional[int]) -> tuple[list[int], int]:
+    """(the indices of the prompts to sample, longest first, ties in order; how many were left out for having more
+    than max_prompt_tokens tokens). Longest first: a chunk's prompts are padded to lengths alike, and a batch too
+    large for the memory is met in the first chunk, not hours in."""
+    kept = [i for i, ids in enumerate(prompt_ids) if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
+    return sorted(kept, key=lambda i: (-len(prompt_ids[i]), i)), len(prompt_ids) - len(kept)
+
+
 def start_vllm(recipe: Recipe) -> VllmRunner:
     """The verifier in a vLLM worker, in the dtype and on the device align would load it with."""
     return verifier_runner(recipe, kv_cache_gib=recipe.trajectories.vllm_cpu_kv_cache_gib, seed=recipe.train.seed,
@@ -176,8 +222,8 @@ def chunk_features(rows: list[dict[str, Any]]) -> Any:
     return Features({name: types[name] for name in rows[0]})
 
 
-def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) -> None:
-    """Write a chunk atomically, with its files' checksums."""
+def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str, splits: int = 0) -> None:
+    """Write a chunk atomically, with its files' checksums (and how often its batch was split to fit the memory)."""
     from datasets import Dataset
 
     with atomic_folder(folder, "trajectories") as tmp:
@@ -185,7 +231,7 @@ def write_chunk(rows: list[dict[str, Any]], folder: Path, settings_hash: str) ->
         checksums = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.arrow"))}
         tokens = sum(len(r["completion_ids"]) for r in rows)
         (tmp / "chunk.json").write_text(json.dumps({"settings": settings_hash, "rows": len(rows), "tokens": tokens,
-                                                    "sha256": checksums}))
+                                                    "sha256": checksums, "out_of_memory_splits": splits}))
 
 
 def chunk_done(folder: Path, settings_hash: str) -> bool:
@@ -229,14 +275,21 @@ def main(recipe: Recipe, command: str) -> None:
     tokenizer = load_tokenizer(recipe.verifier.path, recipe.verifier.trust_remote_code)
     template = chat_template(tokenizer, recipe.data.chat_template, recipe.verifier.path)
     prompts = [render_prompt(tokenizer, p, template) for p in load_prompts(recipe, "data.train_prompts", source)]
+    order, too_long = chunk_order(prompts, t.max_prompt_tokens)
+    if not order:
+        raise RecipeError(f"trajectories.max_prompt_tokens: all {len(prompts)} prompts are longer than "
+                          f"{t.max_prompt_tokens} tokens (the shortest has {min(map(len, prompts))})")
+    if too_long:
+        print(f"trajectories: {too_long} of {len(prompts)} prompts left out, longer than trajectories.max_prompt_tokens"
+              f"={t.max_prompt_tokens} tokens (the longest {max(map(len, prompts))})")
     # The verifier's context bounds each prompt and its completion, as in every stage (eval refuses the same prompts),
     # checked from its config before it loads: training on a continuation past it would teach degraded text.
     context, _ = model_context(recipe, ("verifier.path",))
-    for i, ids in enumerate(prompts):
-        check_context(f"data.train_prompts: prompt {i}", len(ids), "trajectories.max_new_tokens", t.max_new_tokens,
-                      context, "the verifier's")
+    for i in sorted(order):
+        check_context(f"data.train_prompts: prompt {i}", len(prompts[i]), "trajectories.max_new_tokens",
+                      t.max_new_tokens, context, "the verifier's")
     end_tokens = verifier_end_tokens(recipe, tokenizer)  # from its files: vLLM loads no HF model
-    settings = settings_of(recipe, prompts, template, end_tokens)
+    settings = settings_of(recipe, [prompts[i] for i in sorted(order)], template, end_tokens)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(t.out)
     old = out / TRAJECTORY_MANIFEST
@@ -246,19 +299,23 @@ def main(recipe: Recipe, command: str) -> None:
     rank, world = rank_and_world()
     mark_folder(out, "trajectories")  # every check passed
     verifier = start_vllm(recipe) if t.backend == "vllm" else load_verifier(recipe.verifier)
-    produce = sample_chunk_vllm if t.backend == "vllm" else sample_chunk
-    starts = list(range(0, len(prompts), t.batch_size))
+    starts = list(range(0, len(order), t.batch_size))
     mine = [c for c in range(len(starts)) if c % world == rank]
     todo = [c for c in mine if not chunk_done(out / "chunks" / f"chunk-{c:05d}", settings_hash)]
     t0 = time.perf_counter()
     for c in tqdm(todo, desc=f"trajectories (rank {rank})", unit="chunk", disable=rank != 0, dynamic_ncols=True,
                   initial=len(mine) - len(todo), total=len(mine)):
-        chunk_prompts = prompts[starts[c] : starts[c] + t.batch_size]
-        rows = produce(verifier, tokenizer, chunk_prompts, recipe, seed=recipe.train.seed * 1_000_003 + c,
-                       end_tokens=frozenset(end_tokens))
+        indices = order[starts[c] : starts[c] + t.batch_size]  # prompt_index: the prompt's place in data.train_prompts
+        seed = recipe.train.seed * 1_000_003 + c
+        if t.backend == "vllm":  # vLLM schedules its own batches within its KV cache
+            rows, splits = sample_chunk_vllm(verifier, tokenizer, [prompts[i] for i in indices], recipe, seed=seed,
+                                             end_tokens=frozenset(end_tokens)), 0
+        else:
+            rows, splits = sample_fitting(verifier, tokenizer, [prompts[i] for i in indices], recipe, seed,
+                                          frozenset(end_tokens), f"chunk {c}")
         for k, row in enumerate(rows):
-            row["prompt_index"] = starts[c] + k // t.completions_per_prompt
-        write_chunk(rows, out / "chunks" / f"chunk-{c:05d}", settings_hash)
+            row["prompt_index"] = indices[k // t.completions_per_prompt]
+        write_chunk(rows, out / "chunks" / f"chunk-{c:05d}", settings_hash, splits)
     if isinstance(verifier, VllmRunner):  # (after an error, the worker ends by itself when this process does)
         verifier.close()
     if world > 1:
@@ -275,6 +332,8 @@ def main(recipe: Recipe, command: str) -> None:
                     "prompt_split": recipe.data.train_split, "prompt_column": recipe.data.prompt_column,
                     "chat_template": recipe.data.chat_template, "end_token_ids": end_tokens,
                     "topk_dtypes": {"ids": TOPK_ID_DTYPE, "logprobs": TOPK_LOGPROB_DTYPE} if t.store_topk else None,
+                    "prompts_left_out": {"longer_than_max_prompt_tokens": too_long},
+                    "out_of_memory_splits": sum(c.get("out_of_memory_splits", 0) for c in chunks.values()),
                     "rows": sum(c["rows"] for c in chunks.values()),
                     "completion_tokens": sum(c["tokens"] for c in chunks.values()),
                     "chunks": {name: c["sha256"] for name, c in chunks.items()},
