@@ -82,8 +82,10 @@ if [ -n "$spec_bench" ]; then
 fi
 $align export $diffusion drafter.path="$diffusion_step" export.eval=checkpoints/smollm2/eval/eval.json "$@"
 stamp "diffusion export"
-# vLLM without and with the exported DFlash drafter, beside align's runtime, on the GSM8K prompts.
+# vLLM without and with the exported DFlash drafter, beside align's runtime, on the GSM8K prompts, at the draft
+# tokens the export carries (what `vllm serve` of it serves).
 $align serve-check $dflash "${precision[@]}" serve_check.drafter="$($align validate $dflash "$@" --get export.out)" \
+  decode.gamma="$($align validate $dflash "$@" --get export.num_speculative_tokens)" \
   eval.prompts="$gsm8k" eval.prompt_column=question $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) \
   eval.num_prompts="$serve_prompts" decode.max_new_tokens="$($align validate $eval "$@" --get decode.max_new_tokens)" \
   serve_check.out=checkpoints/smollm2/serve-check "$@"
