@@ -285,11 +285,12 @@ def main(recipe: Recipe, command: str) -> None:
     # The verifier's context bounds each prompt and its completion, as in every stage (eval refuses the same prompts),
     # checked from its config before it loads: training on a continuation past it would teach degraded text.
     context, _ = model_context(recipe, ("verifier.path",))
-    for i in sorted(order):
+    kept = sorted(order)  # in data.train_prompts' order, as the settings record them
+    for i in kept:
         check_context(f"data.train_prompts: prompt {i}", len(prompts[i]), "trajectories.max_new_tokens",
                       t.max_new_tokens, context, "the verifier's")
     end_tokens = verifier_end_tokens(recipe, tokenizer)  # from its files: vLLM loads no HF model
-    settings = settings_of(recipe, [prompts[i] for i in sorted(order)], template, end_tokens)
+    settings = settings_of(recipe, [prompts[i] for i in kept], template, end_tokens)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(t.out)
     old = out / TRAJECTORY_MANIFEST
@@ -306,13 +307,13 @@ def main(recipe: Recipe, command: str) -> None:
     for c in tqdm(todo, desc=f"trajectories (rank {rank})", unit="chunk", disable=rank != 0, dynamic_ncols=True,
                   initial=len(mine) - len(todo), total=len(mine)):
         indices = order[starts[c] : starts[c] + t.batch_size]  # prompt_index: the prompt's place in data.train_prompts
-        seed = recipe.train.seed * 1_000_003 + c
+        chunk_prompts, seed = [prompts[i] for i in indices], recipe.train.seed * 1_000_003 + c
         if t.backend == "vllm":  # vLLM schedules its own batches within its KV cache
-            rows, splits = sample_chunk_vllm(verifier, tokenizer, [prompts[i] for i in indices], recipe, seed=seed,
+            rows, splits = sample_chunk_vllm(verifier, tokenizer, chunk_prompts, recipe, seed=seed,
                                              end_tokens=frozenset(end_tokens)), 0
         else:
-            rows, splits = sample_fitting(verifier, tokenizer, [prompts[i] for i in indices], recipe, seed,
-                                          frozenset(end_tokens), f"chunk {c}")
+            rows, splits = sample_fitting(verifier, tokenizer, chunk_prompts, recipe, seed, frozenset(end_tokens),
+                                          f"chunk {c}")
         for k, row in enumerate(rows):
             row["prompt_index"] = indices[k // t.completions_per_prompt]
         write_chunk(rows, out / "chunks" / f"chunk-{c:05d}", settings_hash, splits)
