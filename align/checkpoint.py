@@ -5,6 +5,7 @@ align/disk.py (atomic, checksummed).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -12,11 +13,11 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
-from align.config import RecipeError
-from align.disk import (CHECKSUMS, STEP_FOLDER, _stat, atomic_folder, file_sha256, record_checksums, verify_checksums,
-                        write_text_atomic)
+from align.config import Recipe, RecipeError
+from align.disk import (CHECKSUMS, STEP_FOLDER, _stat, atomic_folder, discard_folder, file_sha256, naming_path,
+                        record_checksums, verify_checksums, write_text_atomic)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -368,3 +369,96 @@ def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn
         print(f"{who}: warning: {latest} {why}; resuming from {state_dir / complete[0]}, the newest state whose "
               "checksums verify", file=sys.stderr)
     return complete[0]
+
+
+# Saving a training run's checkpoint under DeepSpeed (align/stages/train.py): the step folder in the run's dtype,
+# LoRA and ZeRO-3 each saved without gathering what they need not, then the DeepSpeed state for exact resume.
+def is_lora(module: Any) -> bool:
+    """Whether the drafter trains LoRA adapters (a peft model), its base frozen."""
+    return hasattr(module, "peft_config")
+
+
+@contextlib.contextmanager
+def gathering_for_a_save(engine: Any) -> Iterator[None]:
+    """Around a save's gathers of ZeRO-3 parameters, what DeepSpeed's own consolidation does: every parameter
+    partitioned first (ZeRO-3 keeps the small ones whole), and those whole again after."""
+    engine.optimizer.checkpoint_event_prologue()
+    yield
+    engine.optimizer.checkpoint_event_epilogue()
+
+
+def save_checkpoint(trainer: Any, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
+    """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
+    atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights.
+    trainer: align.stages.train.Trainer (its engine, rank, device and tokenizer; a building block names no stage)."""
+    module = trainer.engine.module
+    files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
+    # A LoRA run's step folder is its adapter, with a checked pointer to the base drafter (a DFlash drafter's LoRA is
+    # merged): readers merge it, export writes it merged.
+    adapter_only = is_lora(module) and recipe.dflash is None
+    plan = streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module) else None
+    if plan is not None:
+        # Each shard written as its modules are gathered: rank 0 never holds the whole drafter.
+        with gathering_for_a_save(trainer.engine):
+            save_streamed(module, plan, trainer.tokenizer, out / f"step_{step}", files, writer=trainer.rank == 0)
+    elif recipe.train.zero_stage == 3 and adapter_only:
+        # The adapter alone, a parameter at a time, copied to rank 0's host: DeepSpeed's consolidation would gather
+        # the frozen base as well (the whole model on rank 0) for a ~160 MB adapter.
+        import deepspeed
+
+        state = {}
+        with gathering_for_a_save(trainer.engine):
+            for name, param in module.named_parameters():
+                if param.requires_grad:
+                    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                        if trainer.rank == 0:
+                            state[name] = param.detach().to("cpu", copy=True)
+        state = state if trainer.rank == 0 else None
+    elif recipe.train.zero_stage == 3:
+        # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
+        # at a time and copies them to rank 0's host memory only: no rank holds the whole model on its device (a
+        # gather of every parameter at once would add the full 16-bit model to each GPU).
+        state = trainer.engine._zero3_consolidated_16bit_state_dict()
+        if state is not None and trainer.device.type == "cpu":
+            state = {k: v.clone() for k, v in state.items()}  # on a CPU `.cpu()` copies nothing: own the weights
+    elif adapter_only:
+        # save_adapter copies the adapter's tensors alone to the CPU: no host copy of the frozen base (15 GB for a
+        # 7B drafter) for the ~160 MB it writes.
+        state = module.state_dict() if trainer.rank == 0 else None
+    else:
+        # A copy of its own: merging LoRA into the base weights (merged_model) changes them in place.
+        state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
+                 else None)
+    if trainer.rank == 0 and plan is None:
+        if adapter_only:
+            save_adapter(module, state, trainer.tokenizer, recipe.drafter.path, out / f"step_{step}", files)
+        else:
+            save_merged(merged_model(module, state), trainer.tokenizer, out / f"step_{step}", files)
+    # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
+    with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
+        # A LoRA run's state leaves out the frozen base (15 GB a save for a 7B drafter): a resume loads the base from
+        # drafter.path, whose weights check_resumed_weights holds to the ones the run started from.
+        trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},
+                                       save_latest=False, exclude_frozen_parameters=is_lora(module))
+    if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
+        commit_state(out / "ds_state", f"step_{step}")
+        if recipe.train.keep_last is not None:
+            prune_checkpoints(out, recipe.train.keep_last)
+
+
+def prune_checkpoints(out: Path, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` newest step_<N> folders and ds_state tags (never the tag `latest` names, nor
+    its step folder); returns what was deleted. Called on rank 0 after a save is committed. Each is first renamed out
+    of the step_<N> pattern, so that an interrupted delete leaves no half folder that a resume or an export would
+    take for a checkpoint."""
+    state_dir = out / "ds_state"
+    latest = (state_dir / "latest").read_text().strip() if (state_dir / "latest").is_file() else None
+    deleted = []
+    for folder in (out, state_dir):
+        steps = step_folders(folder)
+        for _, path in steps[: max(0, len(steps) - keep_last)]:
+            if path.name == latest:
+                continue
+            discard_folder(path)
+            deleted.append(path)
+    return deleted

@@ -75,7 +75,7 @@ class DFlashSection(Section):
     #: block size written for serving (anchor + drafted tokens: vLLM drafts block_size - 1); None: train.gamma + 1
     block_size: Optional[int] = Field(default=None, ge=2)
     #: the token marking masked positions; None: the tokenizer's mask token, else one align chooses and says
-    #: (align/mask_token.py: an embedding row past the vocabulary, or an unused special token)
+    #: (align/drafters/mask_token.py: an embedding row past the vocabulary, or an unused special token)
     mask_token_id: Optional[int] = Field(default=None, ge=0)
     # Kangaroo and LayerSkip draft with the verifier's own layers: a draft layer that starts as one of them reads and
     # writes the verifier's residual space from step 0, which may lift a drafter short of data.
@@ -676,7 +676,7 @@ class DeriveSection(Section):
     #: 1: position t's prediction is at t-1 (Dream, DiffuCoder: drafters adapted from AR models); 0: at t
     logits_shift: Literal[0, 1] = 1
     #: the token marking masked positions; None: the tokenizer's mask token, else one align chooses and says
-    #: (align/mask_token.py: an embedding row past the vocabulary, or an unused special token: SmolLM2's id 16)
+    #: (align/drafters/mask_token.py: an embedding row past the vocabulary, or an unused special token: SmolLM2's id 16)
     mask_token_id: Optional[int] = Field(default=None, ge=0)
     #: MDLM adaptation steps (AdamW); a step budget, so the run is the same on any machine
     max_steps: int = Field(default=200, ge=1)

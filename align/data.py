@@ -8,6 +8,7 @@ code 2. The cli runs `check_prompts` before a stage starts; the stage reads the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -15,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
+
+import numpy as np
 
 from align.config import Recipe, RecipeError, first_line
 from align.recipe_files import get_key
@@ -558,3 +561,31 @@ def check_rows_fit(recipe: Recipe, tokens: list[int], new_key: str, new_tokens: 
             raise RecipeError(f"{new_key}: row {i} of {recipe.trajectories.out} reads {n} tokens; with {new_key}="
                               f"{new_tokens} it exceeds the context of {get_key(recipe, key)} ({context} tokens, "
                               f"{key}); make trajectories with shorter prompts or fewer new tokens")
+
+
+# The order of training rows: every batch a function of (seed, step, rank), so that a resumed run reproduces the
+# batches an uninterrupted one would have had (align/stages/train.py).
+def stream_position(step: int, micro: int, rank: int, world: int, recipe: Recipe) -> int:
+    """Where a micro-batch starts in the stream of training rows. Steps, micro-batches and ranks interleave so that
+    the same global batch holds the same rows whatever the split into processes and accumulation steps."""
+    t = recipe.train
+    return ((step * t.gradient_accumulation_steps + micro) * world + rank) * t.micro_batch_size
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+
+
+def rows_at(position: int, count: int, seed: int, n_rows: int) -> list[int]:
+    """`count` row indices from `position` on; each epoch is a fresh permutation of the rows."""
+    return [int(epoch_order(seed, pos // n_rows, n_rows)[pos % n_rows]) for pos in range(position, position + count)]
+
+
+def rank_share(indices: list[int], rank: int, world: int) -> tuple[list[int], list[float]]:
+    """This rank's share of `indices` and a weight per row (0 for padding). Every rank gets the same number of rows,
+    so that under ZeRO-3, where each forward is a collective, all ranks make the same number of forwards."""
+    per_rank = -(-len(indices) // world)
+    mine = indices[rank::world]
+    padding = per_rank - len(mine)
+    return mine + indices[:1] * padding, [1.0] * len(mine) + [0.0] * padding

@@ -37,7 +37,7 @@ MODELS = {
 # being an object is checked (DeepSpeed calls .keys() on them).
 OPAQUE = {"autotuning", "data_efficiency", "pipeline", "aio", "checkpoint", "timers", "tensor_parallel",
           "expert_parallel", "torch_autocast", "datastates_ckpt"}
-# Top-level keys the merge (align/stages/train.py) owns: derived from the recipe, or refused there.
+# Top-level keys the merge (align/dist.py) owns: derived from the recipe, or refused there.
 ALIGNS = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
           "optimizer", "scheduler"}
 # Old names DeepSpeed still reads, but under a key align always writes, so DeepSpeed would ignore them.

@@ -83,7 +83,7 @@ def describe(verifier: str, trust_remote_code: bool) -> dict[str, Any]:
 
     from align.data import chat_template
     from align.drafters.dflash import default_aux_layers
-    from align.mask_token import choose_mask_token
+    from align.drafters.mask_token import choose_mask_token
     from align.remote_code import install
 
     install()  # before the config is read (see preflight.load_model_config)

@@ -374,3 +374,42 @@ def peak_per_gpu(recipe: Recipe, world_size: int) -> PerGpu:
     recipe = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"world_size": world_size})})
     width = drafter_width(recipe)
     return per_gpu(recipe, width, measure(recipe, width, micro_batch_shape(recipe, width)))
+
+
+# The warning `align train` gives before it starts, from the measurement above.
+# Set in the environment once `align train`'s memory warning has been considered, so that the ranks a launch starts
+# (which inherit it, and run the same checks) do not measure again.
+MEMORY_CHECKED = "ALIGN_TRAIN_MEMORY_CHECKED"
+
+
+def warn_train_memory(recipe: Recipe, peak_per_gpu: Callable[[Recipe, int], int]) -> None:
+    """Warn (one line on stderr, never a refusal) when `align memory`'s measured peak per GPU for this recipe exceeds
+    the memory of the GPU this process trains on. peak_per_gpu(recipe, world_size): bytes, `align memory`'s
+    measurement (align.memory_probe.peak_per_gpu, in bytes). Only where CUDA is
+    available: it measures one layer at the real width on the CPU (seconds to minutes), not worth paying on a
+    CPU-only host. Runs once per launch: in the process the user started (its ranks inherit MEMORY_CHECKED) or,
+    under a hand-started launcher, on rank 0."""
+    if os.environ.get(MEMORY_CHECKED) or os.environ.get("RANK", "0") != "0" or recipe.dflash is not None:
+        return  # a DFlash drafter is not modelled by align memory
+    if not torch.cuda.is_available():
+        return
+    os.environ[MEMORY_CHECKED] = "1"
+    # Under a launcher the world is known; in the process that starts one it is the recipe's (memory.world_size).
+    world = int(os.environ.get("WORLD_SIZE", recipe.memory.world_size))
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        need = peak_per_gpu(recipe, world)
+    except RecipeError:  # sizes align memory does not know: nothing measured, nothing to say
+        return
+    gpu = torch.cuda.get_device_properties(device)
+    if need <= gpu.total_memory:
+        return
+    t = recipe.train
+    changes = ([f"train.zero_stage={t.zero_stage + 1}"] if t.zero_stage < 3 else []) + \
+        (["train.activation_checkpointing=true"] if not t.activation_checkpointing else []) + \
+        ([f"a smaller train.micro_batch_size (now {t.micro_batch_size})"] if t.micro_batch_size > 1 else []) + \
+        [f"a lower train.max_sequence_length (now {t.max_sequence_length})" if t.max_sequence_length else
+         "a train.max_sequence_length cap"]
+    print(f"align train: warning: align memory measures a peak of {need / 1e9:.1f} GB per GPU (ZeRO-{t.zero_stage} "
+          f"over {world} ranks) but cuda:{device} ({gpu.name}) has {gpu.total_memory / 1e9:.1f} GB; it may run out "
+          f"of memory: try {', '.join(changes)}", file=sys.stderr, flush=True)

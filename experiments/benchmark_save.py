@@ -26,7 +26,8 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from align.checkpoint import STREAM_SHARD_BYTES, merged_model, save_merged, save_streamed, streamed_save_plan
 from align.recipe_files import load_recipe
-from align.stages.train import collective_timeout, deepspeed_config, gathering_for_a_save, init_distributed
+from align.checkpoint import gathering_for_a_save
+from align.dist import collective_timeout, deepspeed_config, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 # (hidden size, layers): about 45M, 120M and 330M parameters.

@@ -15,14 +15,14 @@ import pytest
 from align.config import RecipeError
 from align.deepspeed_json import check_deepspeed_json
 from align.recipe_files import load_recipe
-from align.stages.train import deepspeed_config
+from align.dist import deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny" / "align.yaml")
 
 
 def config_of(tmp_path: Path, given: Any, *overrides: str) -> dict[str, Any]:
-    """align.stages.train.deepspeed_config of the tiny recipe with `given` as its train.deepspeed_config."""
+    """align.dist.deepspeed_config of the tiny recipe with `given` as its train.deepspeed_config."""
     path = tmp_path / "ds.json"
     path.write_text(given if isinstance(given, str) else json.dumps(given))
     return deepspeed_config(load_recipe(RECIPE, [*overrides, f"train.deepspeed_config={path}"]))

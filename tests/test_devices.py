@@ -119,8 +119,8 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
     import torch.distributed as dist
 
     from align.recipe_files import load_recipe
-    from align.stages.train import (TrainData, build_trainer, collective_timeout, held_out_streak, init_distributed,
-                                    train_step)
+    from align.dist import collective_timeout, init_distributed
+    from align.stages.train import TrainData, build_trainer, held_out_streak, train_step
     from remote_code_families import write_family, write_qwen2
 
     verifier = write_qwen2(tmp_path / "verifier", seed=3)

@@ -33,7 +33,7 @@ from align.config import ModelSection, Recipe, RecipeError
 from align.drafters.dflash import (DFlashDrafter, config_for_verifier, is_dflash, load_speculators_dflash,
                                   speculators_type)
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec, drafter_spec_from_config
-from align.mask_token import dflash_mask_token
+from align.drafters.mask_token import dflash_mask_token
 from align.masks import check_mask_layer_types, full_mask_kwargs
 from align.models import (_load, is_partitioned, load_tokenizer, partitioned_loading, resolve_device, resolve_dtype,
                           vocab_size)

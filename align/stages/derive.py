@@ -4,7 +4,7 @@ recipe in miniature), ready for `align train` to align and `align eval` to draft
 1. Built from the verifier: its config with fewer layers and a `drafter_spec` (mask token, logits shift 1,
    block-causal attention), then its embeddings, the kept layers, its final norm and LM head (tied as the verifier's
    are) copied in. The tokenizer is the verifier's, unchanged: the mask token is one align chooses for it
-   (align/mask_token.py; SmolLM2's `<empty_output>`, id 16) and says, in the output and the manifest.
+   (align/drafters/mask_token.py; SmolLM2's `<empty_output>`, id 16) and says, in the output and the manifest.
 2. Adapted with the MDLM objective (align/pretraining.py, the loop and step `align bootstrap` pretrains its drafter
    with) for a step budget, resumable: a killed run resumes from its last saved state.
 3. Written atomically, with a manifest: the loss on held-out text before and after adaptation, steps/s, the kept
@@ -85,7 +85,7 @@ def plan(recipe: Recipe) -> Plan:
     this verifier, with this chat template, of prompts that are not the eval's). Raises RecipeError."""
     from align.checkpoint import drafter_identity
     from align.data import check_trajectories_match, read_trajectory_manifest, recipe_chat_template, _same_path
-    from align.mask_token import choose_mask_token
+    from align.drafters.mask_token import choose_mask_token
     from align.models import load_tokenizer
     from align.preflight import context_length, load_model_config
 

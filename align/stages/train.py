@@ -18,8 +18,6 @@ differ), a finished run says so and does nothing, and the run folder is locked w
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import os
@@ -27,35 +25,32 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from align.checkpoint import (commit_state, is_adapter_folder, merged_model, save_adapter, save_merged, save_streamed,
-                              state_to_resume, step_folders, streamed_save_plan, weights_sha256_of)
+from align.checkpoint import (is_adapter_folder, is_lora, save_checkpoint, state_to_resume, step_folders,
+                              weights_sha256_of)
 from align.config import Recipe, RecipeError, first_line
-from align.data import HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories
+from align.data import (HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories, rank_share,
+                        rows_at, stream_position)
 from align.decoding.specdiff import specdiff_generate
-from align.deepspeed_json import check_deepspeed_json
-from align.disk import (STEP_FOLDER, append_log, discard_folder, mark_folder, naming_path, read_log, record_checksums,
-                        write_text_atomic)
+from align.dist import all_ranks, collective_timeout, deepspeed_config, init_distributed
+from align.disk import STEP_FOLDER, append_log, mark_folder, read_log, record_checksums, write_text_atomic
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
 from align.drafters.loading import (build_drafter, check_aux_layer_ids, check_draft_vocab_size, check_init_layers,
                                     check_masks_are_read, drafter_reads, load_drafter)
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.drafters.states_cache import StatesCache, batch_states
-from align.hub import hub_snapshot
-from align.launch import free_port
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
-from align.mask_token import dflash_mask_token
-from align.memory_probe import peak_per_gpu
+from align.drafters.mask_token import dflash_mask_token
+from align.memory_probe import peak_per_gpu, warn_train_memory
 from align.models import is_partitioned, load_tokenizer, load_verifier
 from align.onpolicy import rejection_batch
 from align.preflight import drafter_kind, load_model_config
@@ -258,44 +253,6 @@ def check_train(recipe: Recipe) -> None:
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
 
 
-# Set in the environment once `align train`'s memory warning has been considered, so that the ranks a launch starts
-# (which inherit it, and run the same checks) do not measure again.
-MEMORY_CHECKED = "ALIGN_TRAIN_MEMORY_CHECKED"
-
-
-def warn_train_memory(recipe: Recipe, peak_per_gpu: Callable[[Recipe, int], int]) -> None:
-    """Warn (one line on stderr, never a refusal) when `align memory`'s measured peak per GPU for this recipe exceeds
-    the memory of the GPU this process trains on. peak_per_gpu(recipe, world_size): bytes, `align memory`'s
-    measurement (align.memory_probe.peak_per_gpu, in bytes). Only where CUDA is
-    available: it measures one layer at the real width on the CPU (seconds to minutes), not worth paying on a
-    CPU-only host. Runs once per launch: in the process the user started (its ranks inherit MEMORY_CHECKED) or,
-    under a hand-started launcher, on rank 0."""
-    if os.environ.get(MEMORY_CHECKED) or os.environ.get("RANK", "0") != "0" or recipe.dflash is not None:
-        return  # a DFlash drafter is not modelled by align memory
-    if not torch.cuda.is_available():
-        return
-    os.environ[MEMORY_CHECKED] = "1"
-    # Under a launcher the world is known; in the process that starts one it is the recipe's (memory.world_size).
-    world = int(os.environ.get("WORLD_SIZE", recipe.memory.world_size))
-    device = int(os.environ.get("LOCAL_RANK", 0))
-    try:
-        need = peak_per_gpu(recipe, world)
-    except RecipeError:  # sizes align memory does not know: nothing measured, nothing to say
-        return
-    gpu = torch.cuda.get_device_properties(device)
-    if need <= gpu.total_memory:
-        return
-    t = recipe.train
-    changes = ([f"train.zero_stage={t.zero_stage + 1}"] if t.zero_stage < 3 else []) + \
-        (["train.activation_checkpointing=true"] if not t.activation_checkpointing else []) + \
-        ([f"a smaller train.micro_batch_size (now {t.micro_batch_size})"] if t.micro_batch_size > 1 else []) + \
-        [f"a lower train.max_sequence_length (now {t.max_sequence_length})" if t.max_sequence_length else
-         "a train.max_sequence_length cap"]
-    print(f"align train: warning: align memory measures a peak of {need / 1e9:.1f} GB per GPU (ZeRO-{t.zero_stage} "
-          f"over {world} ranks) but cuda:{device} ({gpu.name}) has {gpu.total_memory / 1e9:.1f} GB; it may run out "
-          f"of memory: try {', '.join(changes)}", file=sys.stderr, flush=True)
-
-
 def check_resume(recipe: Recipe) -> int:
     """The step the run in train.out resumes from (0: a new run), once the recipe is known to continue it: refused
     (RecipeError), before any model is loaded, when the run was made with other settings (run_settings, or other
@@ -363,139 +320,6 @@ def record_run(recipe: Recipe) -> None:
         write_text_atomic(out / RUN_RECORD, json.dumps({
             "settings": run_settings(recipe.to_dict()), "trajectories": trajectory_settings_hash(recipe),
             "weights": weights_read(recipe), "may_change_on_resume": sorted(MAY_CHANGE_ON_RESUME)}, indent=2))
-
-
-def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
-    """Warn (one line each) about torch extension builds whose lock file is older than any build takes; returns them.
-
-    DeepSpeed compiles its CPU ops (deepspeed_shm_comm) on first use under torch's extension folder, holding a `lock`
-    file meanwhile. A build that was killed (Ctrl-C during a first run) leaves the file, and every later run then
-    waits on it forever without a word (torch's FileBaton): better said before that wait."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # <root>/<extension>/lock; by default one folder per Python/build
-    locks = Path(root).glob("*/lock") if root else Path(get_default_build_root()).glob("*/*/lock")
-    ages = {lock: time.time() - lock.stat().st_mtime for lock in locks}
-    stale = [lock for lock, age in ages.items() if age > max_age_s]
-    for lock in stale:
-        print(f"align train: warning: {lock} is {ages[lock] / 60:.0f} min old, left by a killed build; DeepSpeed will "
-              f"wait on it forever: delete {lock.parent} if nothing is building it", file=sys.stderr, flush=True)
-    return stale
-
-
-# How fast rank 0 is taken to write and hash a checkpoint while the other ranks wait in their next collective, and
-# what it writes and hashes per byte of drafter weights on disk (bf16: the weights 2 bytes a parameter, DeepSpeed's
-# fp32 master copy and Adam's two moments 12 more): a conservative disk and sha256 rate, not a measured one.
-SAVE_BYTES_PER_SECOND = 200e6
-SAVED_PER_WEIGHT_BYTE = 8
-
-
-def collective_timeout(recipe: Recipe) -> timedelta:
-    """How long a rank waits in a collective for the others before the run fails: DeepSpeed's default (10 minutes)
-    is shorter than rank 0's save of a large drafter (a 26B one writes ~52 GB and hashes ~416 GB with its DeepSpeed
-    state while the other ranks wait), so align sizes it from the drafter's weights on disk: 30 minutes, plus the
-    time to write and hash its checkpoint at SAVE_BYTES_PER_SECOND. $DEEPSPEED_TIMEOUT (minutes) overrides it."""
-    if os.environ.get("DEEPSPEED_TIMEOUT"):
-        return timedelta(minutes=int(os.environ["DEEPSPEED_TIMEOUT"]))
-    folder = Path(recipe.drafter.path) if Path(recipe.drafter.path).is_dir() else hub_snapshot(recipe.drafter.path)
-    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder is not None else 0
-    return timedelta(minutes=30 + math.ceil(SAVED_PER_WEIGHT_BYTE * weights / SAVE_BYTES_PER_SECOND / 60))
-
-
-def init_distributed(timeout: timedelta) -> tuple[int, int]:
-    """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI).
-    timeout: how long a collective waits for every rank (`collective_timeout`)."""
-    import deepspeed
-
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        warn_stale_build_locks()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    if torch.cuda.is_available():  # each rank owns its GPU before any model is built
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
-    """The DeepSpeed config: what align derives from the recipe (never hand-maintained beside it), with the user's
-    own file (train.deepspeed_config) merged in under it (`merge_deepspeed_config`)."""
-    t = recipe.train
-    # bf16 gradients summed over many micro-batches lose the small ones: fp32 where DeepSpeed accumulates so (ZeRO
-    # stages 1-3; at stage 0 it has no such mode for bf16 weights and accumulates in their dtype).
-    accumulate = t.grad_accum_dtype or ("fp32" if t.zero_stage > 0 else None)
-    derived = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": t.bf16},
-        **({"data_types": {"grad_accum_dtype": accumulate}} if t.bf16 and accumulate else {}),
-        "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with the progress bar
-        "wall_clock_breakdown": False,
-    }
-    if t.deepspeed_config is None:
-        return derived
-    given = read_deepspeed_config(t.deepspeed_config)
-    merged = merge_deepspeed_config(derived, given)
-    check_deepspeed_json(given, merged, t.deepspeed_config)  # types, names, offloads: as DeepSpeed reads them
-    if "offload_optimizer" in merged["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in given:
-        # align's optimizer is a torch AdamW (no C++ build), which DeepSpeed refuses to offload unless told: it steps
-        # the offloaded fp32 state on the CPU as its own CPU Adam would, more slowly.
-        merged["zero_force_ds_cpu_optimizer"] = False
-    return merged
-
-
-# The recipe key each derived DeepSpeed setting comes from: a user's file may repeat it, not change it.
-DERIVED_FROM = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
-                "gradient_accumulation_steps": "train.gradient_accumulation_steps",
-                "gradient_clipping": "train.grad_clip", "zero_optimization.stage": "train.zero_stage",
-                "bf16.enabled": "train.bf16", "data_types.grad_accum_dtype": "train.grad_accum_dtype"}
-# align's own preferences, which a user's file may change (DeepSpeed's printing).
-YOURS_TO_CHANGE = {"steps_per_print", "wall_clock_breakdown"}
-# What align builds itself (a torch AdamW and the warm-up cosine schedule, from train.lr and train.warmup_steps), the
-# batch size it computes from the ranks, and a precision it does not train in.
-NOT_YOURS = {"optimizer": "align builds AdamW from train.lr and train.weight_decay",
-             "scheduler": "align builds the warm-up cosine schedule from train.warmup_steps and train.max_steps",
-             "train_batch_size": "it is train.micro_batch_size × train.gradient_accumulation_steps × the ranks",
-             "fp16": "align trains in bf16 (train.bf16) or fp32"}
-
-
-def read_deepspeed_config(path: str) -> dict[str, Any]:
-    """train.deepspeed_config read as a JSON object; RecipeError (one line) for a missing or unreadable file."""
-    try:
-        config = json.loads(Path(path).expanduser().read_text())
-    except OSError as e:
-        raise RecipeError(f"train.deepspeed_config: {path} cannot be read ({e.strerror or type(e).__name__})") from None
-    except ValueError as e:
-        raise RecipeError(f"train.deepspeed_config: {path} is not JSON ({first_line(str(e))})") from None
-    if not isinstance(config, dict):
-        raise RecipeError(f"train.deepspeed_config: {path} is not a JSON object")
-    return config
-
-
-def merge_deepspeed_config(derived: dict[str, Any], given: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`given` (a user's DeepSpeed config) merged under `derived` (align's): nested objects are merged key by key;
-    a key of both must hold the same value. RecipeError naming the key otherwise, or for a key align sets up itself
-    (NOT_YOURS; `fp16` only when enabled)."""
-    merged = dict(derived)
-    for key, value in given.items():
-        dotted = prefix + key
-        why = NOT_YOURS.get(dotted)
-        if why and not (dotted == "fp16" and isinstance(value, dict) and not value.get("enabled", False)):
-            raise RecipeError(f"train.deepspeed_config: {dotted} is not taken from your file: {why}")
-        if key not in derived or dotted in YOURS_TO_CHANGE:
-            merged[key] = value
-        elif isinstance(derived[key], dict) and isinstance(value, dict):
-            merged[key] = merge_deepspeed_config(derived[key], value, dotted + ".")
-        elif value != derived[key]:
-            # (an object align derives given as a plain value, "bf16": true, names the keys inside it)
-            source = DERIVED_FROM.get(dotted) or ", ".join(
-                recipe_key for derived_key, recipe_key in DERIVED_FROM.items() if derived_key.startswith(dotted + "."))
-            raise RecipeError(f"train.deepspeed_config: {dotted} is {value!r} in your file, but align sets it from "
-                              f"{source} ({derived[key]!r}); set {source} instead, or leave it out of the file")
-    return merged
 
 
 def apply_activation_checkpointing(model: Any, enabled: bool) -> None:
@@ -663,35 +487,6 @@ def state_on_every_rank(state_dir: Path, trainer: Trainer) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# batches
-# --------------------------------------------------------------------------------------------------------------------
-def stream_position(step: int, micro: int, rank: int, world: int, recipe: Recipe) -> int:
-    """Where a micro-batch starts in the stream of training rows. Steps, micro-batches and ranks interleave so that
-    the same global batch holds the same rows whatever the split into processes and accumulation steps."""
-    t = recipe.train
-    return ((step * t.gradient_accumulation_steps + micro) * world + rank) * t.micro_batch_size
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n_rows)
-
-
-def rows_at(position: int, count: int, seed: int, n_rows: int) -> list[int]:
-    """`count` row indices from `position` on; each epoch is a fresh permutation of the rows."""
-    return [int(epoch_order(seed, pos // n_rows, n_rows)[pos % n_rows]) for pos in range(position, position + count)]
-
-
-def rank_share(indices: list[int], rank: int, world: int) -> tuple[list[int], list[float]]:
-    """This rank's share of `indices` and a weight per row (0 for padding). Every rank gets the same number of rows,
-    so that under ZeRO-3, where each forward is a collective, all ranks make the same number of forwards."""
-    per_rank = -(-len(indices) // world)
-    mine = indices[rank::world]
-    padding = per_rank - len(mine)
-    return mine + indices[:1] * padding, [1.0] * len(mine) + [0.0] * padding
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # the step
 # --------------------------------------------------------------------------------------------------------------------
 def agreed_forwards(trainer: Trainer, batch: WindowBatch, recipe: Recipe) -> int:
@@ -760,14 +555,6 @@ def compute_losses(trainer: Trainer, batch: WindowBatch, rows: list[dict], recip
                 verifier_logits = verifier_logits.float().flatten(0, 1)
         parts[name] = weight * fn(draft_logits, verifier_logits, mask, **count)
     return parts
-
-
-def all_ranks(flag: bool, world: int, device: torch.device) -> bool:
-    """True when `flag` holds on every rank (every rank must take the same branch after a collective decision)."""
-    value = torch.tensor([float(flag)], device=device)  # NCCL reduces GPU tensors only
-    if world > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
 
 
 def weights_finite(engine: Any, world: int) -> bool:
@@ -882,96 +669,6 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
 # --------------------------------------------------------------------------------------------------------------------
 # saving and the final check
 # --------------------------------------------------------------------------------------------------------------------
-def is_lora(module: Any) -> bool:
-    """Whether the drafter trains LoRA adapters (a peft model), its base frozen."""
-    return hasattr(module, "peft_config")
-
-
-@contextlib.contextmanager
-def gathering_for_a_save(engine: Any) -> Iterator[None]:
-    """Around a save's gathers of ZeRO-3 parameters, what DeepSpeed's own consolidation does: every parameter
-    partitioned first (ZeRO-3 keeps the small ones whole), and those whole again after."""
-    engine.optimizer.checkpoint_event_prologue()
-    yield
-    engine.optimizer.checkpoint_event_epilogue()
-
-
-def save_checkpoint(trainer: Trainer, recipe: Recipe, out: Path, step: int, meta: dict[str, Any]) -> None:
-    """`out/step_<N>/` (the drafter, or a LoRA run's adapter and its base's pointer, in the run's dtype, written
-    atomically by rank 0), then the DeepSpeed state for exact resume. Only called with finite weights."""
-    module = trainer.engine.module
-    files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
-    # A LoRA run's step folder is its adapter, with a checked pointer to the base drafter (a DFlash drafter's LoRA is
-    # merged): readers merge it, export writes it merged.
-    adapter_only = is_lora(module) and recipe.dflash is None
-    plan = streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module) else None
-    if plan is not None:
-        # Each shard written as its modules are gathered: rank 0 never holds the whole drafter.
-        with gathering_for_a_save(trainer.engine):
-            save_streamed(module, plan, trainer.tokenizer, out / f"step_{step}", files, writer=trainer.rank == 0)
-    elif recipe.train.zero_stage == 3 and adapter_only:
-        # The adapter alone, a parameter at a time, copied to rank 0's host: DeepSpeed's consolidation would gather
-        # the frozen base as well (the whole model on rank 0) for a ~160 MB adapter.
-        import deepspeed
-
-        state = {}
-        with gathering_for_a_save(trainer.engine):
-            for name, param in module.named_parameters():
-                if param.requires_grad:
-                    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                        if trainer.rank == 0:
-                            state[name] = param.detach().to("cpu", copy=True)
-        state = state if trainer.rank == 0 else None
-    elif recipe.train.zero_stage == 3:
-        # Each rank holds a shard. Every rank enters DeepSpeed's consolidation, which gathers one module's parameters
-        # at a time and copies them to rank 0's host memory only: no rank holds the whole model on its device (a
-        # gather of every parameter at once would add the full 16-bit model to each GPU).
-        state = trainer.engine._zero3_consolidated_16bit_state_dict()
-        if state is not None and trainer.device.type == "cpu":
-            state = {k: v.clone() for k, v in state.items()}  # on a CPU `.cpu()` copies nothing: own the weights
-    elif adapter_only:
-        # save_adapter copies the adapter's tensors alone to the CPU: no host copy of the frozen base (15 GB for a
-        # 7B drafter) for the ~160 MB it writes.
-        state = module.state_dict() if trainer.rank == 0 else None
-    else:
-        # A copy of its own: merging LoRA into the base weights (merged_model) changes them in place.
-        state = ({k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if trainer.rank == 0
-                 else None)
-    if trainer.rank == 0 and plan is None:
-        if adapter_only:
-            save_adapter(module, state, trainer.tokenizer, recipe.drafter.path, out / f"step_{step}", files)
-        else:
-            save_merged(merged_model(module, state), trainer.tokenizer, out / f"step_{step}", files)
-    # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
-    with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
-        # A LoRA run's state leaves out the frozen base (15 GB a save for a 7B drafter): a resume loads the base from
-        # drafter.path, whose weights check_resumed_weights holds to the ones the run started from.
-        trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},
-                                       save_latest=False, exclude_frozen_parameters=is_lora(module))
-    if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
-        commit_state(out / "ds_state", f"step_{step}")
-        if recipe.train.keep_last is not None:
-            prune_checkpoints(out, recipe.train.keep_last)
-
-
-def prune_checkpoints(out: Path, keep_last: int) -> list[Path]:
-    """Delete all but the `keep_last` newest step_<N> folders and ds_state tags (never the tag `latest` names, nor
-    its step folder); returns what was deleted. Called on rank 0 after a save is committed. Each is first renamed out
-    of the step_<N> pattern, so that an interrupted delete leaves no half folder that a resume or an export would
-    take for a checkpoint."""
-    state_dir = out / "ds_state"
-    latest = (state_dir / "latest").read_text().strip() if (state_dir / "latest").is_file() else None
-    deleted = []
-    for folder in (out, state_dir):
-        steps = step_folders(folder)
-        for _, path in steps[: max(0, len(steps) - keep_last)]:
-            if path.name == latest:
-                continue
-            discard_folder(path)
-            deleted.append(path)
-    return deleted
-
-
 def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> dict[str, float]:
     """τ of SpecDiff greedy decoding (γ = train.gamma, 64 new tokens) with the saved checkpoint on held-out prompts."""
     verifier = load_verifier(recipe.verifier)

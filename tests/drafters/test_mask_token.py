@@ -1,4 +1,4 @@
-"""The mask token of a new drafter for a verifier whose tokenizer has none (align/mask_token.py): chosen by rule and
+"""The mask token of a new drafter for a verifier whose tokenizer has none (align/drafters/mask_token.py): chosen by rule and
 said, or the recipe's own checked; refused before any launcher starts when nothing can serve. Tokenizers are the
 shipped tiny family's, with their mask token taken away or special tokens added as real instruct tokenizers have."""
 
@@ -16,7 +16,7 @@ from align.config import RecipeError
 from align.decoding.ar import ar_generate
 from align.decoding.specdiff import specdiff_generate
 from align.drafters.loading import new_dflash_drafter
-from align.mask_token import choose_mask_token, dflash_mask_token
+from align.drafters.mask_token import choose_mask_token, dflash_mask_token
 from align.recipe_files import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,8 @@ from align.data import load_trajectories
 from align.memory_probe import (Measured, Width, allocation_trace, drafter_width, lora_parameters, measure,
                           micro_batch_shape, per_gpu)
 from align.recipe_files import load_recipe
-from align.stages.train import MEMORY_CHECKED, apply_activation_checkpointing
+from align.memory_probe import MEMORY_CHECKED
+from align.stages.train import apply_activation_checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "recipes/tiny/align.yaml"
@@ -224,7 +225,7 @@ def _fake_cuda(monkeypatch, probes):
 
 
 def test_train_warns_once_when_the_measured_peak_exceeds_the_gpu_and_still_starts(tmp_path, monkeypatch, capsys):
-    from align.stages.train import warn_train_memory
+    from align.memory_probe import warn_train_memory
 
     probes = []
     measured = _fake_cuda(monkeypatch, probes)
@@ -245,7 +246,7 @@ def test_train_warns_once_when_the_measured_peak_exceeds_the_gpu_and_still_start
 
 
 def test_train_without_cuda_runs_no_probe(tmp_path, monkeypatch, capsys):
-    from align.stages.train import warn_train_memory
+    from align.memory_probe import warn_train_memory
 
     probes = []
     measured = _fake_cuda(monkeypatch, probes)

@@ -270,7 +270,7 @@ def test_every_method_is_greedy_identical_to_ar_with_the_real_verifier(verifier,
 
 def test_the_mask_token_chosen_for_the_real_verifier(smollm2):
     from align.recipe_files import load_recipe
-    from align.mask_token import dflash_mask_token
+    from align.drafters.mask_token import dflash_mask_token
 
     # SmolLM2's tokenizer has no mask token and no embedding row past its 49,152 tokens: its last unused special token.
     recipe = load_recipe(ROOT / "recipes" / "tiny" / "dflash.yaml", [f"verifier.path={smollm2}"])

@@ -18,7 +18,8 @@ from conftest import TOY_TRAJECTORIES, checkout_env
 
 from align.cli import main as align
 from align.launch import free_port
-from align.stages.train import rank_share, warn_stale_build_locks
+from align.data import rank_share
+from align.dist import warn_stale_build_locks
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this file out; CI runs it
 

@@ -22,11 +22,11 @@ from conftest import checkout_env
 from test_diffusion_gemma import RECIPE, save_with_tokenizer, tiny_diffusion_gemma, tiny_gemma4_verifier
 
 from align.config import RecipeError
-from align.data import TRAJECTORY_MANIFEST, chat_template, verifier_end_tokens
+from align.data import (HELD_OUT_EVERY, TRAJECTORY_MANIFEST, chat_template, rank_share, rows_at, stream_position,
+                        verifier_end_tokens)
 from align.launch import free_port
 from align.models import load_tokenizer
 from align.recipe_files import load_recipe
-from align.stages.train import HELD_OUT_EVERY, rank_share, rows_at, stream_position
 from align.stages.trajectories import settings_of, write_chunk
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +199,7 @@ def test_a_lora_run_under_zero3_saves_its_trained_adapter(toy_trajectories, tmp_
     (["train.zero_stage=3", "train.bf16=false"], None),  # fp32 weights: fp32 gradients
 ])
 def test_gradients_accumulate_in_fp32_under_bf16_with_zero(overrides, expected):
-    from align.stages.train import deepspeed_config
+    from align.dist import deepspeed_config
 
     config = deepspeed_config(load_recipe("recipes/tiny/align.yaml", ["train.bf16=true", *overrides]))
     assert config.get("data_types") == expected
@@ -225,7 +225,8 @@ def test_your_deepspeed_config_is_merged_and_conflicts_are_refused_by_key(tmp_pa
     # repeated, not changed, and what align builds itself (optimizer, scheduler) is refused, each in one line naming
     # the key, before any launcher starts (`align validate` reads the recipe only; the stage's check reads the file).
     from align.cli import main
-    from align.stages.train import check_train, deepspeed_config
+    from align.dist import deepspeed_config
+    from align.stages.train import check_train
 
     def recipe_with(config) -> list[str]:
         path = tmp_path / "ds.json"
@@ -270,7 +271,7 @@ def test_the_collective_timeout_covers_rank_0s_save_of_the_drafter(tmp_path, mon
     52 GB on disk, about 416 GB written and hashed with its DeepSpeed state), and $DEEPSPEED_TIMEOUT overrides it."""
     from datetime import timedelta
 
-    from align.stages.train import collective_timeout
+    from align.dist import collective_timeout
 
     monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
     folder = tmp_path / "drafter"
@@ -285,7 +286,7 @@ def test_the_collective_timeout_covers_rank_0s_save_of_the_drafter(tmp_path, mon
 
 
 def test_keep_last_prunes_older_checkpoints_never_the_latest(tmp_path):
-    from align.stages.train import prune_checkpoints
+    from align.checkpoint import prune_checkpoints
 
     for step in range(1, 6):
         (tmp_path / f"step_{step}").mkdir()
@@ -324,7 +325,8 @@ from align.drafters.loading import check_masks_are_read, load_drafter
 from align.models import is_partitioned, load_tokenizer, partitioned_loading
 from align.recipe_files import load_recipe
 from align.remote_code import masks_ignored
-from align.stages.train import collective_timeout, deepspeed_config, gathering_for_a_save, init_distributed
+from align.checkpoint import gathering_for_a_save
+from align.dist import collective_timeout, deepspeed_config, init_distributed
 
 folder, remote, report = sys.argv[-3:]  # (the launcher puts --local_rank=N first)
 recipe = load_recipe("recipes/tiny/align.yaml", [f"drafter.path={folder}", f"drafter.trust_remote_code={remote}",

@@ -1,0 +1,166 @@
+"""Distributed start-up and the DeepSpeed config, for `align train` (align/stages/train.py): each rank's process group
+(gloo on the CPU, NCCL with each rank on cuda:LOCAL_RANK), the collectives' timeout sized from the drafter, and the
+DeepSpeed config derived from the recipe with a user's own file merged under it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from align.config import Recipe, RecipeError, first_line
+from align.deepspeed_json import check_deepspeed_json
+from align.hub import hub_snapshot
+from align.launch import free_port
+
+
+def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
+    """Warn (one line each) about torch extension builds whose lock file is older than any build takes; returns them.
+
+    DeepSpeed compiles its CPU ops (deepspeed_shm_comm) on first use under torch's extension folder, holding a `lock`
+    file meanwhile. A build that was killed (Ctrl-C during a first run) leaves the file, and every later run then
+    waits on it forever without a word (torch's FileBaton): better said before that wait."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # <root>/<extension>/lock; by default one folder per Python/build
+    locks = Path(root).glob("*/lock") if root else Path(get_default_build_root()).glob("*/*/lock")
+    ages = {lock: time.time() - lock.stat().st_mtime for lock in locks}
+    stale = [lock for lock, age in ages.items() if age > max_age_s]
+    for lock in stale:
+        print(f"align train: warning: {lock} is {ages[lock] / 60:.0f} min old, left by a killed build; DeepSpeed will "
+              f"wait on it forever: delete {lock.parent} if nothing is building it", file=sys.stderr, flush=True)
+    return stale
+
+
+# How fast rank 0 is taken to write and hash a checkpoint while the other ranks wait in their next collective, and
+# what it writes and hashes per byte of drafter weights on disk (bf16: the weights 2 bytes a parameter, DeepSpeed's
+# fp32 master copy and Adam's two moments 12 more): a conservative disk and sha256 rate, not a measured one.
+SAVE_BYTES_PER_SECOND = 200e6
+SAVED_PER_WEIGHT_BYTE = 8
+
+
+def collective_timeout(recipe: Recipe) -> timedelta:
+    """How long a rank waits in a collective for the others before the run fails: DeepSpeed's default (10 minutes)
+    is shorter than rank 0's save of a large drafter (a 26B one writes ~52 GB and hashes ~416 GB with its DeepSpeed
+    state while the other ranks wait), so align sizes it from the drafter's weights on disk: 30 minutes, plus the
+    time to write and hash its checkpoint at SAVE_BYTES_PER_SECOND. $DEEPSPEED_TIMEOUT (minutes) overrides it."""
+    if os.environ.get("DEEPSPEED_TIMEOUT"):
+        return timedelta(minutes=int(os.environ["DEEPSPEED_TIMEOUT"]))
+    folder = Path(recipe.drafter.path) if Path(recipe.drafter.path).is_dir() else hub_snapshot(recipe.drafter.path)
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder is not None else 0
+    return timedelta(minutes=30 + math.ceil(SAVED_PER_WEIGHT_BYTE * weights / SAVE_BYTES_PER_SECOND / 60))
+
+
+def init_distributed(timeout: timedelta) -> tuple[int, int]:
+    """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI).
+    timeout: how long a collective waits for every rank (`collective_timeout`)."""
+    import deepspeed
+
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        warn_stale_build_locks()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if torch.cuda.is_available():  # each rank owns its GPU before any model is built
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
+    """The DeepSpeed config: what align derives from the recipe (never hand-maintained beside it), with the user's
+    own file (train.deepspeed_config) merged in under it (`merge_deepspeed_config`)."""
+    t = recipe.train
+    # bf16 gradients summed over many micro-batches lose the small ones: fp32 where DeepSpeed accumulates so (ZeRO
+    # stages 1-3; at stage 0 it has no such mode for bf16 weights and accumulates in their dtype).
+    accumulate = t.grad_accum_dtype or ("fp32" if t.zero_stage > 0 else None)
+    derived = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.bf16},
+        **({"data_types": {"grad_accum_dtype": accumulate}} if t.bf16 and accumulate else {}),
+        "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with the progress bar
+        "wall_clock_breakdown": False,
+    }
+    if t.deepspeed_config is None:
+        return derived
+    given = read_deepspeed_config(t.deepspeed_config)
+    merged = merge_deepspeed_config(derived, given)
+    check_deepspeed_json(given, merged, t.deepspeed_config)  # types, names, offloads: as DeepSpeed reads them
+    if "offload_optimizer" in merged["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in given:
+        # align's optimizer is a torch AdamW (no C++ build), which DeepSpeed refuses to offload unless told: it steps
+        # the offloaded fp32 state on the CPU as its own CPU Adam would, more slowly.
+        merged["zero_force_ds_cpu_optimizer"] = False
+    return merged
+
+
+# The recipe key each derived DeepSpeed setting comes from: a user's file may repeat it, not change it.
+DERIVED_FROM = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
+                "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+                "gradient_clipping": "train.grad_clip", "zero_optimization.stage": "train.zero_stage",
+                "bf16.enabled": "train.bf16", "data_types.grad_accum_dtype": "train.grad_accum_dtype"}
+# align's own preferences, which a user's file may change (DeepSpeed's printing).
+YOURS_TO_CHANGE = {"steps_per_print", "wall_clock_breakdown"}
+# What align builds itself (a torch AdamW and the warm-up cosine schedule, from train.lr and train.warmup_steps), the
+# batch size it computes from the ranks, and a precision it does not train in.
+NOT_YOURS = {"optimizer": "align builds AdamW from train.lr and train.weight_decay",
+             "scheduler": "align builds the warm-up cosine schedule from train.warmup_steps and train.max_steps",
+             "train_batch_size": "it is train.micro_batch_size × train.gradient_accumulation_steps × the ranks",
+             "fp16": "align trains in bf16 (train.bf16) or fp32"}
+
+
+def read_deepspeed_config(path: str) -> dict[str, Any]:
+    """train.deepspeed_config read as a JSON object; RecipeError (one line) for a missing or unreadable file."""
+    try:
+        config = json.loads(Path(path).expanduser().read_text())
+    except OSError as e:
+        raise RecipeError(f"train.deepspeed_config: {path} cannot be read ({e.strerror or type(e).__name__})") from None
+    except ValueError as e:
+        raise RecipeError(f"train.deepspeed_config: {path} is not JSON ({first_line(str(e))})") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"train.deepspeed_config: {path} is not a JSON object")
+    return config
+
+
+def merge_deepspeed_config(derived: dict[str, Any], given: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`given` (a user's DeepSpeed config) merged under `derived` (align's): nested objects are merged key by key;
+    a key of both must hold the same value. RecipeError naming the key otherwise, or for a key align sets up itself
+    (NOT_YOURS; `fp16` only when enabled)."""
+    merged = dict(derived)
+    for key, value in given.items():
+        dotted = prefix + key
+        why = NOT_YOURS.get(dotted)
+        if why and not (dotted == "fp16" and isinstance(value, dict) and not value.get("enabled", False)):
+            raise RecipeError(f"train.deepspeed_config: {dotted} is not taken from your file: {why}")
+        if key not in derived or dotted in YOURS_TO_CHANGE:
+            merged[key] = value
+        elif isinstance(derived[key], dict) and isinstance(value, dict):
+            merged[key] = merge_deepspeed_config(derived[key], value, dotted + ".")
+        elif value != derived[key]:
+            # (an object align derives given as a plain value, "bf16": true, names the keys inside it)
+            source = DERIVED_FROM.get(dotted) or ", ".join(
+                recipe_key for derived_key, recipe_key in DERIVED_FROM.items() if derived_key.startswith(dotted + "."))
+            raise RecipeError(f"train.deepspeed_config: {dotted} is {value!r} in your file, but align sets it from "
+                              f"{source} ({derived[key]!r}); set {source} instead, or leave it out of the file")
+    return merged
+
+
+
+
+def all_ranks(flag: bool, world: int, device: torch.device) -> bool:
+    """True when `flag` holds on every rank (every rank must take the same branch after a collective decision)."""
+    value = torch.tensor([float(flag)], device=device)  # NCCL reduces GPU tensors only
+    if world > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
