@@ -18,6 +18,9 @@ from pydantic import BaseModel, ValidationError
 from align.config import Recipe, RecipeError
 from align.recipe_fields import Yaml11Number
 
+# The modules of the recipe schema, whose sections' `#:` comments are the keys' documentation.
+SCHEMA_MODULES = ("align.config", "align.config_inputs")
+
 
 class DuplicateKey(yaml.YAMLError):
     """A key given twice in one YAML mapping."""
@@ -220,7 +223,7 @@ def key_meanings(section: type[BaseModel]) -> dict[str, str]:
 
     meanings: dict[str, str] = {}
     for cls in reversed(section.__mro__):  # a subclass's own comment wins over its base's
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls.__module__ != Recipe.__module__:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls.__module__ not in SCHEMA_MODULES:
             continue
         comment: list[str] = []
         for line in inspect.getsourcelines(cls)[0]:

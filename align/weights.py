@@ -21,7 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from align.config import ConvertSection, RecipeError, first_line
+from align.config import RecipeError, first_line
+from align.config_inputs import ConvertSection
 from align.disk import file_sha256
 from align.hub import HUB_LICENSES
 

@@ -27,7 +27,8 @@ import torch
 
 from align import __version__
 from align.checkpoint import save_merged
-from align.config import PretrainSection, Recipe, RecipeError
+from align.config import Recipe, RecipeError
+from align.config_inputs import PretrainSection
 from align.corpus import SPLITS, build_data, prompt_sets, read_corpus, read_manifest
 from align.disk import atomic_folder, mark_folder
 from align.drafters.spec import DrafterSpec

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from align.config import ConvertSection, Recipe, RecipeError
+from align.config import Recipe, RecipeError
+from align.config_inputs import ConvertSection
 from align.provenance import installed_versions
 from align.weights import (Source, assemble, check_gguf_header, check_sha256, hub_license, locate, read_gguf,
                            source_sha256)

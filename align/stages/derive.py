@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from align.config import DeriveSection, Recipe, RecipeError
+from align.config import Recipe, RecipeError
+from align.config_inputs import DeriveSection
 from align.data import HELD_OUT_EVERY  # the drafter is not adapted on the prompts align train measures it on
 from align.drafters.spec import DrafterSpec
 from align.provenance import installed_versions

@@ -34,7 +34,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 
-from align.config import PromptsSection, Recipe, RecipeError
+from align.config import Recipe, RecipeError
+from align.config_inputs import PromptsSection
 
 MANIFEST = "manifest.json"
 PROMPTS_FILE = "prompts.jsonl"

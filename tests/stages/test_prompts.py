@@ -12,7 +12,7 @@ import pytest
 
 from align.chat import end_of_turn_ids, user_turn
 from align.cli import main
-from align.config import PromptsSection
+from align.config_inputs import PromptsSection
 from align.models import load_tokenizer
 from align.stages.prompts import Filter
 from conftest import CHAT_TEMPLATE as TEMPLATE
