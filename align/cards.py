@@ -561,9 +561,9 @@ def speculators_card(config: dict[str, Any], meta: dict[str, Any], evaluation: O
              "              # start when less is free (on a GPU, drop it to let vLLM size the cache)",
              "              kv_cache_memory_bytes=1 << 30)",
              "    print(llm.generate([\"def add(a, b):\"], SamplingParams(temperature=0, max_tokens=64)))", "```", "",
-             "With align's lossless runtime instead: `align.drafters.dflash.load_speculators_dflash(folder)` gives the drafter "
-             "back, `align.drafters.spec.drafter_spec_from_config(drafter.config)` the DrafterSpec it is read by, and "
-             "`align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes with both.",
+             "With align's lossless runtime instead: `align.drafters.speculators_format.load_speculators_dflash(folder)` "
+             "gives the drafter back, `align.drafters.spec.drafter_spec_from_config(drafter.config)` the DrafterSpec it is "
+             "read by, and `align.decoding.specdiff.specdiff_generate(verifier, drafter, spec, ids, gamma, n)` decodes with both.",
              "", *suffix_index_lines(recipe), "## Reproduce", "", "```bash",
              *([meta["command"]] if meta.get("command") else []), command, "```", ""]
     return front + "\n".join(body)

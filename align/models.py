@@ -53,7 +53,7 @@ def resolve_dtype(name: str, device: torch.device, path: Optional[str] = None, t
     if name == "auto":
         if path is None:
             raise ValueError('dtype "auto" is the checkpoint\'s: resolve_dtype needs the model\'s path')
-        from align.drafters.dflash import speculators_dflash_config, speculators_type
+        from align.drafters.speculators_format import speculators_dflash_config, speculators_type
 
         # a speculators folder's config.json has no transformers model_type: AutoConfig cannot read it
         config = (speculators_dflash_config(path) if speculators_type(path) == "dflash" else

@@ -139,16 +139,17 @@ def load_model_config(key: str, section: ModelSection) -> Any:
         check_weights(key, Path(section.path))
     from transformers import AutoConfig  # imported here: seconds to import, and only stages with models need it
 
-    import align.drafters.dflash  # registers the DFlash drafter's config with AutoConfig
+    # its import registers the DFlash drafter's config with AutoConfig (through align.drafters.dflash)
+    import align.drafters.speculators_format as speculators_format
     from align.remote_code import install
 
     # Before any config is read: LLaDA's configuration module registers its class with AutoConfig on import, so a
     # config read before the shims would register (and keep for the process) the unshimmed class
     install()
 
-    kind = align.drafters.dflash.speculators_type(section.path)  # a speculators folder: no model_type of its own
+    kind = speculators_format.speculators_type(section.path)  # a speculators folder: no model_type of its own
     if kind == "dflash":  # not align's: its config and weights' headers checked against the format, one line
-        return align.drafters.dflash.check_speculators_folder(section.path, key)
+        return speculators_format.check_speculators_folder(section.path, key)
     if kind is not None:
         raise RecipeError(f"{key}: {section.path} is a speculators {kind} drafter; align runs speculators DFlash "
                           "drafters only (speculators_model_type dflash)")
@@ -227,7 +228,7 @@ def check_models(recipe: Recipe, keys: Iterable[str]) -> None:
         elif verifier_config is not None:
             check_vocab_compatible(verifier_config, config, key)
             if getattr(config, "model_type", None) == "align_dflash":  # it reads the verifier's layers
-                from align.drafters.dflash import check_dflash_verifier
+                from align.drafters.speculators_format import check_dflash_verifier
 
                 check_dflash_verifier(config, verifier_config, key, section.path)
 

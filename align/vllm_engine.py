@@ -268,7 +268,7 @@ def served_result(concurrency: int, runs: Sequence[Generation], version: str) ->
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0, vllm_version=version)
 
 
-def drafter_kind(folder: Path) -> str:
+def served_folder_format(folder: Path) -> str:
     """The kind of drafter folder `align serve-check` takes: "speculators" (a DFlash folder vLLM serves) or "align" (an
     align DFlash checkpoint, exported first); anything else is a one-line RecipeError."""
     key = "serve_check.drafter"
@@ -298,9 +298,9 @@ def served_drafter_kind(recipe: Any) -> str:
     serve, or an align DFlash checkpoint), decode.gamma against its block, then vLLM's environment (the inputs first:
     their refusals are the same whichever environments this checkout has). Returns its kind."""
     folder = Path(recipe.serve_check.drafter)
-    kind = drafter_kind(folder)
+    kind = served_folder_format(folder)
     if kind == "speculators":  # not align's: checked against the format and the verifier as every stage checks it
-        from align.drafters.dflash import check_dflash_verifier, check_speculators_folder
+        from align.drafters.speculators_format import check_dflash_verifier, check_speculators_folder
         from align.preflight import load_model_config
 
         checked = check_speculators_folder(str(folder), "serve_check.drafter")

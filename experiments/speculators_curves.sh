@@ -67,7 +67,7 @@ if [ ! -f "$work/spec-times.tsv" ]; then
   start=$(date +%s)
   OMP_NUM_THREADS=2 "$VLLM_PY" experiments/speculators_cpu_train.py --speculator-type dflash \
     --verifier-name-or-path "$verifier" --data-path "$work/data" --save-path "$work/spec-train" \
-    --log-dir "$work/spec-logs" --num-layers "$num_layers" --target-layer-ids ${layer_ids//,/ } \
+    --log-dir "$work/spec-logs" --num-layers "$num_layers" --full-attention-indices $(seq 0 $((num_layers - 1))) --target-layer-ids ${layer_ids//,/ } \
     --block-size $((gamma + 1)) --max-anchors $((ranks * micro_batch * windows)) \
     --total-seq-len $((ranks * micro_batch * max_len)) --max-steps "$SPEC_MAX_STEPS" --epochs 100000 \
     --optimizer adamw --lr "$lr" --scheduler-warmup-steps "$warmup" --num-workers 0 "${vocab_flag[@]}" \

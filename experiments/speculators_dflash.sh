@@ -68,7 +68,7 @@ if [ ! -f "$work/train/done" ]; then
   mkdir -p "$work/train"
   "$VLLM_PY" experiments/speculators_cpu_train.py --speculator-type dflash --verifier-name-or-path "$verifier" \
     --data-path "$work/data" --save-path "$work/train" --log-dir "$work/logs" \
-    --num-layers "$num_layers" --target-layer-ids ${layer_ids//,/ } --block-size $((gamma + 1)) \
+    --num-layers "$num_layers" --full-attention-indices $(seq 0 $((num_layers - 1))) --target-layer-ids ${layer_ids//,/ } --block-size $((gamma + 1)) \
     --max-anchors $((ranks * micro_batch * windows)) --total-seq-len $((ranks * micro_batch * max_len)) \
     --max-steps "$max_steps" --epochs 100000 --optimizer adamw --lr "$lr" --scheduler-warmup-steps "$warmup" \
     --num-workers 0 --hidden-states-dtype float32 --loss-implementation eager --draft-attn-impl sdpa \

@@ -356,7 +356,8 @@ def speculators_folders(verifier: Path, root: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from align.drafters.dflash import DFlashDrafter, config_for_verifier, speculators_config
+    from align.drafters.dflash import DFlashDrafter, config_for_verifier
+    from align.drafters.speculators_format import speculators_config
     from align.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(verifier))

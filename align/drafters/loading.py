@@ -30,8 +30,8 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from align.config import ModelSection, Recipe, RecipeError
 # Registers the DFlash drafter's config and model with transformers' Auto classes, so that `_load` reads it.
-from align.drafters.dflash import (DFlashDrafter, config_for_verifier, is_dflash, load_speculators_dflash,
-                                  speculators_type)
+from align.drafters.dflash import DFlashDrafter, config_for_verifier, is_dflash
+from align.drafters.speculators_format import load_speculators_dflash, speculators_type
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec, drafter_spec_from_config
 from align.drafters.mask_token import dflash_mask_token
 from align.masks import check_mask_layer_types, full_mask_kwargs

@@ -106,7 +106,7 @@ def fill_speculators_folder(recipe: Recipe, command: str, source: Path, tmp: Pat
     """A DFlash drafter as speculators saves one: config.json (speculators_config, aux_hidden_state_layer_ids,
     mask_token_id, block_size), model.safetensors under vLLM's qwen3_dflash weight names with the verifier's
     embeddings and LM head copied in, the tokenizer, and a card that says how to serve it."""
-    from align.drafters.dflash import write_speculators_folder
+    from align.drafters.speculators_format import write_speculators_folder
     from align.drafters.dflash import is_dflash
     from align.drafters.loading import load_drafter
     from align.models import load_tokenizer, load_verifier

@@ -31,7 +31,7 @@ from align.decoding.generation import Sampling
 from align.decoding.specdiff import specdiff_generate
 from align.disk import mark_folder, write_result, write_text_atomic
 from align.drafters import ConditionedDrafter, drafter_for
-from align.drafters.dflash import load_speculators_dflash, write_speculators_folder
+from align.drafters.speculators_format import load_speculators_dflash, write_speculators_folder
 from align.drafters.loading import load_drafter
 from align.drafters.spec import drafter_spec_from_config
 from align.machine import cpu_model
@@ -171,7 +171,7 @@ def main(recipe: Recipe, command: str) -> Optional[int]:
     with tempfile.TemporaryDirectory(prefix="align-serve-check-") as tmp:
         if kind == "align":
             drafter, spec = load_drafter(recipe.drafter.model_copy(update={"path": s.drafter}), tokenizer)
-            # drafter_kind read model_type; the spec is what the runtime goes by (`drafter_for` reads it)
+            # served_folder_format read model_type; the spec is what the runtime goes by (`drafter_for` reads it)
             if not isinstance(drafter_for(drafter, spec), ConditionedDrafter):
                 raise RecipeError(f"serve_check.drafter: {s.drafter} is not a DFlash drafter ({spec.kind})")
             folder = Path(tmp)

@@ -59,16 +59,27 @@ def test_greedy_specdiff_with_a_dflash_drafter_is_token_identical_to_ar_greedy()
             assert stats.verifier_forwards < 24 or gamma == 1
 
 
-@pytest.mark.parametrize("pruned", [False, True])
-def test_training_windows_see_what_the_runtime_shows_the_drafter(pruned):
+def sliding_causal(drafter: DFlashDrafter, window: int = 5) -> DFlashDrafter:
+    """The layers as speculators' trainer makes them by default (and vLLM serves them): the first sliding over
+    `window` positions, every layer block-causal."""
+    drafter.config.layer_types = ["sliding_attention"] + ["full_attention"] * (drafter.config.num_hidden_layers - 1)
+    drafter.config.sliding_window, drafter.config.causal = window, True
+    return drafter
+
+
+@pytest.mark.parametrize("pruned,attention", [(False, "full"), (True, "full"), (False, "sliding_causal")])
+def test_training_windows_see_what_the_runtime_shows_the_drafter(pruned, attention):
     """A training window at start s must give the logits the runtime gets when it drafts after position s-1 with the
     context grown token by token: same context (positions before the anchor), same anchor, same positions. A pruned
-    drafter's windows are over its draft vocabulary, the verifier's logits there its columns for those tokens."""
+    drafter's windows are over its draft vocabulary, the verifier's logits there its columns for those tokens; a
+    sliding, block-causal drafter's windows see what its runtime blocks see."""
     from align.drafters.dflash import DFlashContext, dflash_block_logits, dflash_window_logits
     from align.drafters.base import aux_hidden
 
     verifier = tiny_verifier()
     drafter = pruned_dflash(verifier) if pruned else tiny_dflash(verifier)
+    if attention == "sliding_causal":
+        sliding_causal(drafter)
     ids = torch.randint(0, MASK, (1, 14), generator=torch.Generator().manual_seed(0))
     hidden = aux_hidden(verifier(input_ids=ids, output_hidden_states=True).hidden_states,
                         drafter.config.aux_hidden_state_layer_ids)
@@ -86,6 +97,55 @@ def test_training_windows_see_what_the_runtime_shows_the_drafter(pruned):
             context.extend(drafter, hidden[:, i: min(i + 3, start - 1)])
         expected = dflash_block_logits(drafter, verifier, ids[:, start - 1: start], 4, context)
         torch.testing.assert_close(windows[:, w], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_causal_sliding_layer_sees_the_earlier_slots_and_the_window_only():
+    """`layer_mask`: with `causal` a block slot sees the context and the slots up to its own; a sliding layer sees
+    the keys after its position - window (vLLM's count); a full, bidirectional layer's mask is the one given."""
+    verifier = tiny_verifier()
+    drafter = sliding_causal(tiny_dflash(verifier), window=4)
+    positions = torch.tensor([[6, 7, 8]])  # anchor at 6 after a context of 6 positions (0..5)
+    allowed = drafter.layer_mask(0, positions, 6, None)[0, 0] == 0  # (Q, C + Q)
+    keys = list(range(6)) + [6, 7, 8]
+    for q, position in enumerate(positions[0].tolist()):
+        assert allowed[q].tolist() == [position - 4 < key <= position for key in keys]
+    full = drafter.layer_mask(1, positions, 6, None)[0, 0] == 0  # causal, no window
+    assert full.tolist() == [[key <= position for key in keys] for position in positions[0].tolist()]
+    drafter.config.causal = False
+    given = torch.zeros(1, 1, 3, 9)
+    assert drafter.layer_mask(1, positions, 6, given) is given
+    # and it reaches the logits: the same drafter drafts otherwise when its layers are full and bidirectional
+    ids = torch.randint(0, MASK, (1, 12), generator=torch.Generator().manual_seed(0))
+    from align.drafters.dflash import dflash_window_logits
+
+    bidirectional, _ = dflash_window_logits(tiny_dflash(verifier), verifier, ids, torch.tensor([[9]]), 3)
+    narrowed, _ = dflash_window_logits(sliding_causal(tiny_dflash(verifier), window=4), verifier, ids,
+                                       torch.tensor([[9]]), 3)
+    assert not torch.allclose(bidirectional, narrowed)
+
+
+@pytest.mark.parametrize("attention", ["full", "sliding_causal"])
+def test_the_speculators_config_carries_how_the_layers_attend_both_ways(tmp_path, attention):
+    """An export of a drafter read from speculators' folder keeps its layer types, window and causality (vLLM reads
+    them from the export as from the original), and align's own drafters export as before: full, non-causal."""
+    import json
+    import warnings
+
+    from align.drafters.speculators_format import speculators_config, speculators_dflash_config
+
+    drafter = tiny_dflash(tiny_verifier())
+    if attention == "sliding_causal":  # every layer sliding, as speculators' trainer makes them by default
+        sliding_causal(drafter, window=7).config.layer_types = ["sliding_attention"] * 2
+    written = speculators_config(drafter.config, "verifier", ["LlamaForCausalLM"], torch.float32)
+    layer = written["transformer_layer_config"]
+    assert written["sliding_window_non_causal"] is (attention == "full")
+    assert ("layer_types" in layer) is (attention == "sliding_causal")
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a full layer served block-causal would warn: neither does
+        read = speculators_dflash_config(str(tmp_path))
+    assert (read.layer_types, read.sliding_window, read.causal) == \
+        (drafter.config.layer_types, drafter.config.sliding_window, drafter.config.causal)
 
 
 @pytest.mark.parametrize("pruned", [False, True])
@@ -360,7 +420,8 @@ def test_speculators_export_matches_what_vllm_loads_and_reloads_with_identical_l
     from align.checkpoint import save_merged
     from align.cli import main as align
     from align.config import DFlashSection, VerifierSection
-    from align.drafters.dflash import DFlashContext, dflash_block_logits, load_speculators_dflash
+    from align.drafters.dflash import DFlashContext, dflash_block_logits
+    from align.drafters.speculators_format import load_speculators_dflash
     from align.drafters.base import aux_hidden
     from align.models import load_tokenizer, load_verifier
     from align.drafters.loading import new_dflash_drafter

@@ -24,7 +24,8 @@ VERIFIER = ROOT / "checkpoints" / "tiny" / "verifier"
 def tiny_speculators_folder(folder: Path, draft_vocab_size: int | None = None) -> Path:
     """A DFlash drafter (random weights, one layer) on the shipped tiny verifier, written as speculators saves one:
     config.json and model.safetensors without the verifier's embeddings and head (speculators leaves them out)."""
-    from align.drafters.dflash import DFlashDrafter, config_for_verifier, speculators_config
+    from align.drafters.dflash import DFlashDrafter, config_for_verifier
+    from align.drafters.speculators_format import speculators_config
     from transformers import AutoConfig
 
     torch.manual_seed(0)
@@ -87,7 +88,12 @@ CONFIG_EDITS = [
     ("a boolean rms_norm_eps", layer(lambda c: c.__setitem__("rms_norm_eps", True)), "rms_norm_eps"),
     ("a gelu MLP", layer(lambda c: c.__setitem__("hidden_act", "gelu")), "hidden_act is 'gelu'"),
     ("attention bias", layer(lambda c: c.__setitem__("attention_bias", True)), "attention_bias"),
-    ("sliding-window layers", layer(lambda c: c.__setitem__("layer_types", ["sliding_attention"])), "layer_types"),
+    ("sliding layers without a window", layer(lambda c: c.__setitem__("layer_types", ["sliding_attention"])),
+     "sliding_window is None"),
+    ("an unknown layer type", layer(lambda c: c.__setitem__("layer_types", ["chunked_attention"])),
+     "holds 'chunked_attention'"),
+    ("a layer type for each of two layers", layer(lambda c: c.__setitem__("layer_types", ["full_attention"] * 2)),
+     "expected a list of 1 layer types"),
     ("scaled RoPE", layer(lambda c: c.__setitem__("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4})),
      "rope_type is 'yarn'"),
     ("no aux_hidden_state_layer_ids", lambda r: r.pop("aux_hidden_state_layer_ids"),
@@ -219,8 +225,9 @@ def test_a_speculators_folder_is_no_verifier(capsys, started, folders, tmp_path)
 
 @pytest.mark.parametrize("kind", ["full", "pruned"])
 def test_an_unedited_folder_passes_and_loads_with_the_shapes_the_check_expects(folders, kind):
-    from align.drafters.dflash import DFlashDrafter, check_speculators_folder, load_speculators_dflash
-    from align.drafters.dflash import speculators_weight_shapes
+    from align.drafters.dflash import DFlashDrafter
+    from align.drafters.speculators_format import check_speculators_folder, load_speculators_dflash
+    from align.drafters.speculators_format import speculators_weight_shapes
     from align.models import resolve_dtype
     from align.preflight import check_models
     from align.recipe_files import load_recipe
