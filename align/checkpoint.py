@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from align.config import Recipe, RecipeError
+from align.drafters.kind import TrainedDrafter
 from align.disk import (CHECKSUMS, STEP_FOLDER, _stat, atomic_folder, discard_folder, file_sha256, naming_path,
                         record_checksums, verify_checksums, write_text_atomic)
 
@@ -395,7 +396,7 @@ def save_checkpoint(trainer: Any, recipe: Recipe, out: Path, step: int, meta: di
     files = {"meta.json": json.dumps({"step": step, **meta}, indent=2)}
     # A LoRA run's step folder is its adapter, with a checked pointer to the base drafter (a DFlash drafter's LoRA is
     # merged): readers merge it, export writes it merged.
-    adapter_only = is_lora(module) and recipe.dflash is None
+    adapter_only = TrainedDrafter.of(recipe).saves_adapter_only(is_lora(module))
     plan = streamed_save_plan(module) if recipe.train.zero_stage == 3 and not is_lora(module) else None
     if plan is not None:
         # Each shard written as its modules are gathered: rank 0 never holds the whole drafter.

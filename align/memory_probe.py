@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from align.config import Recipe, RecipeError
+from align.drafters.kind import TrainedDrafter
 from align.drafters.spec import KNOWN_DLLMS, VERIFIER_ARCHITECTURES
 from align.preflight import context_length
 
@@ -155,7 +156,7 @@ def _width_from_sizes(sizes: dict[str, Any], attention: Optional[str]) -> Width:
 def drafter_width(recipe: Recipe) -> Width:
     """The drafter's sizes: its config.json where drafter.path is a folder, else the table of known Hub drafters.
     RecipeError when neither says."""
-    if recipe.dflash is not None:
+    if not TrainedDrafter.of(recipe).memory_modelled:
         raise RecipeError("dflash: align memory measures standalone drafters; a DFlash drafter is not modelled yet")
     path = recipe.drafter.path
     config_file = Path(path) / "config.json"
@@ -389,7 +390,8 @@ def warn_train_memory(recipe: Recipe, peak_per_gpu: Callable[[Recipe, int], int]
     available: it measures one layer at the real width on the CPU (seconds to minutes), not worth paying on a
     CPU-only host. Runs once per launch: in the process the user started (its ranks inherit MEMORY_CHECKED) or,
     under a hand-started launcher, on rank 0."""
-    if os.environ.get(MEMORY_CHECKED) or os.environ.get("RANK", "0") != "0" or recipe.dflash is not None:
+    if os.environ.get(MEMORY_CHECKED) or os.environ.get("RANK", "0") != "0" or \
+            not TrainedDrafter.of(recipe).memory_modelled:
         return  # a DFlash drafter is not modelled by align memory
     if not torch.cuda.is_available():
         return

@@ -223,13 +223,16 @@ def test_only_the_vllm_worker_imports_vllm():
     assert not offenders, offenders
 
 
-# Reads of the drafter's kind (issue 23): its spec's kind or attention, the canvas-decoder test, the DFlash tap. They
-# belong in align/drafters/, whose `drafter_for` picks an implementation once; convert.py and weights.py read a GGUF
+# Reads of the drafter's kind (issue 23): its spec's kind or attention, the canvas-decoder test, the DFlash tap, and
+# whether the recipe builds a new DFlash drafter (its `dflash` section set or not, in any form: issue 51 asks that of
+# align/drafters/kind.py's TrainedDrafter). They belong in align/drafters/, whose `drafter_for` picks an
+# implementation once; convert.py and weights.py read a GGUF
 # tensor's `source.kind`, no drafter's. What is left outside: the kind handed to spec.method_refusal (the one
 # refusal of a method a kind does not run) by the eval stage and the Python API, serve_check's refusal message, and
 # the memory probe's window shapes (a block-causal drafter reads all of a row's windows in one sequence, as the window
 # builders lay them out).
-KIND_READS = re.compile(r"spec\.kind|\.kind ==|\.kind in|attention ==|is_canvas_decoder|dflash_tap|\.tap\b")
+KIND_READS = re.compile(r"spec\.kind|\.kind ==|\.kind in|attention ==|is_canvas_decoder|dflash_tap|\.tap\b|"
+                        r"\.dflash is (not )?None|\.dflash (and|or)\b|(not|if) [\w.]*\.dflash\b")
 MOST_KIND_READS_OUTSIDE_DRAFTERS = 4
 
 

@@ -146,6 +146,27 @@ def check_draft_vocab_size(verifier_config: Any, draft_vocab_size: Optional[int]
         raise RecipeError(f"dflash.draft_vocab_size: {draft_vocab_size} is more than the verifier's {vocab} tokens")
 
 
+def check_new_dflash(recipe: Recipe) -> None:
+    """A new DFlash drafter's recipe before any launcher starts (`align train`): its mask token chosen (or the
+    recipe's checked), its layer ids and vocabulary against the verifier's config, its block against train.gamma."""
+    from align.preflight import load_model_config
+
+    section, t = recipe.dflash, recipe.train
+    dflash_mask_token(recipe)
+    verifier_config = load_model_config("verifier.path", recipe.verifier)
+    if section.init_from_layers:
+        check_init_layers(verifier_config, section.init_from_layers)
+    check_aux_layer_ids(verifier_config, section.aux_layer_ids)
+    check_draft_vocab_size(verifier_config, section.draft_vocab_size)
+    block = section.block_size
+    if block is not None and t.gamma > block - 1:  # trained positions vLLM and eval never draft
+        raise RecipeError(f"train.gamma: {t.gamma} draft positions, but a block of dflash.block_size {block} drafts "
+                          f"{block - 1}; set train.gamma={block - 1} or less, or a larger block")
+    if t.activation_checkpointing:  # said before any folder is written, not once the models are built
+        raise RecipeError("train.activation_checkpointing: the DFlash drafter does not support gradient "
+                          "checkpointing (two layers: little to save); set train.activation_checkpointing=false")
+
+
 def copy_verifier_layers(model: DFlashDrafter, verifier: ModelSection, verifier_config: Any,
                          layer_ids: list[int]) -> None:
     """Start draft layer i as verifier layer layer_ids[i] (dflash.init_from_layers): its projections and norms, read

@@ -23,6 +23,7 @@ from align.cards import check_eval_rows, licence, model_card, ships_custom_gener
 from align.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, adapter_base, is_adapter_folder
 from align.config import ExportSection, Recipe, RecipeError
 from align.disk import CHECKSUMS, MARKER, atomic_folder, non_finite_weights
+from align.drafters.kind import TrainedDrafter
 from align.hub import hub_offline
 from align.preflight import check_file, check_inputs, drafter_kind, load_model_config, model_section, read_eval
 from align.provenance import Origin, origin, scrub, scrub_folder
@@ -175,8 +176,7 @@ def fill_folder(recipe: Recipe, command: str, source: Path, tmp: Path) -> None:
         shutil.copy2(Path(__file__).parents[1] / "custom_generate.py", tmp / "custom_generate" / "generate.py")
     evaluation, meta = copy_run_records(recipe, source, tmp)
     # A DFlash drafter was built on the verifier (meta.json's drafter_base is None): that is its base.
-    base_model = meta.get("drafter_base") or (recipe.verifier.path if recipe.dflash is not None
-                                              else recipe.drafter.path)
+    base_model = meta.get("drafter_base") or TrainedDrafter.of(recipe).card_base
     (tmp / "README.md").write_text(model_card(config, meta, evaluation, recipe, command, base_model))
     copy_licence_file(recipe, origin(base_model), tmp)
 

@@ -43,13 +43,12 @@ from align.dist import all_ranks, collective_timeout, deepspeed_config, init_dis
 from align.disk import STEP_FOLDER, append_log, mark_folder, read_log, record_checksums, write_text_atomic
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
-from align.drafters.loading import (build_drafter, check_aux_layer_ids, check_draft_vocab_size, check_init_layers,
-                                    check_masks_are_read, drafter_reads, load_drafter)
+from align.drafters.kind import TrainedDrafter
+from align.drafters.loading import build_drafter, check_masks_are_read, check_new_dflash, drafter_reads, load_drafter
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.drafters.states_cache import StatesCache, batch_states
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
-from align.drafters.mask_token import dflash_mask_token
 from align.memory_probe import peak_per_gpu, warn_train_memory
 from align.models import is_partitioned, load_tokenizer, load_verifier
 from align.onpolicy import rejection_batch
@@ -194,7 +193,7 @@ def drafts_from_states(recipe: Recipe) -> bool:
     """Whether the drafter trained is a DFlash drafter (a new one, the dflash section, or drafter.path's, from its
     config alone): it reads the verifier's hidden states in every step, from which KD losses get the verifier's exact
     distributions too."""
-    return recipe.dflash is not None or drafter_kind(recipe) == "dflash"
+    return TrainedDrafter.of(recipe).is_new_dflash or drafter_kind(recipe) == "dflash"
 
 
 def models(recipe: Recipe) -> tuple[str, ...]:
@@ -220,7 +219,8 @@ def check(recipe: Recipe) -> None:
 def check_train(recipe: Recipe) -> None:
     """`align train`'s checks beyond its models' (only configs are read)."""
     deepspeed_config(recipe)  # a user's DeepSpeed file: read and merged now, refused before any launcher starts
-    if recipe.train.lora_r and recipe.dflash is None:
+    trained = TrainedDrafter.of(recipe)
+    if recipe.train.lora_r and trained.loads_from_path:
         model_type = getattr(load_model_config("drafter.path", recipe.drafter), "model_type", None)
         if model_type in CANVAS_DECODER_FAMILIES:
             # peft would give the encoder and the decoder each its own adapter on the weights they share (the context
@@ -228,20 +228,8 @@ def check_train(recipe: Recipe) -> None:
             raise RecipeError(f"train.lora_r: {recipe.drafter.path} is a {model_type} model, whose encoder and "
                               "decoder share their weights; LoRA would adapt them apart. Train it fully "
                               "(train.lora_r=0)")
-    if recipe.dflash is not None:  # the mask token: chosen (or the recipe's checked) before any launcher starts
-        dflash_mask_token(recipe)
-        verifier_config = load_model_config("verifier.path", recipe.verifier)
-        if recipe.dflash.init_from_layers:
-            check_init_layers(verifier_config, recipe.dflash.init_from_layers)
-        check_aux_layer_ids(verifier_config, recipe.dflash.aux_layer_ids)
-        check_draft_vocab_size(verifier_config, recipe.dflash.draft_vocab_size)
-        block = recipe.dflash.block_size
-        if block is not None and recipe.train.gamma > block - 1:  # trained positions vLLM and eval never draft
-            raise RecipeError(f"train.gamma: {recipe.train.gamma} draft positions, but a block of dflash.block_size "
-                              f"{block} drafts {block - 1}; set train.gamma={block - 1} or less, or a larger block")
-        if recipe.train.activation_checkpointing:  # said before any folder is written, not once the models are built
-            raise RecipeError("train.activation_checkpointing: the DFlash drafter does not support gradient "
-                              "checkpointing (two layers: little to save); set train.activation_checkpointing=false")
+    if trained.is_new_dflash:
+        check_new_dflash(recipe)
     if recipe.train.data_mode == "rejections" and not drafts_from_states(recipe):
         raise RecipeError(f"train.data_mode: rejections walks the anchors a DFlash drafter's block-parallel drafts "
                           f"visit; {recipe.drafter.path} is a {drafter_kind(recipe)} drafter (use on_policy)")
@@ -356,11 +344,12 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
     # A DFlash drafter reads the verifier's hidden states in every step.
     reads_verifier = drafter_for(model, spec).verifier_states is not None
     verifier = load_verifier(recipe.verifier) if data.online or reads_verifier else None
-    if recipe.dflash is not None and recipe.dflash.draft_vocab_size:
+    trained = TrainedDrafter.of(recipe)
+    if trained.draft_vocab_size:
         # Before the engine copies the weights into its optimiser state; a resumed run's saved maps and head replace
         # these (the same, as the data and the ranking are).
         rows = data.rows.select(data.train_rows)
-        keep = most_frequent_tokens(rows["completion_ids"], rows["prompt_ids"], recipe.dflash.draft_vocab_size,
+        keep = most_frequent_tokens(rows["completion_ids"], rows["prompt_ids"], trained.draft_vocab_size,
                                     model.config.vocab_size)
         set_draft_vocab(model, verifier.get_output_embeddings().weight, keep)
     # A torch AdamW rather than a DeepSpeed-config optimizer: no fused-Adam JIT build, and the same on CPU and GPU.
@@ -375,7 +364,7 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
                  if getattr(engine.optimizer, flag, False)]
     if offloaded and rank == 0:
         print(f"align train: ZeRO-{t.zero_stage} offloads its {' and '.join(offloaded)} to the CPU", flush=True)
-    if recipe.dflash is None and is_partitioned(model) and recipe.drafter.trust_remote_code:
+    if trained.loads_from_path and is_partitioned(model) and recipe.drafter.trust_remote_code:
         # load_drafter's check, now that the engine's hooks gather the weights; the mark goes on the drafter itself
         # (a peft wrapper passes reads of it through), as load_drafter puts it.
         check_masks_are_read(model.get_base_model() if t.lora_r else model, spec)
@@ -721,9 +710,7 @@ def main(recipe: Recipe, command: str) -> int:
     start = resume(trainer, out)
     # The experiment trackers (train.report_to) live on rank 0, which holds every metric after the step's reductions.
     trackers = open_trackers(t.report_to, out, t.project, t.run_name, recipe.to_dict(), start) if rank == 0 else None
-    # A DFlash drafter is built new on the verifier: it has no base drafter (drafter.path is only the recipe's default).
-    meta = {"recipe": recipe.to_dict(), "drafter_base": recipe.drafter.path if recipe.dflash is None else None,
-            "verifier": recipe.verifier.path,
+    meta = {"recipe": recipe.to_dict(), "drafter_base": TrainedDrafter.of(recipe).base, "verifier": recipe.verifier.path,
             "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
             "command": command, **({"mask_token": trainer.mask_token} if trainer.mask_token else {})}
     status = 0
