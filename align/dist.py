@@ -12,7 +12,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -158,9 +158,12 @@ def merge_deepspeed_config(derived: dict[str, Any], given: dict[str, Any], prefi
 
 
 
-def all_ranks(flag: bool, world: int, device: torch.device) -> bool:
-    """True when `flag` holds on every rank (every rank must take the same branch after a collective decision)."""
-    value = torch.tensor([float(flag)], device=device)  # NCCL reduces GPU tensors only
+def all_ranks(flag: Union[bool, torch.Tensor], world: int, device: torch.device) -> bool:
+    """True when `flag` (a bool, or a 0-d bool tensor, read without a sync of its own) holds on every rank (every
+    rank must take the same branch after a collective decision)."""
+    # NCCL reduces GPU tensors only
+    value = (flag.to(device=device, dtype=torch.float32).reshape(1) if isinstance(flag, torch.Tensor)
+             else torch.tensor([float(flag)], device=device))
     if world > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())

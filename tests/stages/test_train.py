@@ -167,6 +167,27 @@ def test_an_update_that_poisons_the_weights_is_never_checkpointed(trajectories, 
     assert not list(out.glob("step_*")) and not (out / "ds_state" / "latest").exists()  # nothing poisoned published
 
 
+def test_the_weights_check_waits_for_the_device_once_a_step(monkeypatch):
+    """weights_finite reads one flag for every parameter (a host sync each would stall a GPU step hundreds of times),
+    and still finds the one non-finite weight."""
+    from types import SimpleNamespace
+
+    from align.stages.train import weights_finite
+
+    reads = []
+    for name in ("__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: (reads.append(_name),
+                                                                                           _real(self, *a))[1])
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(30)])
+    engine = SimpleNamespace(module=model, device=torch.device("cpu"))
+    assert weights_finite(engine, 1) and len(reads) == 1
+    with torch.no_grad():
+        model[17].bias[2] = float("nan")
+    reads.clear()
+    assert not weights_finite(engine, 1) and len(reads) == 1
+
+
 def test_a_resume_keeps_one_metrics_row_per_step(trajectories, tmp_path):
     out = tmp_path / "replayed"
     args = overrides(trajectories, out, "train.max_steps=4", "train.save_every=2", "train.micro_batch_size=2",
