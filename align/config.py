@@ -6,8 +6,9 @@ and a command-line value go through exactly the same checks. Anything wrong (unk
 missing input) raises `RecipeError` with one line naming the key and what is allowed; the CLI turns that into exit
 code 2 before any work starts.
 
-Each field is documented once, in the comment above it. Reading a recipe file and its overrides is
-align/recipe_files.py's; what a recipe names (models, files, output folders, the context rule) is checked in
+Each field is documented once, in the comment above it. The input stages' sections (convert, prompts, sharegpt,
+derive, pretrain, bootstrap) are in align/config_inputs.py, part of this schema. Reading a recipe file and its
+overrides is align/recipe_files.py's; what a recipe names (models, files, output folders, the context rule) is checked in
 align/preflight.py; the model families and the DrafterSpec are in align/drafters/spec.py.
 """
 
