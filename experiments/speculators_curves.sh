@@ -12,9 +12,10 @@
 # (model loading included) and includes align's cache filling; speculators' conversion (its offline hidden states,
 # which speculators makes with a vLLM server) is timed apart, in convert.log. Matched as in
 # experiments/speculators_dflash.sh (data, draft layers and aux layers, gamma, blocks a step, lr, AdamW, warm-up),
-# plus the pruned draft vocabulary (the same d2t/t2d maps for both) and bf16 autocast. Neither validates on the way
-# (align: train.eval_every at the end; speculators: --train-data-ratio 0.99, its smallest held-out split, validated
-# once an epoch).
+# plus the pruned draft vocabulary (the same d2t/t2d maps for both) and bf16 autocast, and the draft layers' attention
+# (full and bidirectional in both: speculators' snapshots get sliding_window_non_causal true before vLLM serves them).
+# Neither validates on the way (align: train.eval_every at the end; speculators: --train-data-ratio 0.99, its smallest
+# held-out split, validated once an epoch).
 #
 # Environment: as speculators_dflash.sh (ALIGN, ALIGN_VLLM_PYTHON); WORK (default checkpoints/speculators-curves).
 set -euo pipefail
@@ -43,6 +44,9 @@ key=dflash.num_layers; num_layers=$(get "$@")
 key=dflash.aux_layer_ids; layer_ids=$(get "$@" | tr -d '[] ')
 key=dflash.draft_vocab_size; draft_vocab=$(get "$@")
 ranks=2
+# Every draft layer full (bidirectional) attention, as align's: speculators 0.9 makes the layers it is not told of
+# sliding_attention, block-causal (see docs/dflash-and-vllm.md)
+full_layers=($(seq 0 $((num_layers - 1))))
 last_budget=$(echo "$BUDGETS" | tr ' ' '\n' | sort -n | tail -1)
 ALIGN_MAX_STEPS=${ALIGN_MAX_STEPS:-$recipe_steps}
 SPEC_MAX_STEPS=${SPEC_MAX_STEPS:-$recipe_steps}
@@ -67,7 +71,8 @@ if [ ! -f "$work/spec-times.tsv" ]; then
   start=$(date +%s)
   OMP_NUM_THREADS=2 "$VLLM_PY" experiments/speculators_cpu_train.py --speculator-type dflash \
     --verifier-name-or-path "$verifier" --data-path "$work/data" --save-path "$work/spec-train" \
-    --log-dir "$work/spec-logs" --num-layers "$num_layers" --full-attention-indices $(seq 0 $((num_layers - 1))) --target-layer-ids ${layer_ids//,/ } \
+    --log-dir "$work/spec-logs" --num-layers "$num_layers" --full-attention-indices "${full_layers[@]}" \
+    --target-layer-ids ${layer_ids//,/ } \
     --block-size $((gamma + 1)) --max-anchors $((ranks * micro_batch * windows)) \
     --total-seq-len $((ranks * micro_batch * max_len)) --max-steps "$SPEC_MAX_STEPS" --epochs 100000 \
     --optimizer adamw --lr "$lr" --scheduler-warmup-steps "$warmup" --num-workers 0 "${vocab_flag[@]}" \
@@ -106,6 +111,7 @@ for budget in $BUDGETS; do
     drafter=$(steps pick "$work/$which-times.tsv" $((budget * 60)))
     out="$work/serve-$which-$budget"
     [ -z "$drafter" ] && { echo "speculators_curves: no $which checkpoint within $budget minutes" >&2; continue; }
+    [ $which = spec ] && steps bidirectional "$drafter"
     [ -f "$out/serve_check.json" ] || "$ALIGN" serve-check "$recipe" serve_check.drafter="$drafter" \
       serve_check.out="$out" "serve_check.concurrency=[1]" serve_check.ngram=false "$@" || true
   done

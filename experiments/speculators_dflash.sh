@@ -44,6 +44,9 @@ key=decode.gamma; gamma=$(get "$@")
 key=dflash.num_layers; num_layers=$(get "$@")
 key=dflash.aux_layer_ids; layer_ids=$(get "$@" | tr -d '[] ')
 ranks=2  # two ranks, as launch/ and experiments/ run align's training
+# Every draft layer full (bidirectional) attention, as align's: speculators 0.9 makes the layers it is not told of
+# sliding_attention, block-causal (see docs/dflash-and-vllm.md)
+full_layers=($(seq 0 $((num_layers - 1))))
 work=${WORK:-checkpoints/speculators-dflash/$name}
 mkdir -p "$work"
 [ -f "$trajectories/manifest.json" ] || { echo "speculators_dflash: $trajectories has no manifest.json (run: $ALIGN trajectories $recipe)" >&2; exit 2; }
@@ -68,7 +71,8 @@ if [ ! -f "$work/train/done" ]; then
   mkdir -p "$work/train"
   "$VLLM_PY" experiments/speculators_cpu_train.py --speculator-type dflash --verifier-name-or-path "$verifier" \
     --data-path "$work/data" --save-path "$work/train" --log-dir "$work/logs" \
-    --num-layers "$num_layers" --full-attention-indices $(seq 0 $((num_layers - 1))) --target-layer-ids ${layer_ids//,/ } --block-size $((gamma + 1)) \
+    --num-layers "$num_layers" --full-attention-indices "${full_layers[@]}" --target-layer-ids ${layer_ids//,/ } \
+    --block-size $((gamma + 1)) \
     --max-anchors $((ranks * micro_batch * windows)) --total-seq-len $((ranks * micro_batch * max_len)) \
     --max-steps "$max_steps" --epochs 100000 --optimizer adamw --lr "$lr" --scheduler-warmup-steps "$warmup" \
     --num-workers 0 --hidden-states-dtype float32 --loss-implementation eager --draft-attn-impl sdpa \
@@ -85,6 +89,7 @@ if [ ! -f "$work/train/done" ]; then
   touch "$work/train/done"
 fi
 spec_drafter=$(step_folder)
+"$ALIGN_PY" experiments/speculators_steps.py bidirectional "$spec_drafter"
 echo "speculators drafter: $spec_drafter ($(cat "$spec_drafter/training_state.json"))"
 
 # 3. align's own DFlash drafter on the same trajectories, the same budget.

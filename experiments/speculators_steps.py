@@ -5,6 +5,8 @@ Python embedded in the shell script):
   python experiments/speculators_steps.py step-folder TRAIN MAX_STEPS          the first epoch folder of speculators'
                                                                                trainer at >= MAX_STEPS steps, or ""
   python experiments/speculators_steps.py table WORK                           both serve-checks as one table
+  python experiments/speculators_steps.py bidirectional FOLDER                 a speculators folder of full layers
+                                                                               set to be served as trained
 
 and of experiments/speculators_curves.sh:
 
@@ -64,6 +66,17 @@ def align_times(train: str, start: str) -> str:
     return "\n".join(f"{int(p.stat().st_mtime) - int(start)}\t{p.parent}" for p in marks)
 
 
+def bidirectional(folder: str) -> str:
+    # speculators trains full_attention layers bidirectionally whatever sliding_window_non_causal says, and writes it
+    # false; vLLM 0.32 reads it for every layer and would serve them block-causal (docs/dflash-and-vllm.md)
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    if set(config["transformer_layer_config"].get("layer_types") or ["full_attention"]) == {"full_attention"}:
+        config["sliding_window_non_causal"] = True
+        path.write_text(json.dumps(config, indent=2))
+    return f"{folder}: sliding_window_non_causal {str(config.get('sliding_window_non_causal')).lower()}"
+
+
 def read_times(times: str) -> list[tuple[int, str]]:
     rows = [line.split("\t") for line in Path(times).read_text().splitlines() if line.strip()]
     return [(int(seconds), folder) for seconds, folder in rows]
@@ -111,7 +124,7 @@ def curves(work: str, *budgets: str) -> str:
 
 if __name__ == "__main__":
     steps = {"max-len": max_len, "step-folder": step_folder, "table": table, "newest-state": newest_state,
-             "align-times": align_times, "pick": pick, "curves": curves}
+             "align-times": align_times, "pick": pick, "curves": curves, "bidirectional": bidirectional}
     if len(sys.argv) < 2 or sys.argv[1] not in steps:
         print(f"usage: speculators_steps.py {{{','.join(steps)}}} ARGS...", file=sys.stderr)
         sys.exit(2)
