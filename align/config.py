@@ -167,6 +167,21 @@ class TrajectoriesSection(Section):
         return self
 
 
+class StatesSection(Section):
+    """`align states`: the verifier's hidden states a DFlash drafter reads, computed once for every trajectory."""
+
+    #: folder of the states (chunks of raw values with manifests, as speculators and SpecForge precompute them);
+    #: set: `align states` writes it and `align train` reads it, loading no verifier on its ranks (its embeddings and
+    #: LM head only, which a DFlash drafter shares); None: the states are computed in every step
+    out: Optional[str] = None
+    #: trajectories per verifier forward (rows of alike lengths are batched together)
+    batch_size: int = Field(default=8, ge=1)
+    # A 7B verifier's 4 layers of 3,584 values in bf16 are 28 KiB a token: a 1 GiB chunk holds ~37k tokens.
+    #: size of a chunk's file, in MiB (at least one trajectory): the unit of resuming and of the stage's memory (a
+    #: chunk is gathered in memory, then written)
+    chunk_mib: float = Field(default=1024.0, gt=0.0)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # training
 # --------------------------------------------------------------------------------------------------------------------
@@ -554,7 +569,7 @@ class MemorySection(Section):
 # mapping. tests/test_home_paths.py holds every other string key of the schema to its not being a path.
 PATH_KEYS: tuple[str, ...] = (
     "verifier.path", "drafter.path", "ar_drafter.path", "data.dir", "data.train_prompts", "data.train_prompts.*.path",
-    "trajectories.out", "train.out", "train.deepspeed_config", "gkd.out", "decode.cps_proxy_corpus",
+    "trajectories.out", "states.out", "train.out", "train.deepspeed_config", "gkd.out", "decode.cps_proxy_corpus",
     "decode.suffix_corpus", "calibrate.out", "calibrate.graph", "calibrate.prompts", "eval.prompts", "eval.out",
     "eval.compare_drafters.*", "export.out", "export.eval", "serve_check.drafter", "serve_check.out",
     "convert.source", "convert.out", "prompts.out", "sharegpt.file", "sharegpt.out", "sharegpt.decontaminate.*",
@@ -598,6 +613,7 @@ class Recipe(Section):
     ar_drafter: ArDrafterSection = ArDrafterSection()
     data: DataSection = DataSection()
     trajectories: TrajectoriesSection = TrajectoriesSection()
+    states: StatesSection = StatesSection()
     train: TrainSection = TrainSection()
     gkd: GkdSection = GkdSection()
     decode: DecodeSection = DecodeSection()

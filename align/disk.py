@@ -395,6 +395,18 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: weights can be large
 
 
+def write_hashed(path: Path, data: "memoryview | bytes", piece: int = 64 * 2**20) -> str:
+    """Write `data` to `path` and return its sha256, hashed as it is written (piece by piece, from the bytes in memory):
+    the digest a manifest records then costs no second read of a file that may be gigabytes."""
+    digest, view = hashlib.sha256(), memoryview(data).cast("B")
+    with path.open("wb") as f:
+        for start in range(0, len(view), piece):
+            part = view[start : start + piece]
+            digest.update(part)
+            f.write(part)
+    return digest.hexdigest()
+
+
 def record_checksums(folder: str | os.PathLike, names: Optional[Iterable[str]] = None) -> None:
     """Write `folder`/sha256.json: every file's sha256 (relative names), or, given `names`, those files' entries
     updated in the existing record (a file rewritten after the save, such as meta.json; a folder without a record,

@@ -60,6 +60,11 @@ def collective_timeout(recipe: Recipe) -> timedelta:
     return timedelta(minutes=30 + math.ceil(SAVED_PER_WEIGHT_BYTE * weights / SAVE_BYTES_PER_SECOND / 60))
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes, from the launcher's environment (1 process without one)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def init_distributed(timeout: timedelta) -> tuple[int, int]:
     """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI).
     timeout: how long a collective waits for every rank (`collective_timeout`)."""

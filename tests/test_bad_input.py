@@ -349,6 +349,15 @@ NEW_USER_CASES = [
     # cannot use it.
     ("train", "recipes/tiny/dflash.yaml", ["train.cache_verifier_states=true", "train.data_mode=on_policy"],
      "train.cache_verifier_states: with train.data_mode=on_policy"),
+    # Precomputed states (align states) are the verifier's at the true prefix too, and make the cache moot; a states
+    # folder not yet written is named before launching.
+    ("train", "recipes/tiny/dflash.yaml", ["states.out=/tmp/s", "train.data_mode=on_policy"],
+     "states.out: with train.data_mode=on_policy"),
+    ("train", "recipes/tiny/dflash.yaml", ["states.out=/tmp/s", "train.cache_verifier_states=true"],
+     "train.cache_verifier_states: states.out holds"),
+    ("train", "recipes/tiny/align.yaml", ["states.out=/tmp/s"], "states.out: only a DFlash drafter"),
+    ("states", "recipes/tiny/dflash.yaml", [], "states.out: set the folder"),
+    ("states", "recipes/tiny/align.yaml", ["states.out=/tmp/s"], "states.out: only a DFlash drafter"),
     ("train", "recipes/tiny/dflash.yaml", ["dflash.draft_vocab_size=100000"], "dflash.draft_vocab_size: 100000 is more"),
     # Refused after train.py had written .align and run.json, which then refused the corrected rerun (issue 35).
     ("train", "recipes/tiny/dflash.yaml", ["dflash.aux_layer_ids=[1, 30]"], "dflash.aux_layer_ids: [1, 30] must be"),

@@ -63,3 +63,12 @@ class TrainedDrafter:
         """Whether `align memory` models it: standalone drafters from their config or the known Hub drafters; a new
         DFlash drafter is not modelled yet."""
         return self.loads_from_path
+
+
+def reads_verifier_states(recipe: Any) -> bool:
+    """Whether the recipe's drafter is a DFlash drafter (a new one, the dflash section, or drafter.path's, from its
+    config alone): it reads the verifier's hidden states in every step (or `align states`' precomputed ones), from
+    which KD losses get the verifier's exact distributions too."""
+    from align.preflight import drafter_kind
+
+    return TrainedDrafter.of(recipe).is_new_dflash or drafter_kind(recipe) == "dflash"

@@ -53,9 +53,16 @@ STAGES: dict[str, Stage] = {
         "align.stages.trajectories", ("verifier", "trajectories", "data"), outputs=("trajectories.out",),
         folders=("data.dir",), launcher=True,
     ),
+    "states": Stage(
+        "compute the verifier hidden states a DFlash drafter reads for every trajectory, once, into checksummed "
+        "chunks that align train reads instead of running the verifier (resumable, multi-rank)",
+        "align.stages.states", ("verifier", "drafter", "dflash", "trajectories", "states", "train"),
+        outputs=("states.out",), launcher=True,
+    ),
     "train": Stage(
         "align the drafter to the verifier on trajectories under DeepSpeed (runs align/train.py)",
-        "align.stages.train", ("drafter", "dflash", "verifier", "trajectories", "train"), outputs=("train.out",),
+        "align.stages.train", ("drafter", "dflash", "verifier", "trajectories", "states", "train"),
+        outputs=("train.out",),
         launcher=True,
     ),
     "gkd": Stage(

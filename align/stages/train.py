@@ -37,20 +37,21 @@ from align.checkpoint import (is_adapter_folder, is_lora, save_checkpoint, state
                               weights_sha256_of)
 from align.config import Recipe, RecipeError, first_line
 from align.data import (HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories, rank_share,
-                        rows_at, stream_position)
+                        read_trajectory_manifest, rows_at, stream_position)
 from align.decoding.specdiff import specdiff_generate
 from align.dist import all_ranks, collective_timeout, deepspeed_config, init_distributed
 from align.disk import STEP_FOLDER, append_log, mark_folder, read_log, record_checksums, write_text_atomic
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
-from align.drafters.kind import TrainedDrafter
+from align.drafters.kind import TrainedDrafter, reads_verifier_states
 from align.drafters.loading import build_drafter, check_masks_are_read, check_new_dflash, drafter_reads, load_drafter
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.drafters.states_cache import StatesCache, batch_states
+from align.drafters.states_store import StatesStore, check_states, local_rank_verifies, read_states_manifest
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
 from align.memory_probe import peak_per_gpu, warn_train_memory
-from align.models import is_partitioned, load_tokenizer, load_verifier
+from align.models import is_partitioned, load_tokenizer, load_verifier, load_verifier_ends
 from align.onpolicy import rejection_batch
 from align.preflight import drafter_kind, load_model_config
 from align.recipe_files import get_key
@@ -108,7 +109,7 @@ def check_data(recipe: Recipe) -> TrainData:
     online = t.labels_online()
     rows = load_checked_trajectories(recipe)
     # A DFlash step has the verifier's exact distributions: it runs the verifier (or reads its cached states) anyway.
-    if t.reads_verifier_distributions() and not online and not drafts_from_states(recipe) \
+    if t.reads_verifier_distributions() and not online and not reads_verifier_states(recipe) \
             and "topk_ids" not in rows.column_names:
         raise RecipeError("train.losses: KD losses need verifier distributions: set train.data_mode=online, or "
                           "trajectories.store_topk > 0 when making the trajectories")
@@ -189,19 +190,12 @@ def resume_step(out: Path) -> int:
     return int(STEP_FOLDER.match(tag).group(1)) if tag else 0
 
 
-def drafts_from_states(recipe: Recipe) -> bool:
-    """Whether the drafter trained is a DFlash drafter (a new one, the dflash section, or drafter.path's, from its
-    config alone): it reads the verifier's hidden states in every step, from which KD losses get the verifier's exact
-    distributions too."""
-    return TrainedDrafter.of(recipe).is_new_dflash or drafter_kind(recipe) == "dflash"
-
-
 def models(recipe: Recipe) -> tuple[str, ...]:
     """The models `align train` loads: the drafter; the verifier for labels in the step (KD losses online,
     on-policy), for the final real τ, and for a DFlash drafter.path, which reads its hidden states in every step (so
     that its layer ids are checked against that verifier before launching, and its weights are a resume's too)."""
     t = recipe.train
-    labels = ("verifier.path",) if t.labels_online() or t.final_eval_prompts or drafts_from_states(recipe) else ()
+    labels = ("verifier.path",) if t.labels_online() or t.final_eval_prompts or reads_verifier_states(recipe) else ()
     return tuple(dict.fromkeys(drafter_reads(recipe) + labels))
 
 
@@ -213,6 +207,8 @@ def check(recipe: Recipe) -> None:
     check_train(recipe)
     check_resume(recipe)
     check_resumed_weights(recipe)
+    if recipe.states.out is not None:  # its digests checked once per machine, before any rank reads a row
+        check_states(recipe, read_trajectory_manifest(recipe.trajectories.out), verify=local_rank_verifies())
     warn_train_memory(recipe, lambda r, world_size: peak_per_gpu(r, world_size).total)
 
 
@@ -230,14 +226,22 @@ def check_train(recipe: Recipe) -> None:
                               "(train.lora_r=0)")
     if trained.is_new_dflash:
         check_new_dflash(recipe)
-    if recipe.train.data_mode == "rejections" and not drafts_from_states(recipe):
+    if recipe.train.data_mode == "rejections" and not reads_verifier_states(recipe):
         raise RecipeError(f"train.data_mode: rejections walks the anchors a DFlash drafter's block-parallel drafts "
                           f"visit; {recipe.drafter.path} is a {drafter_kind(recipe)} drafter (use on_policy)")
-    if recipe.train.cache_verifier_states and recipe.train.data_mode not in ("offline", "rejections"):
-        # KD losses offline read the verifier's logits at the true prefix, which the cache's final states give; a
-        # verifier run along drafts or on new data is a new forward every step.
-        raise RecipeError(f"train.cache_verifier_states: with train.data_mode={recipe.train.data_mode}, every step "
-                          "runs the verifier on new inputs, which no cache holds: set it to false")
+    for key, on in (("train.cache_verifier_states", recipe.train.cache_verifier_states),
+                    ("states.out", recipe.states.out is not None)):
+        if on and recipe.train.data_mode not in ("offline", "rejections"):
+            # KD losses offline read the verifier's logits at the true prefix, which the final states give; a
+            # verifier run along drafts or on new data is a new forward every step.
+            raise RecipeError(f"{key}: with train.data_mode={recipe.train.data_mode}, every step runs the verifier "
+                              "on new inputs, whose states nothing holds beforehand: unset it")
+    if recipe.states.out is not None and not reads_verifier_states(recipe):
+        raise RecipeError(f"states.out: only a DFlash drafter reads the verifier's hidden states; {recipe.drafter.path}"
+                          " drafts alone: unset states.out")
+    if recipe.states.out is not None and recipe.train.cache_verifier_states:
+        raise RecipeError("train.cache_verifier_states: states.out holds every trajectory's states already; set it "
+                          "to false")
     check_trackers("train.report_to", recipe.train.report_to, recipe.train.project)
 
 
@@ -341,9 +345,12 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         model = get_peft_model(model, LoraConfig(r=t.lora_r, lora_alpha=t.lora_alpha, target_modules="all-linear"))
     else:
         model.requires_grad_(True)
-    # A DFlash drafter reads the verifier's hidden states in every step.
+    # A DFlash drafter reads the verifier's hidden states in every step: from states.out, where they were computed
+    # beforehand, with only the verifier's embeddings and head (which the drafter shares) on this rank.
     reads_verifier = drafter_for(model, spec).verifier_states is not None
-    verifier = load_verifier(recipe.verifier) if data.online or reads_verifier else None
+    precomputed = reads_verifier and recipe.states.out is not None
+    verifier = (load_verifier_ends(recipe.verifier) if precomputed else
+                load_verifier(recipe.verifier) if data.online or reads_verifier else None)
     trained = TrainedDrafter.of(recipe)
     if trained.draft_vocab_size:
         # Before the engine copies the weights into its optimiser state; a resumed run's saved maps and head replace
@@ -369,10 +376,24 @@ def build_trainer(recipe: Recipe, data: TrainData, rank: int, world: int) -> Tra
         # (a peft wrapper passes reads of it through), as load_drafter puts it.
         check_masks_are_read(model.get_base_model() if t.lora_r else model, spec)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    states = (open_states_cache(recipe, data, model, verifier if reads_verifier else None, rank, world)
+    states = (open_states_store(recipe, model, verifier) if precomputed else
+              open_states_cache(recipe, data, model, verifier if reads_verifier else None, rank, world)
               if t.cache_verifier_states else None)
     return Trainer(engine, schedule, spec, tokenizer, verifier, WINDOW_BUILDERS[spec.attention], pad_id, rank, world,
                    engine.device, mask_token, states)
+
+
+def states_width(recipe: Recipe, model: Any) -> int:
+    """Values a token of the states a step reads: the drafter's layers', and the final ones where a KD loss reads the
+    verifier's logits."""
+    with_last = recipe.train.reads_verifier_distributions()
+    return (len(model.config.aux_hidden_state_layer_ids) + with_last) * model.config.target_hidden_size
+
+
+def open_states_store(recipe: Recipe, model: Any, verifier: torch.nn.Module) -> StatesStore:
+    """states.out mapped on this rank (its manifest and digests were checked before launching)."""
+    folder = Path(recipe.states.out)
+    return StatesStore(folder, read_states_manifest(folder), states_width(recipe, model), verifier.dtype)
 
 
 def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Optional[torch.nn.Module], rank: int,
@@ -389,9 +410,7 @@ def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Opt
     cap = recipe.train.max_sequence_length or math.inf  # the builders cut each row there: so are its states
     lengths = [min(len(p) + len(c), cap) for p, c in zip(data.rows["prompt_ids"], data.rows["completion_ids"])]
     # KD losses' verifier logits come from its final states, kept beside the ones the drafter reads.
-    with_last = recipe.train.reads_verifier_distributions()
-    width = (len(model.config.aux_hidden_state_layer_ids) + with_last) * model.config.target_hidden_size
-    cache = StatesCache(Path(recipe.train.out), lengths, width, verifier.dtype)
+    cache = StatesCache(Path(recipe.train.out), lengths, states_width(recipe, model), verifier.dtype)
     if rank == 0:
         cache.create()
     if world > 1:
@@ -569,13 +588,8 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                              np.random.default_rng([t.seed, p]), max_len=t.max_sequence_length).to(trainer.device)
                for p, rows in zip(positions, micro_rows)]
-    if trainer.states is not None:  # the rows' verifier states: read where a step computed them already
-        layer_ids = trainer.engine.module.config.aux_hidden_state_layer_ids
-        with_last = recipe.train.reads_verifier_distributions()  # the final states too: KD losses' logits
-        for ids, batch in zip(micro_ids, batches):
-            batch.verifier_states = batch_states(
-                trainer.states, ids, batch.clean_ids,
-                lambda clean: verifier_states(trainer.verifier, clean, layer_ids, with_last=with_last))
+    for ids, batch in zip(micro_ids, batches):
+        attach_states(trainer, recipe, ids, batch)
     if t.data_mode == "rejections":
         batches = [rejections_of(trainer, batch, rows, recipe, p)
                    for batch, rows, p in zip(batches, micro_rows, positions)]
@@ -605,6 +619,19 @@ def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> 
     return {"step": step + 1, "loss": float(summed.sum()), **dict(zip(totals, summed.tolist())),
             "lr": lr, "windows": int(counts[0]),
             "tokens_per_s_per_rank": float(sum(b.target_mask.sum() for b in batches)) / (time.perf_counter() - t0)}
+
+
+def attach_states(trainer: Trainer, recipe: Recipe, rows: list[int], batch: WindowBatch) -> None:
+    """The verifier states of a batch of dataset `rows`, read where stored (states.out, or the run's cache where a
+    step computed them already; the final states too where a KD loss reads the verifier's logits). Without either,
+    the drafter's forward runs the verifier itself."""
+    if trainer.states is None:
+        return
+    layer_ids = trainer.engine.module.config.aux_hidden_state_layer_ids
+    with_last = recipe.train.reads_verifier_distributions()
+    batch.verifier_states = batch_states(
+        trainer.states, rows, batch.clean_ids,
+        lambda clean: verifier_states(trainer.verifier, clean, layer_ids, with_last=with_last))
 
 
 def held_out_sample(held_out: list[int], max_rows: Optional[int], seed: int) -> list[int]:
@@ -638,9 +665,11 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
     mine, weights = rank_share(held_out_sample(data.held_out, t.held_out_max_rows, t.seed), trainer.rank,
                                trainer.world)
     for start in range(0, len(mine), t.micro_batch_size):
-        rows = [data.rows[i] for i in mine[start : start + t.micro_batch_size]]
+        ids = mine[start : start + t.micro_batch_size]
+        rows = [data.rows[i] for i in ids]
         batch = trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
                               np.random.default_rng([t.seed, start]), max_len=t.max_sequence_length).to(trainer.device)
+        attach_states(trainer, recipe, ids, batch)
         # In the drafter's own dtype: window_streaks reads it in fp32 chunk by chunk, never as one fp32 copy.
         logits = window_logits(trainer.engine.module, trainer.spec, batch, trainer.verifier,
                                forwards=agreed_forwards(trainer, batch, recipe))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -26,14 +25,10 @@ from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, loa
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate
 from align.disk import atomic_folder, file_sha256, mark_folder, write_text_atomic
+from align.dist import rank_and_world
 from align.models import load_tokenizer, load_verifier
 from align.preflight import check_context, check_inputs, check_new_tokens, model_context
 from align.vllm_engine import VllmRunner, verifier_runner, vllm_python
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of processes, from the launcher's environment (1 process without one)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 # Recipe key -> its name in the manifest's settings: with the prompts (the keys of PROMPT_KEYS decide which, and how
