@@ -13,6 +13,7 @@ and AdamW states sharded as the recipe's ZeRO stage shards them over memory.worl
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -336,6 +337,40 @@ class PerGpu:
     gathered: int  # ZeRO-3: one layer's (or the LM head's) parameters gathered whole for its forward/backward
     activations: int
     total: int
+    verifier: int = 0  # the verifier's weights beside the drafter (verifier_held says which part)
+
+
+def verifier_held(recipe: Recipe) -> str:
+    """Which part of the verifier a training rank holds beside the drafter, outside DeepSpeed (never partitioned):
+    "whole" where the step runs it (online or on-policy labels; a DFlash drafter's states, unless precomputed),
+    "ends" (its embeddings and head: load_verifier_ends) with states.out, "none" offline."""
+    from align.drafters.kind import reads_verifier_states
+
+    if reads_verifier_states(recipe):
+        return "ends" if recipe.states.out is not None else "whole"
+    return "whole" if recipe.train.labels_online() else "none"
+
+
+def verifier_bytes(recipe: Recipe) -> int:
+    """Bytes of the verifier weights `verifier_held` names, counted from its config on the meta device (no weights
+    read), in the dtype it runs in on a GPU."""
+    held = verifier_held(recipe)
+    if held == "none":
+        return 0
+    from transformers import AutoModelForCausalLM
+
+    from align.models import resolve_dtype
+    from align.preflight import load_model_config
+
+    v = recipe.verifier
+    config = load_model_config("verifier.path", v)
+    if held == "ends":  # as load_verifier_ends builds it (set after the config's own checks of its layer lists)
+        config = copy.deepcopy(config)
+        config.get_text_config().num_hidden_layers = 0
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=v.trust_remote_code)
+    dtype = resolve_dtype(v.dtype, torch.device("cuda"), v.path, v.trust_remote_code)
+    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
 
 
 def per_gpu(recipe: Recipe, width: Width, measured: Measured) -> PerGpu:
@@ -364,8 +399,9 @@ def per_gpu(recipe: Recipe, width: Width, measured: Measured) -> PerGpu:
     else:
         activations = width.num_hidden_layers * measured.layer_kept + max(
             measured.head_and_losses_peak, measured.layer_peak - measured.layer_kept)
-    total = weights + gradients + optimizer + gathered + activations
-    return PerGpu(weights, gradients, optimizer, gathered, activations, total)
+    verifier = verifier_bytes(recipe)
+    total = weights + gradients + optimizer + gathered + activations + verifier
+    return PerGpu(weights, gradients, optimizer, gathered, activations, total, verifier)
 
 
 def peak_per_gpu(recipe: Recipe, world_size: int) -> PerGpu:

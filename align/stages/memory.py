@@ -14,7 +14,7 @@ import torch
 from align.config import Recipe, RecipeError
 from align.disk import write_text_atomic
 from align.memory_probe import (Measured, PerGpu, Shape, Width, drafter_context, drafter_width, lora_parameters,
-                                measure, micro_batch_shape, per_gpu)
+                                measure, micro_batch_shape, per_gpu, verifier_held)
 
 
 def _gb(n: int) -> str:
@@ -46,6 +46,8 @@ def report(recipe: Recipe, width: Width, shape: Shape, measured: Measured, gpu: 
         f"    optimizer (AdamW)       {_gb(gpu.optimizer)}",
         *([f"    ZeRO-3 gathered layer   {_gb(gpu.gathered)}"] if t.zero_stage == 3 else []),
         f"    activations             {_gb(gpu.activations)}  ({width.num_hidden_layers} layers)",
+        *([f"    {'verifier (' + verifier_held(recipe) + ')':<24}{_gb(gpu.verifier)}  (outside DeepSpeed, on every rank)"]
+          if gpu.verifier else []),
         f"    peak                    {_gb(gpu.total)}",
     ]
     return "\n".join(lines)

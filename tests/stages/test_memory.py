@@ -73,6 +73,35 @@ def test_per_gpu_by_hand_fp32_without_zero():
     assert (gpu.weights, gpu.gradients, gpu.optimizer) == (4_000_000, 4_000_000, 8_000_000)
 
 
+def test_the_verifier_a_rank_holds_is_counted_for_every_mode():
+    """Offline a rank holds no verifier; online or on-policy labels hold it whole (outside DeepSpeed, unsharded by
+    ZeRO); a DFlash drafter holds it whole, or only its embeddings and head with precomputed states."""
+    from align.memory_probe import verifier_bytes, verifier_held
+
+    config = json.loads((ROOT / "checkpoints" / "tiny" / "verifier" / "config.json").read_text())
+    whole = sum(v.numel() for v in safetensors_tensors(ROOT / "checkpoints" / "tiny" / "verifier"))
+    ends = config["vocab_size"] * config["hidden_size"] * (1 if config.get("tie_word_embeddings", True) else 2)
+    cases = [((), "none", 0), (("train.data_mode=on_policy",), "whole", whole),
+             (("train.data_mode=online", "train.losses={fkl: 1.0}"), "whole", whole)]
+    for overrides, held, params in cases:
+        r = recipe(*overrides, "verifier.dtype=bfloat16", "train.zero_stage=3", "memory.world_size=4")
+        assert (verifier_held(r), verifier_bytes(r)) == (held, params * 2), overrides
+        gpu = per_gpu(r, WIDTH, MEASURED)
+        assert gpu.verifier == params * 2 and gpu.total == gpu.weights + gpu.gradients + gpu.optimizer + \
+            gpu.gathered + gpu.activations + gpu.verifier
+    dflash = load_recipe("recipes/tiny/dflash.yaml", ["verifier.dtype=bfloat16"])
+    assert (verifier_held(dflash), verifier_bytes(dflash)) == ("whole", whole * 2)
+    precomputed = load_recipe("recipes/tiny/dflash.yaml", ["verifier.dtype=bfloat16", "states.out=/tmp/s"])
+    assert verifier_held(precomputed) == "ends"
+    assert ends * 2 <= verifier_bytes(precomputed) < whole * 2  # embeddings, head, the final norm's few values
+
+
+def safetensors_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors").values()
+
+
 # ---- the measured part -------------------------------------------------------------------------------------------
 def test_the_tiny_drafters_width_is_read_from_its_config():
     width = drafter_width(recipe())
