@@ -17,7 +17,12 @@
 # Neither validates on the way (align: train.eval_every at the end; speculators: --train-data-ratio 0.99, its smallest
 # held-out split, validated once an epoch).
 #
-# Environment: as speculators_dflash.sh (ALIGN, ALIGN_VLLM_PYTHON); WORK (default checkpoints/speculators-curves).
+# With states.out set (an override), align trains on the verifier states `align states` computes first, timed apart
+# as speculators' conversion is (states.log).
+#
+# Environment: as speculators_dflash.sh (ALIGN, ALIGN_VLLM_PYTHON); WORK (default checkpoints/speculators-curves);
+# TRAINERS (default "spec align": the trainers run, e.g. "align" alone to add align's points to a WORK whose
+# speculators side is done).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 recipe=${1:-recipes/smollm2/dflash.yaml}
@@ -26,6 +31,8 @@ ALIGN=${ALIGN:-.venv/bin/align}
 VLLM_PY=${ALIGN_VLLM_PYTHON:-.venv-vllm/bin/python}
 ALIGN_PY=$(dirname "$(command -v "$ALIGN" || echo "$ALIGN")")/python
 BUDGETS=${BUDGETS:-"10 20 30"}
+TRAINERS=${TRAINERS:-"spec align"}
+runs() { [[ " $TRAINERS " == *" $1 "* ]]; }
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 work=${WORK:-checkpoints/speculators-curves}
 steps() { "$ALIGN_PY" experiments/speculators_steps.py "$@"; }
@@ -43,6 +50,7 @@ key=decode.gamma; gamma=$(get "$@")
 key=dflash.num_layers; num_layers=$(get "$@")
 key=dflash.aux_layer_ids; layer_ids=$(get "$@" | tr -d '[] ')
 key=dflash.draft_vocab_size; draft_vocab=$(get "$@")
+key=states.out; states=$(get "$@")
 ranks=2
 # Every draft layer full (bidirectional) attention, as align's: speculators 0.9 makes the layers it is not told of
 # sliding_attention, block-causal (see docs/dflash-and-vllm.md)
@@ -55,17 +63,17 @@ mkdir -p "$work"
 vocab_flag=(); [ "$draft_vocab" != None ] && vocab_flag=(--draft-vocab-size "$draft_vocab")
 
 # 1. Trajectories -> speculators' dataset, the verifier in the recipe's dtype, align's d2t/t2d beside it.
-if [ ! -f "$work/data/align_conversion.json" ]; then
+if runs spec && [ ! -f "$work/data/align_conversion.json" ]; then
   rm -rf "$work/data"
   { time OMP_NUM_THREADS=2 "$ALIGN_PY" -m align.speculators_data --trajectories "$trajectories" \
       --verifier "$verifier" --layer-ids "$layer_ids" --dtype "$dtype" "${vocab_flag[@]}" --out "$work/data"; } \
     > "$work/convert.log" 2>&1
 fi
-max_len=$(steps max-len "$work/data/align_conversion.json")
+runs spec && max_len=$(steps max-len "$work/data/align_conversion.json")
 
 # 2. speculators' trainer. It writes mid-epoch checkpoints over one folder per epoch, so each new one is copied
 # aside with the seconds since the start (spec-times.tsv); it is stopped at the last budget.
-if [ ! -f "$work/spec-times.tsv" ]; then
+if runs spec && [ ! -f "$work/spec-times.tsv" ]; then
   rm -rf "$work/spec-train" "$work/spec-snapshots"
   mkdir -p "$work/spec-snapshots"
   start=$(date +%s)
@@ -96,7 +104,10 @@ if [ ! -f "$work/spec-times.tsv" ]; then
 fi
 
 # 3. align's trainer, the same way (a checkpoint every minute or so, none deleted, no held-out eval on the way).
-if [ ! -f "$work/align-times.tsv" ]; then
+if runs align && [ "$states" != None ] && [ ! -f "$states/manifest.json" ]; then
+  { time "$ALIGN" states "$recipe" --num_gpus $ranks "$@"; } > "$work/states.log" 2>&1
+fi
+if runs align && [ ! -f "$work/align-times.tsv" ]; then
   rm -rf "$work/align-train"
   start=$(date +%s)
   OMP_NUM_THREADS=1 timeout -s INT $((last_budget * 60)) "$ALIGN" train "$recipe" --num_gpus $ranks \
@@ -107,7 +118,7 @@ fi
 
 # 4. Each budget's checkpoint of each trainer, served by vLLM (and decoded by align's runtime) on the same prompts.
 for budget in $BUDGETS; do
-  for which in spec align; do
+  for which in $TRAINERS; do
     drafter=$(steps pick "$work/$which-times.tsv" $((budget * 60)))
     out="$work/serve-$which-$budget"
     [ -z "$drafter" ] && { echo "speculators_curves: no $which checkpoint within $budget minutes" >&2; continue; }
