@@ -344,9 +344,9 @@ def verifier_held(recipe: Recipe) -> str:
     """Which part of the verifier a training rank holds beside the drafter, outside DeepSpeed (never partitioned):
     "whole" where the step runs it (online or on-policy labels; a DFlash drafter's states, unless precomputed),
     "ends" (its embeddings and head: load_verifier_ends) with states.out, "none" offline."""
-    from align.drafters.kind import reads_verifier_states
-
-    if reads_verifier_states(recipe):
+    # A new DFlash drafter reads the verifier's states; drafter.path's drafters are standalone wherever align memory
+    # measures them (drafter_width refuses others), read from config.json alone, so no weights are checked here.
+    if TrainedDrafter.of(recipe).is_new_dflash:
         return "ends" if recipe.states.out is not None else "whole"
     return "whole" if recipe.train.labels_online() else "none"
 

@@ -49,6 +49,8 @@ $align prompts recipes/smollm2/prompts.yaml "${precision[@]}" "$@"; stamp prompt
 # Shared by both drafters (their recipes have the same trajectories section).
 $align trajectories $dflash "${precision[@]}" "$@"; stamp trajectories
 
+# The DFlash drafter's verifier states, once (its training ranks then load no verifier layer).
+$align states $dflash --num_gpus 2 "${precision[@]}" "$@"; stamp states
 $align train $dflash --num_gpus 2 "${precision[@]}" "$@"; stamp "dflash train"
 dflash_step=$($align latest "$($align validate $dflash "$@" --get train.out)")
 $align export $dflash drafter.path="$dflash_step" "$@"; stamp "dflash export"
