@@ -159,13 +159,26 @@ def locate(c: ConvertSection) -> Source:
     raise RecipeError(f"convert.source: no such file or folder: {given} (or {PACKAGE_PREFIX}<package>)")
 
 
+def assembled_gguf(package: str) -> Path:
+    """The GGUF a parts package's own assemble() joins into its cache folder, one process at a time: it writes the
+    file in place, so a second process starting meanwhile would read a half-written file as a damaged one."""
+    import fcntl
+
+    module = importlib.import_module(package)
+    lock = Path(module.default_output_path()).with_name(".align-assemble.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        return Path(module.assemble())
+
+
 def assemble(source: Source) -> Source:
     """A parts package's GGUF, joined by its own assemble() (into the package's cache folder, where it is kept and
     its sha256 checked on reuse); other sources as they are."""
     if source.assembles is None:
         return source
     try:
-        path = Path(importlib.import_module(source.assembles).assemble())
+        path = assembled_gguf(source.assembles)
     except Exception as e:  # a missing part package, a bad join: said as the package says it
         raise RecipeError(f"convert.source: {source.package} could not assemble its GGUF ({first_line(e)})") from None
     return replace(source, folder=path.parent, gguf_file=path.name)

