@@ -65,6 +65,22 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def wait_for_every_rank(world: int) -> None:
+    """For a stage whose ranks each write their own chunks (trajectories, states): return once every rank has, so
+    that rank 0 may write the manifest. A gloo group (no tensor crosses it), made here where the stage has none."""
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        dist.barrier()
+
+
+def end_ranks(world: int) -> None:
+    """After wait_for_every_rank and rank 0's manifest: every rank leaves once it is written."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def init_distributed(timeout: timedelta) -> tuple[int, int]:
     """(rank, world size). Outside a launcher this process is rank 0 of 1 (DeepSpeed would otherwise look for MPI).
     timeout: how long a collective waits for every rank (`collective_timeout`)."""

@@ -27,7 +27,7 @@ from align.config import RecipeError
 
 STATES_FILE, FILLED_FILE = "verifier-states.cache", "verifier-states.filled"
 # Raw storage per element size: numpy has no bfloat16, so values are stored as same-width integers and viewed back.
-_RAW = {2: (np.int16, torch.int16), 4: (np.int32, torch.int32)}
+RAW_DTYPES = {2: (np.int16, torch.int16), 4: (np.int32, torch.int32)}  # (numpy, torch)
 
 
 class StatesCache:
@@ -37,7 +37,7 @@ class StatesCache:
         self.folder, self.width, self.dtype = Path(folder), width, dtype
         self.offsets = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.raw, self.raw_torch = _RAW[self.itemsize]
+        self.raw, self.raw_torch = RAW_DTYPES[self.itemsize]
         self.states: Optional[np.memmap] = None
         self.filled: Optional[np.memmap] = None
 

@@ -25,10 +25,9 @@ import numpy as np
 
 from align.config import Recipe, RecipeError
 from align.disk import file_sha256
+from align.drafters.states_cache import RAW_DTYPES
 
 STATES_MANIFEST, CHUNK_RECORD, CHUNK_FILE = "manifest.json", "chunk.json", "states.bin"
-# Raw storage per element size: numpy has no bfloat16, so values are stored as same-width integers and viewed back.
-RAW_DTYPES = {2: np.int16, 4: np.int32}
 
 
 def aux_layer_ids(recipe: Recipe) -> list[int]:
@@ -132,7 +131,7 @@ class StatesStore:
             raise RecipeError(f"states.out: {folder} holds {self.stored_width} values a token; the drafter reads "
                               f"{width}: rerun align states with this recipe")
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.raw, self.raw_torch = RAW_DTYPES[itemsize], {2: torch.int16, 4: torch.int32}[itemsize]
+        self.raw, self.raw_torch = RAW_DTYPES[itemsize]
         lengths = np.asarray(manifest["lengths"], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])  # global token offset of each row
         self.chunk_of = np.empty(len(lengths), dtype=np.int64)

@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 from align.config import Recipe, RecipeError
 from align.data import load_checked_trajectories, read_trajectory_manifest
 from align.disk import atomic_folder, mark_folder, write_hashed, write_text_atomic
-from align.dist import rank_and_world
+from align.dist import end_ranks, rank_and_world, wait_for_every_rank
 from align.drafters.dflash import verifier_states
 from align.drafters.kind import TrainedDrafter, reads_verifier_states
+from align.drafters.states_cache import RAW_DTYPES
 from align.drafters.states_store import (CHUNK_FILE, CHUNK_RECORD, STATES_MANIFEST, chunk_plan,
                                          read_states_manifest, row_lengths, settings_hash, states_settings)
 from align.models import load_verifier
@@ -50,7 +51,7 @@ def chunk_states(verifier: Any, rows: Any, lengths: list[int], layer_ids: list[i
                  pad_id: int, raw: torch.dtype) -> np.ndarray:
     """(tokens, width) raw values of a chunk's rows back to back, row order: rows of alike lengths are batched
     (right-padded, which a causal verifier's earlier positions never see) in forwards of `batch_size` rows. raw: the
-    integer dtype of the verifier's width the values are stored as (states_store.RAW_DTYPES)."""
+    integer dtype of the verifier's width the values are stored as (states_cache.RAW_DTYPES)."""
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     out = None
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -88,7 +89,7 @@ def main(recipe: Recipe, command: str) -> None:
     layer_ids, final = settings["aux_layer_ids"], settings["final_states"]
     width = (len(layer_ids) + final) * text.hidden_size
     itemsize = torch.empty((), dtype=verifier.dtype).element_size()
-    raw = {2: torch.int16, 4: torch.int32}[itemsize]
+    raw = RAW_DTYPES[itemsize][1]
     lengths = row_lengths(recipe, rows)
     plan = chunk_plan(lengths, width * itemsize, int(recipe.states.chunk_mib * 2**20))
     pad_id = text.pad_token_id if getattr(text, "pad_token_id", None) is not None else 0  # never read: right padding
@@ -105,12 +106,7 @@ def main(recipe: Recipe, command: str) -> None:
             (tmp / CHUNK_RECORD).write_text(json.dumps({"settings": digest, "rows": [first, end],
                                                         "bytes": values.nbytes, "sha256": sha256}))
     seconds = time.perf_counter() - t0
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        dist.barrier()  # every rank's chunks are on disk before rank 0 writes the manifest
+    wait_for_every_rank(world)  # every rank's chunks are on disk before rank 0 writes the manifest
     if rank == 0:
         chunks = {f"chunk-{c:05d}": json.loads((out / "chunks" / f"chunk-{c:05d}" / CHUNK_RECORD).read_text())
                   for c in range(len(plan))}
@@ -123,11 +119,7 @@ def main(recipe: Recipe, command: str) -> None:
         rate = f", {made / seconds:.0f} tokens/s this run" if made and world == 1 else ""
         print(f"states: {len(lengths)} trajectories, {sum(lengths)} tokens, {width} values a token "
               f"({sum(c['bytes'] for c in chunks.values()) / 2**30:.2f} GiB{rate}) -> {out}")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    end_ranks(world)
 
 
 def chunk_done(folder: Path, digest: str, rows: tuple[int, int]) -> bool:

@@ -25,7 +25,7 @@ from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, loa
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate
 from align.disk import atomic_folder, file_sha256, mark_folder, write_text_atomic
-from align.dist import rank_and_world
+from align.dist import end_ranks, rank_and_world, wait_for_every_rank
 from align.models import load_tokenizer, load_verifier
 from align.preflight import check_context, check_inputs, check_new_tokens, model_context
 from align.vllm_engine import VllmRunner, verifier_runner, vllm_python
@@ -314,12 +314,7 @@ def main(recipe: Recipe, command: str) -> None:
         write_chunk(rows, out / "chunks" / f"chunk-{c:05d}", settings_hash, splits)
     if isinstance(verifier, VllmRunner):  # (after an error, the worker ends by itself when this process does)
         verifier.close()
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        dist.barrier()  # every rank's chunks are on disk before rank 0 writes the manifest
+    wait_for_every_rank(world)  # every rank's chunks are on disk before rank 0 writes the manifest
     if rank == 0:
         chunks = {f"chunk-{c:05d}": json.loads((out / "chunks" / f"chunk-{c:05d}" / "chunk.json").read_text())
                   for c in range(len(starts))}
@@ -343,9 +338,5 @@ def main(recipe: Recipe, command: str) -> None:
         rate = f", {made / seconds:.0f} tokens/s this run" if made and world == 1 else ""
         print(f"trajectories: {manifest['rows']} completions, {manifest['completion_tokens']} tokens "
               f"({manifest['engine']}{rate}) -> {out}")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    end_ranks(world)
 
