@@ -17,8 +17,9 @@ from typing import Any, Iterator, Optional
 
 from align.config import Recipe, RecipeError
 from align.drafters.kind import TrainedDrafter
-from align.disk import (CHECKSUMS, STEP_FOLDER, _stat, atomic_folder, discard_folder, file_sha256, naming_path,
-                        record_checksums, verify_checksums, write_text_atomic)
+from align.disk import (CHECKSUMS, STEP_FOLDER, HashingWriter, _stat, atomic_folder, discard_folder,
+                        naming_path, record_checksums, unchanged_file_sha256, verify_checksums, write_hashed,
+                        write_text_atomic)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -118,12 +119,13 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
     safetensors shard of `plan` (streamed_save_plan) as soon as its last weight arrives, then frees it. Rank 0 holds
     at most a shard and a module: DeepSpeed's consolidated state dict would hold the whole drafter in its host memory
     (52 GB for a 26B bf16 drafter). The folder holds what save_pretrained writes at that shard size: the same files,
-    index, weights and configs (tested against it), the shards filled in the modules' order. Returns the most weight
-    bytes rank 0 held at once (0 on the other ranks)."""
+    index, weights and configs (tested against it), the shards filled in the modules' order, each hashed as it is
+    written. Returns the most weight bytes rank 0 held at once (0 on the other ranks; a shard's serialized bytes,
+    held while it is written, come on top)."""
     import contextlib
 
     import deepspeed
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from transformers.dynamic_module_utils import custom_object_save
 
     owner = plan.tensor_to_filename
@@ -132,6 +134,7 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
     # persistent buffer (Gemma 4's per-layer `layer_scalar`) would stay in the dtype it was loaded in.
     dtype = model.dtype
     pending: dict[str, Any] = {}
+    written: dict[str, str] = {}  # shard -> sha256, taken as it was written
     held = most_held = 0
     with atomic_folder(final, kind) if writer else contextlib.nullcontext() as tmp:
         for prefix, module in model.named_modules():
@@ -153,7 +156,8 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
                     missing[shard].discard(key)
                     if not missing[shard]:
                         weights = {k: pending.pop(k) for k in plan.filename_to_tensors[shard]}
-                        save_file(weights, str(tmp / shard), metadata={"format": "pt"})
+                        # Serialized in memory (the shard's bytes once more, briefly) to be hashed as written.
+                        written[shard] = write_hashed(tmp / shard, save(weights, metadata={"format": "pt"}))
                         held -= sum(t.nbytes for t in weights.values())
         if not writer:
             return 0
@@ -177,7 +181,7 @@ def save_streamed(model: Any, plan: Any, tokenizer: Any, final: Path, files: dic
         tokenizer.save_pretrained(tmp)
         for name, text in files.items():
             (tmp / name).write_text(text)
-        record_checksums(tmp)
+        record_checksums(tmp, known=written)
     return most_held
 
 
@@ -312,8 +316,8 @@ def weights_sha256(folder: Path) -> Optional[str]:
     if not files:
         return None
     if len(files) == 1:
-        return file_sha256(files[0])
-    lines = "".join(f"{file_sha256(f)}  {f.name}\n" for f in files)
+        return unchanged_file_sha256(files[0])
+    lines = "".join(f"{unchanged_file_sha256(f)}  {f.name}\n" for f in files)
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
@@ -329,17 +333,69 @@ def drafter_identity(path: str) -> dict[str, Any]:
             "weights_sha256": weights_sha256(folder) if folder is not None else None}
 # DeepSpeed state (ds_state/): a folder per tag, and `latest` naming the one to resume
 # --------------------------------------------------------------------------------------------------------------------
-def commit_state(state_dir: str | os.PathLike, tag: str) -> None:
+def commit_state(state_dir: str | os.PathLike, tag: str, known: Optional[dict[str, str]] = None) -> None:
     """Make `state_dir`/`tag`, which DeepSpeed has just written whole (every rank's files, after its barrier), the
     one to resume: its checksums, then `latest` in one rename. DeepSpeed writes neither atomically (a crash could
     leave `latest` empty, or naming a half-written tag); here a tag with a sha256.json is complete, and `latest`
-    only ever names such a tag. Call on rank 0; on several nodes without a shared folder it sees its own files."""
+    only ever names such a tag. `known`: the digests the ranks took as they wrote (HashingCheckpointEngine), by name
+    in the tag; only files without one are read back. Call on rank 0; on several nodes without a shared folder it
+    sees its own files."""
     state_dir = Path(state_dir)
-    record_checksums(state_dir / tag)
+    record_checksums(state_dir / tag, known=known)
     write_text_atomic(state_dir / "latest", tag)
 
 
-def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn: bool = True) -> Optional[str]:
+class HashingCheckpointEngine:
+    """DeepSpeed's checkpoint engine with each file's sha256 taken as it is written (torch.save into a
+    disk.HashingWriter), on the rank that writes it: the commit's record then reads nothing back (rank 0 used to
+    hash every rank's optimizer shards, ~410 GB for a 26B drafter, while the others waited). Everything else, and
+    any other engine a user's DeepSpeed config chooses (whose files rank 0 then hashes), is DeepSpeed's own."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.digests: dict[str, str] = {}  # absolute path -> sha256, of the files written since the last take()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        import torch
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        if type(self.inner) is not TorchCheckpointEngine:
+            return self.inner.save(state_dict, path)
+        with HashingWriter(Path(path)) as f:
+            torch.save(state_dict, f, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
+        self.digests[str(Path(path).resolve())] = f.hexdigest()
+
+    def take(self) -> dict[str, str]:
+        digests, self.digests = self.digests, {}
+        return digests
+
+
+def hashing_engine(engine: Any) -> HashingCheckpointEngine:
+    """The DeepSpeed `engine`'s checkpoint engine, made a HashingCheckpointEngine (once)."""
+    if not isinstance(engine.checkpoint_engine, HashingCheckpointEngine):
+        engine.checkpoint_engine = HashingCheckpointEngine(engine.checkpoint_engine)
+    return engine.checkpoint_engine
+
+
+def written_digests(hashing: HashingCheckpointEngine, folder: Path, world: int) -> dict[str, str]:
+    """Every rank's digests of the files it wrote into `folder` since the last take (a collective: every rank calls
+    it), by name relative to `folder`, on every rank."""
+    mine = {str(Path(path).relative_to(folder.resolve())): digest for path, digest in hashing.take().items()
+            if Path(path).is_relative_to(folder.resolve())}
+    if world == 1:
+        return mine
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return {name: digest for each in gathered for name, digest in each.items()}
+
+
+def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn: bool = True,
+                    verify: bool = True) -> Optional[str]:
     """The DeepSpeed tag under `state_dir` to resume from, checked against its checksums; None when there is none
     (a new run, or one killed before its first state was complete).
 
@@ -348,7 +404,8 @@ def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn
     costs only the steps after it, recomputed to the same values. A tag whose files differ from their checksums was
     damaged after it was complete (the disk, a copy): that is refused, naming the file, rather than resumed around.
     A tag from before checksums were recorded is loaded unchecked. `warn`: say the fallback (once per run: the
-    preflight asks quietly, the resume says it)."""
+    preflight asks quietly, the resume says it). `verify`: hash the files (False where another process of this
+    machine or the launcher has: disk.hashes_inputs; the tag chosen is the same, read from the records alone)."""
     state_dir = Path(state_dir)
     latest = state_dir / "latest"
     tags = sorted((int(m.group(1)), p.name) for p in state_dir.iterdir()
@@ -356,7 +413,8 @@ def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn
     complete = [name for _, name in reversed(tags) if (state_dir / name / CHECKSUMS).is_file()]  # newest first
     named = latest.read_text(errors="replace").strip() if latest.is_file() else None
     if named and (named in complete or (not complete and (state_dir / named).is_dir())):
-        verify_checksums(state_dir / named, "train.out")  # (a tag from before checksums: nothing to verify)
+        if verify:
+            verify_checksums(state_dir / named, "train.out")  # (a tag from before checksums: nothing to verify)
         return named
     if named is None and not complete:
         return None  # nothing was ever committed: a new run, or one killed in its first save
@@ -365,7 +423,8 @@ def state_to_resume(state_dir: str | os.PathLike, who: str = "align train", warn
     if not complete:
         raise RecipeError(f"train.out: {latest} {why}, and no complete state is left to resume from; delete "
                           f"{state_dir} to start the run afresh")
-    verify_checksums(state_dir / complete[0], "train.out")
+    if verify:
+        verify_checksums(state_dir / complete[0], "train.out")
     if warn:
         print(f"{who}: warning: {latest} {why}; resuming from {state_dir / complete[0]}, the newest state whose "
               "checksums verify", file=sys.stderr)
@@ -436,13 +495,16 @@ def save_checkpoint(trainer: Any, recipe: Recipe, out: Path, step: int, meta: di
         else:
             save_merged(merged_model(module, state), trainer.tokenizer, out / f"step_{step}", files)
     # `latest` is written by commit_state, after the tag's checksums, never by DeepSpeed (whose write is not atomic).
+    hashing = hashing_engine(trainer.engine)
     with naming_path(out / "ds_state" / f"step_{step}"):  # torch's writer names no file when the disk is full
         # A LoRA run's state leaves out the frozen base (15 GB a save for a 7B drafter): a resume loads the base from
         # drafter.path, whose weights check_resumed_weights holds to the ones the run started from.
         trainer.engine.save_checkpoint(str(out / "ds_state"), tag=f"step_{step}", client_state={"step": step},
                                        save_latest=False, exclude_frozen_parameters=is_lora(module))
-    if trainer.rank == 0:  # DeepSpeed's save ends with a barrier: every rank's files are written
-        commit_state(out / "ds_state", f"step_{step}")
+    # DeepSpeed's save ends with a barrier: every rank's files are written, each hashed by its writer.
+    known = written_digests(hashing, out / "ds_state" / f"step_{step}", trainer.world)
+    if trainer.rank == 0:
+        commit_state(out / "ds_state", f"step_{step}", known)
         if recipe.train.keep_last is not None:
             prune_checkpoints(out, recipe.train.keep_last)
 

@@ -22,7 +22,7 @@ import numpy as np
 from align.config import Recipe, RecipeError, first_line
 from align.recipe_files import get_key
 from align.corpus import ensure_data
-from align.disk import file_sha256
+from align.disk import hashes_inputs, unchanged_file_sha256
 from align.hub import hub_offline, is_hub_id
 from align.preflight import check_context, check_tiny_default, fits_context, model_context, model_section
 
@@ -458,22 +458,32 @@ def read_trajectory_manifest(path: str | Path) -> dict[str, Any]:
                           ) from None
 
 
-def load_trajectories(path: str | Path) -> Any:
+def verify_trajectory_files(path: str | Path) -> None:
+    """Every Arrow file of the trajectories at `path` against the manifest's checksum (RecipeError naming the first
+    that differs); a file already checked in this process, unchanged since, is not hashed again."""
+    path = Path(path)
+    for name, files in read_trajectory_manifest(path)["chunks"].items():
+        for file, digest in files.items():
+            target = path / "chunks" / name / file
+            if not target.is_file() or unchanged_file_sha256(target) != digest:
+                raise RecipeError(f"trajectories: {target} is missing or corrupted (checksum mismatch); delete "
+                                  f"{target.parent} and rerun align trajectories to regenerate it")
+
+
+def load_trajectories(path: str | Path, verify: bool = True) -> Any:
     """All chunks as one `datasets.Dataset` in prompt order (by `prompt_index`, a prompt's completions in the order
-    sampled), each Arrow file checked against the manifest's checksum first. Chunks are cut longest prompt first for
-    the verifier's batches (stages/trajectories.py): that order is the sampler's, not the data's."""
+    sampled), each Arrow file checked against the manifest's checksum first (`verify`: False where another process
+    of this machine or the launcher has: disk.hashes_inputs). Chunks are cut longest prompt first for the
+    verifier's batches (stages/trajectories.py): that order is the sampler's, not the data's."""
     import numpy as np
     from datasets import concatenate_datasets, load_from_disk
 
     path = Path(path)
     manifest = read_trajectory_manifest(path)
+    if verify:
+        verify_trajectory_files(path)
     parts = []
-    for name, files in manifest["chunks"].items():
-        for file, digest in files.items():
-            target = path / "chunks" / name / file
-            if not target.is_file() or file_sha256(target) != digest:
-                raise RecipeError(f"trajectories: {target} is missing or corrupted (checksum mismatch); delete "
-                                  f"{target.parent} and rerun align trajectories to regenerate it")
+    for name in manifest["chunks"]:
         try:  # its Arrow files are checked; its small JSON files (state, dataset info) can still be damaged
             parts.append(load_from_disk(str(path / "chunks" / name)))
         except Exception as e:
@@ -547,9 +557,10 @@ def check_trajectories_match(recipe: Recipe, manifest: dict[str, Any]) -> None:
 
 def load_checked_trajectories(recipe: Recipe) -> Any:
     """The trajectories of trajectories.out, as every stage that trains on them reads them (align train, align gkd):
-    refused when the manifest disagrees with the recipe (check_trajectories_match) or a chunk fails its checksum."""
+    refused when the manifest disagrees with the recipe (check_trajectories_match) or a chunk fails its checksum
+    (checked once a machine: disk.hashes_inputs; the stages that launch ranks check it before launching)."""
     check_trajectories_match(recipe, read_trajectory_manifest(recipe.trajectories.out))
-    return load_trajectories(recipe.trajectories.out)
+    return load_trajectories(recipe.trajectories.out, verify=hashes_inputs())
 
 
 def check_rows_fit(recipe: Recipe, tokens: list[int], new_key: str, new_tokens: int, model_keys: Iterable[str]) -> None:

@@ -390,27 +390,102 @@ def disk_fault(error: BaseException) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------------------------
 # checksums
 # --------------------------------------------------------------------------------------------------------------------
+# $ALIGN_HASH_LOG, a folder: each process appends a JSON line per file it hashes (how: "read" back from disk, or
+# "written" as it was written; bytes; path; RANK), so that what a multi-node run hashes where can be seen and counted.
+HASH_LOG = "ALIGN_HASH_LOG"
+
+
+def _log_hash(how: str, path: Path, nbytes: int) -> None:
+    folder = os.environ.get(HASH_LOG)
+    if folder:
+        record = {"how": how, "bytes": nbytes, "path": str(Path(path).resolve()), "rank": os.environ.get("RANK"),
+                  "pid": os.getpid()}
+        with open(Path(folder) / f"{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read back from disk (in chunks: weights can be large)."""
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # in chunks: weights can be large
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    _log_hash("read", path, path.stat().st_size)
+    return digest
+
+
+# Set by align's launcher for the ranks it starts: its own check of the recipe, before launching, has already read
+# and hashed the files the ranks' checks would hash again (a resume's DeepSpeed state, the weights the run started
+# from, precomputed verifier states), on the filesystem the ranks read (item 2 of issue 51: shared by the nodes).
+CHECKED_BY_LAUNCHER = "ALIGN_CHECKED_BY_LAUNCHER"
+
+
+def hashes_inputs() -> bool:
+    """Whether this process checks the files a stage reads against their recorded digests: the process that checks
+    before launching; under a launcher that checked nothing (deepspeed started by hand), local rank 0 of each machine.
+    Never every rank: 16 ranks each hashing a 410 GB DeepSpeed state before step 1 would read 6.5 TB."""
+    if "LOCAL_RANK" not in os.environ:  # no launcher started this process (launch.launched_by_a_launcher)
+        return True
+    if os.environ.get(CHECKED_BY_LAUNCHER):
+        return False
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
+def unchanged_file_sha256(path: Path) -> str:
+    """file_sha256, hashed once per process and state of the file (its size and time): a file two checks read (the
+    weights a folder's record lists and a run records) is read once."""
+    return _digest_of_state(Path(path).resolve(), *_stat(Path(path)))
+
+
+@functools.lru_cache(maxsize=None)
+def _digest_of_state(path: Path, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
+
+
+class HashingWriter:
+    """A binary file opened for writing whose sha256 is taken from the bytes as they pass (`write`), for writers that
+    take a file object (torch.save): the digest a record keeps then costs no second read of a file that may be tens
+    of gigabytes. `hexdigest()` once closed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._file, self._digest, self.bytes = Path(path), Path(path).open("wb"), hashlib.sha256(), 0
+
+    def write(self, data: "memoryview | bytes") -> int:
+        self._digest.update(data)
+        self.bytes += memoryview(data).nbytes
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+            _log_hash("written", self.path, self.bytes)
+
+    def __enter__(self) -> "HashingWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def write_hashed(path: Path, data: "memoryview | bytes", piece: int = 64 * 2**20) -> str:
-    """Write `data` to `path` and return its sha256, hashed as it is written (piece by piece, from the bytes in memory):
-    the digest a manifest records then costs no second read of a file that may be gigabytes."""
-    digest, view = hashlib.sha256(), memoryview(data).cast("B")
-    with path.open("wb") as f:
+    """Write `data` to `path` and return its sha256, hashed as it is written (piece by piece, from the bytes in memory)."""
+    view = memoryview(data).cast("B")
+    with HashingWriter(path) as f:
         for start in range(0, len(view), piece):
-            part = view[start : start + piece]
-            digest.update(part)
-            f.write(part)
-    return digest.hexdigest()
+            f.write(view[start : start + piece])
+    return f.hexdigest()
 
 
-def record_checksums(folder: str | os.PathLike, names: Optional[Iterable[str]] = None) -> None:
+def record_checksums(folder: str | os.PathLike, names: Optional[Iterable[str]] = None,
+                     known: Optional[dict[str, str]] = None) -> None:
     """Write `folder`/sha256.json: every file's sha256 (relative names), or, given `names`, those files' entries
     updated in the existing record (a file rewritten after the save, such as meta.json; a folder without a record,
-    saved before align recorded them, keeps none)."""
+    saved before align recorded them, keeps none). `known`: digests taken as files were written (relative name ->
+    sha256), kept as they are; only the other files are read back."""
     folder = Path(folder)
     if names is None:
         files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
@@ -419,7 +494,9 @@ def record_checksums(folder: str | os.PathLike, names: Optional[Iterable[str]] =
         files, record = list(names), read_checksums(folder)
         if record is None:
             return
-    record.update({name: file_sha256(folder / name) for name in files if name != CHECKSUMS})
+    known = known or {}
+    record.update({name: known[name] if name in known else file_sha256(folder / name)
+                   for name in files if name != CHECKSUMS})
     write_text_atomic(folder / CHECKSUMS, json.dumps(dict(sorted(record.items())), indent=1))
 
 
@@ -471,7 +548,7 @@ def _first_mismatch(folder: Path, record_json: str, stats: tuple[tuple[str, int,
         path = folder / name
         if not path.is_file():
             return f"{path} is missing (listed in {folder / CHECKSUMS})"
-        if file_sha256(path) != digest:
+        if unchanged_file_sha256(path) != digest:
             return f"{path} is corrupted (its sha256 differs from the one in {folder / CHECKSUMS})"
     return None
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from align.disk import CHECKED_BY_LAUNCHER
+
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 # How long an interrupted child may take to end on SIGTERM before it is killed (a rank dies at once; the DeepSpeed
 # launcher and vLLM's engine wait for their own children).
@@ -421,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"align {args.stage}:", " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks on one CPU host would otherwise fight over its cores
+    env[CHECKED_BY_LAUNCHER] = "1"  # this process's check_stage has hashed what the ranks' checks would (disk.py)
     # Other hosts' ranks (a hostfile, reached by pdsh over ssh) start in a login shell without this environment.
     env_file = remote_env_file(env) if args.hostfile is not None and args.node_rank is None else None
     if env_file is not None:

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from align.checkpoint import adapter_base, is_adapter_folder, merge_adapter
 from align.config import ModelSection, RecipeError
-from align.disk import verify_checksums
+from align.disk import hashes_inputs, verify_checksums
 # Remote code written for transformers 4 (Dream, DiffuCoder, LLaDA) goes through named compatibility shims as it loads.
 from align.remote_code import install as install_remote_code_shims
 from align.remote_code import restore_computed_buffers, restores_on_load
@@ -74,7 +74,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 def _load(section: ModelSection, **config_overrides: Any) -> PreTrainedModel:
     if os.path.isdir(section.path):  # a folder align wrote is read only if its files match their checksums
-        verify_checksums(section.path)  # (already done, and cached, where cli checked the models)
+        if hashes_inputs():  # (already done, and cached, where cli checked the models; once a machine under a launcher)
+            verify_checksums(section.path)
         if is_adapter_folder(section.path):
             # A LoRA step_<N>/ of align train: its base drafter (checked unchanged), with the adapter merged in memory.
             base = _load(section.model_copy(update={"path": adapter_base(section.path)}), **config_overrides)

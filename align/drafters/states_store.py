@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -160,8 +159,3 @@ class StatesStore:
     def remove(self) -> None:
         """Kept: the states are an input of the run, not its scratch (train.cache_verifier_states' are)."""
 
-
-def local_rank_verifies() -> bool:
-    """Whether this process checks the chunks' digests: the one process checking before a launcher starts, or local
-    rank 0 of each machine under one (its other ranks read what it checked)."""
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0

@@ -19,8 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from align.config import Recipe, RecipeError
-from align.data import load_checked_trajectories, read_trajectory_manifest
-from align.disk import atomic_folder, mark_folder, write_hashed, write_text_atomic
+from align.data import load_checked_trajectories, read_trajectory_manifest, verify_trajectory_files
+from align.disk import atomic_folder, hashes_inputs, mark_folder, write_hashed, write_text_atomic
 from align.dist import end_ranks, rank_and_world, wait_for_every_rank
 from align.drafters.dflash import verifier_states
 from align.drafters.kind import TrainedDrafter, reads_verifier_states
@@ -44,6 +44,8 @@ def check(recipe: Recipe) -> None:
         raise RecipeError(f"states.out: only a DFlash drafter reads the verifier's hidden states; "
                           f"{recipe.drafter.path} drafts alone (nothing to precompute)")
     read_trajectory_manifest(recipe.trajectories.out)
+    if hashes_inputs():  # before launching: the ranks then read them unhashed
+        verify_trajectory_files(recipe.trajectories.out)
 
 
 @torch.inference_mode()

@@ -37,17 +37,18 @@ from align.checkpoint import (is_adapter_folder, is_lora, save_checkpoint, state
                               weights_sha256_of)
 from align.config import Recipe, RecipeError, first_line
 from align.data import (HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories, rank_share,
-                        read_trajectory_manifest, rows_at, stream_position)
+                        read_trajectory_manifest, rows_at, stream_position, verify_trajectory_files)
 from align.decoding.specdiff import specdiff_generate
 from align.dist import all_ranks, collective_timeout, deepspeed_config, init_distributed
-from align.disk import STEP_FOLDER, append_log, mark_folder, read_log, record_checksums, write_text_atomic
+from align.disk import (STEP_FOLDER, append_log, hashes_inputs, mark_folder, read_log, record_checksums,
+                        write_text_atomic)
 from align.drafters import drafter_for
 from align.drafters.dflash import DraftVocab, most_frequent_tokens, set_draft_vocab, verifier_states
 from align.drafters.kind import TrainedDrafter, reads_verifier_states
 from align.drafters.loading import build_drafter, check_masks_are_read, check_new_dflash, drafter_reads, load_drafter
 from align.drafters.spec import CANVAS_DECODER_FAMILIES, DrafterSpec
 from align.drafters.states_cache import StatesCache, batch_states
-from align.drafters.states_store import StatesStore, check_states, local_rank_verifies, read_states_manifest
+from align.drafters.states_store import StatesStore, check_states, read_states_manifest
 from align.losses import (WINDOW_LOSSES, _row_target_log_prob, needs_verifier_distributions, normalisation,
                           rowwise)
 from align.memory_probe import peak_per_gpu, warn_train_memory
@@ -186,7 +187,7 @@ def resume_step(out: Path) -> int:
     """The step of the DeepSpeed state a rerun resumes from, 0 without one: the tag resume will load
     (checkpoint.state_to_resume, so that an empty or dangling `latest` is read here as it will be there, and a damaged
     state is refused before any launcher starts)."""
-    tag = state_to_resume(out / "ds_state", warn=False)
+    tag = state_to_resume(out / "ds_state", warn=False, verify=hashes_inputs())
     return int(STEP_FOLDER.match(tag).group(1)) if tag else 0
 
 
@@ -207,8 +208,10 @@ def check(recipe: Recipe) -> None:
     check_train(recipe)
     check_resume(recipe)
     check_resumed_weights(recipe)
+    if hashes_inputs() and (Path(recipe.trajectories.out) / TRAJECTORY_MANIFEST).is_file():
+        verify_trajectory_files(recipe.trajectories.out)  # before launching: the ranks then read them unhashed
     if recipe.states.out is not None:  # its digests checked once per machine, before any rank reads a row
-        check_states(recipe, read_trajectory_manifest(recipe.trajectories.out), verify=local_rank_verifies())
+        check_states(recipe, read_trajectory_manifest(recipe.trajectories.out), verify=hashes_inputs())
     warn_train_memory(recipe, lambda r, world_size: peak_per_gpu(r, world_size).total)
 
 
@@ -284,7 +287,7 @@ def check_resumed_weights(recipe: Recipe) -> None:
     other weights without a word. Runs recorded before run.json kept weights are not compared."""
     recorded = recorded_run(Path(recipe.train.out))
     then = (recorded or {}).get("weights") or {}
-    if not then:
+    if not then or not hashes_inputs():  # once a machine, or once before launching (disk.hashes_inputs)
         return
     for key, now in weights_read(recipe).items():
         if then.get(key) and now and then[key] != now:
@@ -478,12 +481,13 @@ def check_resume_world(recipe: Recipe, step: int, world: int) -> None:
 
 
 def state_on_every_rank(state_dir: Path, trainer: Trainer) -> Optional[str]:
-    """The tag to resume (checkpoint.state_to_resume), decided on rank 0, which hashes the files once, and told to
-    every rank, so that all load the same state or all refuse with the same reason."""
+    """The tag to resume (checkpoint.state_to_resume), decided on rank 0 and told to every rank, so that all load the
+    same state or all refuse with the same reason."""
     decision: list[Any] = [None]
     if trainer.rank == 0:
         try:
-            decision = [("tag", state_to_resume(state_dir))]
+            # Hashed already, in this process's check or the launcher's (hashes_inputs): not read again here.
+            decision = [("tag", state_to_resume(state_dir, verify=hashes_inputs()))]
         except RecipeError as e:
             decision = [("error", str(e))]
     if trainer.world > 1:
