@@ -65,6 +65,54 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def spans_machines(world: int) -> bool:
+    """Whether the `world` ranks of this launch are on more than one machine: fewer of them here than in all.
+    DeepSpeed's launcher says how many are here as LOCAL_SIZE, torchrun's as LOCAL_WORLD_SIZE."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return local is not None and int(local) != world
+
+
+# What rank 0 writes for the others to read back, named as align's temporary files are (never a user's file to keep)
+SHARED_PROBE = ".shared-probe.tmp"
+
+
+def check_shared_folder(folder: str | os.PathLike, key: str, rank: int, world: int) -> None:
+    """Refuse (RecipeError on every rank, the same line) a run over several machines whose ranks do not all see
+    `folder` as one folder: align's ranks write one run folder (checkpoints, chunks) that rank 0 commits and every
+    rank resumes from, so that node-local folders would lose node 1's shards and refuse the resume. Rank 0 writes a
+    random token there; every rank reads it back. A collective: every rank calls it, before any work. One machine
+    (every rank local) passes without a word."""
+    import secrets
+    import socket
+
+    from align.disk import write_text_atomic
+
+    if not spans_machines(world):
+        return
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    probe = Path(folder) / SHARED_PROBE
+    token = [secrets.token_hex(16) if rank == 0 else None]
+    if rank == 0:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(probe, token[0])
+    dist.broadcast_object_list(token, src=0)
+    try:
+        seen = probe.read_text() == token[0]
+    except OSError:
+        seen = False
+    views: list[Any] = [None] * world
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [f"rank {r} ({host})" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise RecipeError(f"{key}: {folder} is not one folder for every node: {', '.join(blind[:4])}"
+                          f"{' and more' if len(blind) > 4 else ''} cannot see what rank 0 wrote there; align's ranks "
+                          "write and resume one run folder, so it must be on a filesystem every node mounts at the "
+                          "same path (NFS, Lustre, a cluster's shared home)")
+
+
 def wait_for_every_rank(world: int) -> None:
     """For a stage whose ranks each write their own chunks (trajectories, states): return once every rank has, so
     that rank 0 may write the manifest. A gloo group (no tensor crosses it), made here where the stage has none."""

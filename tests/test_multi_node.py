@@ -229,6 +229,23 @@ def test_two_nodes_by_slurm_sbatch_train_as_one_node_does(toy_trajectories, one_
     assert_same_run(out, one_node)
 
 
+@pytest.mark.slow  # a 2-node DeepSpeed launch (it stops before any model is loaded)
+def test_nodes_that_do_not_share_the_run_folder_are_refused_before_any_work(toy_trajectories, tmp_path):
+    # Two "nodes" of one machine, each with its own folder at train.out: as two hosts whose train.out is local disk.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    common = dict(HOSTFILE=str(hostfile), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    outs = [tmp_path / "node-a" / "run", tmp_path / "node-b" / "run"]
+    nodes = run_all([(["bash", "launch/multi_node.sh", *recipe_args(toy_trajectories, outs[rank])],
+                      env(NODE_RANK=str(rank), **common)) for rank in (0, 1)])
+    for rank, (status, log) in enumerate(nodes):
+        assert status == 2, f"node {rank}: {log[-3000:]}"
+    said = [line for line in nodes[0][1].splitlines() if line.startswith("align train: error:")]
+    assert len(said) == 1 and f"train.out: {outs[0]} is not one folder for every node: rank 1 (" in said[0], said
+    for out in outs:  # nothing trained, nothing left behind but rank 0's run record
+        assert not list(out.glob("step_*")) and not (out / "ds_state").exists() and not (out / ".shared-probe.tmp").exists()
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # bad settings: one line, exit 2, and no launcher
 # --------------------------------------------------------------------------------------------------------------------

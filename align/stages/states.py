@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from align.config import Recipe, RecipeError
 from align.data import load_checked_trajectories, read_trajectory_manifest, verify_trajectory_files
 from align.disk import atomic_folder, hashes_inputs, mark_folder, write_hashed, write_text_atomic
-from align.dist import end_ranks, rank_and_world, wait_for_every_rank
+from align.dist import check_shared_folder, end_ranks, rank_and_world, wait_for_every_rank
 from align.drafters.dflash import verifier_states
 from align.drafters.kind import TrainedDrafter, reads_verifier_states
 from align.drafters.states_cache import RAW_DTYPES
@@ -85,6 +85,7 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"states.out: {out} holds verifier states made with other settings; choose another "
                           "folder or delete it")
     rank, world = rank_and_world()
+    check_shared_folder(out, "states.out", rank, world)  # rank 0 reads every rank's chunks
     mark_folder(out, "states")  # every check passed
     verifier = load_verifier(recipe.verifier)
     text = verifier.config.get_text_config()

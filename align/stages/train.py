@@ -39,7 +39,8 @@ from align.config import Recipe, RecipeError, first_line
 from align.data import (HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories, rank_share,
                         read_trajectory_manifest, rows_at, stream_position, verify_trajectory_files)
 from align.decoding.specdiff import specdiff_generate
-from align.dist import all_ranks, collective_timeout, deepspeed_config, init_distributed
+from align.dist import (all_ranks, check_shared_folder, collective_timeout, deepspeed_config, init_distributed,
+                        spans_machines)
 from align.disk import (STEP_FOLDER, append_log, hashes_inputs, mark_folder, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
@@ -407,7 +408,7 @@ def open_states_cache(recipe: Recipe, data: TrainData, model: Any, verifier: Opt
     if verifier is None:
         raise RecipeError(f"{key}: keeps the verifier states a DFlash drafter reads; {type(model).__name__} reads "
                           "none: set it to false")
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+    if spans_machines(world):
         raise RecipeError(f"{key}: the ranks share the cache through one machine's files, and these {world} ranks "
                           "span several machines: set it to false")
     cap = recipe.train.max_sequence_length or math.inf  # the builders cut each row there: so are its states
@@ -737,6 +738,7 @@ def main(recipe: Recipe, command: str) -> int:
         record_run(recipe)
     timeout = collective_timeout(recipe)
     rank, world = init_distributed(timeout)
+    check_shared_folder(out, "train.out", rank, world)  # before any model is loaded
     if rank == 0 and world > 1:
         print(f"align train: a rank waits up to {timeout.total_seconds() / 60:.0f} min for the others in a collective "
               "(rank 0 writes and hashes each checkpoint meanwhile; DEEPSPEED_TIMEOUT=<minutes> sets it)")

@@ -25,7 +25,7 @@ from align.data import (TRAJECTORY_KEYS, TRAJECTORY_MANIFEST, chat_template, loa
                         prompt_ids_sha256, render_prompt, template_sha256, tiny_prompts_path, verifier_end_tokens)
 from align.decoding.generation import truncate
 from align.disk import atomic_folder, file_sha256, mark_folder, write_text_atomic
-from align.dist import end_ranks, rank_and_world, wait_for_every_rank
+from align.dist import check_shared_folder, end_ranks, rank_and_world, wait_for_every_rank
 from align.models import load_tokenizer, load_verifier
 from align.preflight import check_context, check_inputs, check_new_tokens, model_context
 from align.vllm_engine import VllmRunner, verifier_runner, vllm_python
@@ -293,6 +293,7 @@ def main(recipe: Recipe, command: str) -> None:
         raise RecipeError(f"trajectories.out: {out} holds trajectories made with other settings; "
                           "choose another folder or delete it")
     rank, world = rank_and_world()
+    check_shared_folder(out, "trajectories.out", rank, world)  # rank 0 reads every rank's chunks
     mark_folder(out, "trajectories")  # every check passed
     verifier = start_vllm(recipe) if t.backend == "vllm" else load_verifier(recipe.verifier)
     starts = list(range(0, len(order), t.batch_size))
