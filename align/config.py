@@ -242,6 +242,9 @@ class TrainSection(Section):
     #: after each save, keep this many newest checkpoints (step_<N>/ and ds_state/step_<N>/), deleting older ones;
     #: None: keep every one
     keep_last: Optional[int] = Field(default=None, ge=1)
+    #: over several machines: a rank that has not been heard from for this many seconds (its node lost, frozen or
+    #: cut off) stops every other node's ranks, instead of their waiting out the collectives' timeout (30+ minutes)
+    peer_silence_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
     #: held-out simulated accepted length every N steps
     eval_every: int = Field(default=50, ge=1)
     #: the held-out metric reads at most this many held-out trajectories, the same seeded sample at every eval;

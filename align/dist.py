@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -41,18 +43,21 @@ def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
     return stale
 
 
-# How fast rank 0 is taken to write and hash a checkpoint while the other ranks wait in their next collective, and
-# what it writes and hashes per byte of drafter weights on disk (bf16: the weights 2 bytes a parameter, DeepSpeed's
-# fp32 master copy and Adam's two moments 12 more): a conservative disk and sha256 rate, not a measured one.
+# How fast rank 0 is taken to write a checkpoint while the other ranks wait in their next collective, and what a save
+# writes per byte of drafter weights on disk (bf16: the weights 2 bytes a parameter, DeepSpeed's fp32 master copy and
+# Adam's two moments 12 more): a conservative disk rate, not a measured one. (Each file is hashed as it is written,
+# by its writer; this bound dates from when rank 0 read every rank's files back, and still covers a whole
+# unpartitioned state written by rank 0 alone.)
 SAVE_BYTES_PER_SECOND = 200e6
 SAVED_PER_WEIGHT_BYTE = 8
 
 
 def collective_timeout(recipe: Recipe) -> timedelta:
     """How long a rank waits in a collective for the others before the run fails: DeepSpeed's default (10 minutes)
-    is shorter than rank 0's save of a large drafter (a 26B one writes ~52 GB and hashes ~416 GB with its DeepSpeed
-    state while the other ranks wait), so align sizes it from the drafter's weights on disk: 30 minutes, plus the
-    time to write and hash its checkpoint at SAVE_BYTES_PER_SECOND. $DEEPSPEED_TIMEOUT (minutes) overrides it."""
+    is shorter than rank 0's save of a large drafter (a 26B one writes ~52 GB of weights, and up to ~416 GB of
+    DeepSpeed state where nothing partitions it, while the other ranks wait), so align sizes it from the drafter's
+    weights on disk: 30 minutes, plus the time to write its checkpoint at SAVE_BYTES_PER_SECOND. $DEEPSPEED_TIMEOUT
+    (minutes) overrides it."""
     if os.environ.get("DEEPSPEED_TIMEOUT"):
         return timedelta(minutes=int(os.environ["DEEPSPEED_TIMEOUT"]))
     folder = Path(recipe.drafter.path) if Path(recipe.drafter.path).is_dir() else hub_snapshot(recipe.drafter.path)
@@ -83,7 +88,6 @@ def check_shared_folder(folder: str | os.PathLike, key: str, rank: int, world: i
     random token there; every rank reads it back. A collective: every rank calls it, before any work. One machine
     (every rank local) passes without a word."""
     import secrets
-    import socket
 
     from align.disk import write_text_atomic
 
@@ -111,6 +115,73 @@ def check_shared_folder(folder: str | os.PathLike, key: str, rank: int, world: i
                           f"{' and more' if len(blind) > 4 else ''} cannot see what rank 0 wrote there; align's ranks "
                           "write and resume one run folder, so it must be on a filesystem every node mounts at the "
                           "same path (NFS, Lustre, a cluster's shared home)")
+
+
+# How often a rank says it is alive, and the exit status of ranks stopped because a peer fell silent (as a failed run's)
+BEAT_S = 5.0
+EXIT_PEER_LOST = 1
+
+
+def watch_peers(rank: int, world: int, silence_s: float) -> threading.Event:
+    """Over several machines, a thread that says every BEAT_S that this rank is alive (a counter per rank in the
+    launch's key-value store, on rank 0's host) and reads the others' counters, and a thread that watches them: when
+    a peer's has not moved for `silence_s` (its node lost, frozen or cut off), or the store has not answered that long
+    (rank 0's node lost), it says so in one line and ends this process. Without it, the other nodes' ranks would wait
+    in their next collective for the whole timeout (collective_timeout: 30 minutes and more), since NCCL and gloo
+    notice a peer that stopped answering only then; on one machine the launcher already stops every rank when one
+    dies. Counters, not times: the machines' clocks need not agree. Returns an event to set once this rank's work is
+    done (before the ranks leave at their own pace), which ends the watch."""
+    done = threading.Event()
+    if not spans_machines(world):
+        return done
+    # A client of its own to the store rank 0 serves (MASTER_ADDR:MASTER_PORT, as env:// set it up): the process
+    # group's client belongs to the main thread's collectives.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=max(silence_s, BEAT_S)))
+    host = socket.gethostname()
+    store.set(f"align/host/{rank}", host)
+    hosts = {peer: store.get(f"align/host/{peer}").decode() for peer in range(world)}  # waits for every rank's
+
+    heard = {"store": time.monotonic()}  # when this rank last reached the store, and last saw each peer's counter move
+    counts: dict[int, int] = {}
+
+    def beat() -> None:  # blocking calls: a frozen store host never answers, so the watch below times them
+        while not done.is_set():
+            try:
+                store.add(f"align/beat/{rank}", 1)
+                for peer in range(world):
+                    if peer != rank:
+                        beats = store.add(f"align/beat/{peer}", 0)
+                        if counts.get(peer) != beats:
+                            counts[peer], heard[peer] = beats, time.monotonic()
+                heard["store"] = time.monotonic()
+            except (RuntimeError, OSError):  # (DistStoreError is a RuntimeError) the store is gone: the watch says it
+                pass
+            done.wait(BEAT_S)
+
+    def watch() -> None:
+        start = time.monotonic()
+        while not done.wait(BEAT_S):
+            now = time.monotonic()
+            if now - heard["store"] > silence_s:
+                stop(f"the launch's store on rank 0's host ({os.environ['MASTER_ADDR']}) has not answered for "
+                     f"{now - heard['store']:.0f} s (train.peer_silence_s)")
+            for peer in range(world):
+                since = heard.get(peer, start) if peer != rank else now
+                if now - since > silence_s:
+                    stop(f"rank {peer} ({hosts.get(peer, '?')}) has not been heard from for {now - since:.0f} s "
+                         "(train.peer_silence_s)")
+
+    def stop(why: str) -> None:
+        # (on a line of its own: rank 0's progress bar may hold the one it is on)
+        print(f"\nalign train: error: rank {rank} ({host}): {why}; its node stopped or was cut off: stopping this "
+              "rank now rather than at the collectives' timeout (the last committed checkpoint is intact: rerun the "
+              "same command to resume from it)", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+    for target in (beat, watch):
+        threading.Thread(target=target, name=f"align-peer-{target.__name__}", daemon=True).start()
+    return done
 
 
 def wait_for_every_rank(world: int) -> None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,50 @@ def test_nodes_that_do_not_share_the_run_folder_are_refused_before_any_work(toy_
     assert len(said) == 1 and f"train.out: {outs[0]} is not one folder for every node: rank 1 (" in said[0], said
     for out in outs:  # nothing trained, nothing left behind but rank 0's run record
         assert not list(out.glob("step_*")) and not (out / "ds_state").exists() and not (out / ".shared-probe.tmp").exists()
+
+
+def process_groups(pid: int) -> list[int]:
+    """The process groups of `pid` and all its descendants."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(os.getpgid(p))
+        children = Path(f"/proc/{p}/task/{p}/children")
+        todo += [int(c) for c in children.read_text().split()] if children.exists() else []
+    return sorted(set(found))
+
+
+@pytest.mark.slow  # a 2-node DeepSpeed launch, one node frozen mid-run
+def test_a_frozen_node_stops_the_other_within_its_silence_window(toy_trajectories, tmp_path):
+    # Node 1 is stopped (SIGSTOP: its connections stay open, as a hung host's or a partitioned one's do), so neither
+    # gloo nor NCCL sees it gone before the collectives' timeout (here 30 minutes); node 0 must end by itself.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    common = dict(HOSTFILE=str(hostfile), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    out = tmp_path / "run"
+    args = [*recipe_args(toy_trajectories, out), "train.max_steps=100000", "train.peer_silence_s=10"]
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    procs = [subprocess.Popen(["bash", "launch/multi_node.sh", *args], cwd=ROOT, env=env(NODE_RANK=str(rank), **common),
+                              stdout=logs[rank].open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + RUN_S
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        for group in process_groups(procs[1].pid):  # align starts DeepSpeed's runner in a group of its own
+            os.killpg(group, signal.SIGSTOP)
+        status = procs[0].wait(timeout=RUN_S)
+    finally:
+        for proc in procs:
+            for group in process_groups(proc.pid) if proc.poll() is None else ():
+                os.killpg(group, signal.SIGKILL)
+            proc.wait()
+    log = logs[0].read_text()
+    assert status == 1, log[-3000:]
+    said = [line for line in log.split("\n") if "has not been heard from" in line]
+    assert len(said) == 1 and said[0].startswith("align train: error: rank 0 (") and ": rank 1 (" in said[0], said
+    assert "train.peer_silence_s" in said[0] and "rerun the same command to resume" in said[0]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from align.data import (HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, loa
                         read_trajectory_manifest, rows_at, stream_position, verify_trajectory_files)
 from align.decoding.specdiff import specdiff_generate
 from align.dist import (all_ranks, check_shared_folder, collective_timeout, deepspeed_config, init_distributed,
-                        spans_machines)
+                        spans_machines, watch_peers)
 from align.disk import (STEP_FOLDER, append_log, hashes_inputs, mark_folder, read_log, record_checksums,
                         write_text_atomic)
 from align.drafters import drafter_for
@@ -69,7 +69,7 @@ EXIT_NOT_FINITE = 3
 RUN_SECTIONS = ("drafter", "dflash", "verifier", "train")
 MAY_CHANGE_ON_RESUME = frozenset({"train.out", "train.max_steps", "train.save_every", "train.eval_every",
                                   "train.final_eval_prompts", "train.report_to", "train.project", "train.run_name",
-                                  "train.keep_last", "train.held_out_max_rows", "train.activation_checkpointing",
+                                  "train.keep_last", "train.held_out_max_rows", "train.activation_checkpointing", "train.peer_silence_s",
                                   "drafter.device", "verifier.device"})
 RUN_RECORD = "run.json"  # in train.out: the settings the run was started with
 
@@ -739,9 +739,10 @@ def main(recipe: Recipe, command: str) -> int:
     timeout = collective_timeout(recipe)
     rank, world = init_distributed(timeout)
     check_shared_folder(out, "train.out", rank, world)  # before any model is loaded
+    watched = watch_peers(rank, world, t.peer_silence_s)
     if rank == 0 and world > 1:
         print(f"align train: a rank waits up to {timeout.total_seconds() / 60:.0f} min for the others in a collective "
-              "(rank 0 writes and hashes each checkpoint meanwhile; DEEPSPEED_TIMEOUT=<minutes> sets it)")
+              "(rank 0 writes each checkpoint meanwhile; DEEPSPEED_TIMEOUT=<minutes> sets it)")
     trainer = build_trainer(recipe, data, rank, world)
     start = resume(trainer, out)
     # The experiment trackers (train.report_to) live on rank 0, which holds every metric after the step's reductions.
@@ -780,6 +781,7 @@ def main(recipe: Recipe, command: str) -> int:
     if trackers is not None:
         trackers.close()
     dist.barrier()
+    watched.set()  # every rank is done: each leaves at its own pace now
     if trainer.states is not None and rank == 0:
         trainer.states.remove()  # every rank is past its last step (the barrier)
     dist.destroy_process_group()
