@@ -448,6 +448,10 @@ class HashingWriter:
     def __init__(self, path: Path) -> None:
         self.path, self._file, self._digest, self.bytes = Path(path), Path(path).open("wb"), hashlib.sha256(), 0
 
+    @property
+    def name(self) -> str:  # as a file object's: writers and their wrappers name the file by it
+        return str(self.path)
+
     def write(self, data: "memoryview | bytes") -> int:
         self._digest.update(data)
         self.bytes += memoryview(data).nbytes

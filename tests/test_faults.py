@@ -455,7 +455,7 @@ FULL_AT_STATE_SAVE = """
 import sys, torch
 real = torch.save
 def save(obj, f, *args, **kwargs):
-    if "ds_state" in str(f):
+    if "ds_state" in str(getattr(f, "name", f)):  # a path, or the file object DeepSpeed's state is written into
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
     return real(obj, f, *args, **kwargs)
 torch.save = save
