@@ -6,7 +6,6 @@ align/disk.py (atomic, checksummed).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -17,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 from align.config import Recipe, RecipeError
 from align.drafters.kind import TrainedDrafter
-from align.disk import (CHECKSUMS, STEP_FOLDER, HashingWriter, _stat, atomic_folder, discard_folder,
+from align.disk import (CHECKSUMS, STEP_FOLDER, HashingWriter, atomic_folder, discard_folder,
                         naming_path, record_checksums, unchanged_file_sha256, verify_checksums, write_hashed,
                         write_text_atomic)
 
@@ -246,20 +245,12 @@ def adapter_base(folder: str | os.PathLike) -> str:
 
 
 def weights_sha256_of(path: str) -> Optional[str]:
-    """weights_sha256 of a local folder or a Hub id's cached snapshot, cached on the files' sizes and times (a 7B
-    base is hashed once per process, not at every load)."""
+    """weights_sha256 of a local folder or a Hub id's cached snapshot (each file hashed once per process while its
+    size and time stay the same: a 7B base is not hashed again at every load)."""
     from align.hub import hub_snapshot, is_hub_id
 
     folder = Path(path) if Path(path).is_dir() else hub_snapshot(path) if is_hub_id(path) else None
-    if folder is None:
-        return None
-    files = sorted(Path(folder).glob("*.safetensors")) or sorted(Path(folder).glob("*.bin"))
-    return _cached_weights_sha256(Path(folder).resolve(), tuple((f.name, *_stat(f)) for f in files))
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_weights_sha256(folder: Path, stats: tuple[tuple[str, int, int], ...]) -> Optional[str]:
-    return weights_sha256(folder)
+    return None if folder is None else weights_sha256(Path(folder))
 
 
 def adapter_dtype(folder: str | os.PathLike) -> Any:

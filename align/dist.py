@@ -166,8 +166,8 @@ def watch_peers(rank: int, world: int, silence_s: float) -> threading.Event:
             if now - heard["store"] > silence_s:
                 stop(f"the launch's store on rank 0's host ({os.environ['MASTER_ADDR']}) has not answered for "
                      f"{now - heard['store']:.0f} s (train.peer_silence_s)")
-            for peer in range(world):
-                since = heard.get(peer, start) if peer != rank else now
+            for peer in (peer for peer in range(world) if peer != rank):
+                since = heard.get(peer, start)
                 if now - since > silence_s:
                     stop(f"rank {peer} ({hosts.get(peer, '?')}) has not been heard from for {now - since:.0f} s "
                          "(train.peer_silence_s)")
