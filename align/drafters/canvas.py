@@ -16,7 +16,6 @@ from align.drafters.base import HiddenTap, VerifiedRows, Windows, with_padding_f
 from align.drafters.masked import DrafterContext
 from align.drafters.noise import model_input
 from align.drafters.spec import REFUSED_METHODS, DrafterSpec
-from align.models import config_vocab_size
 
 
 def canvas_context(model: PreTrainedModel) -> DrafterContext:
@@ -80,32 +79,60 @@ def _shared_cache(cache: DynamicCache, batch: int) -> DynamicCache:
 
 
 def canvas_window_logits(model: Any, spec: DrafterSpec, batch: Windows, forwards: int = 0) -> torch.Tensor:
-    """(B, W, γ, V), with gradients, exactly as it drafts: per row, the encoder's context cache grows from one window
-    start to the next (each context token is encoded once) and the decoder denoises each window's canvas (noised
-    positions filled by `noise_fill`, no self-conditioning) reading that cache.
+    """(B, W, γ, V), with gradients, exactly as it drafts, in one encoder and one decoder pass for the whole batch:
+    under ZeRO-3 each pass gathers the drafter (~52 GB for DiffusionGemma 26B), so one pass a window would gather it
+    2 × windows times a micro-batch.
 
-    A window costs a decoder forward of γ tokens; the block-causal builder's one-forward layout does not apply, since
-    the encoder and the decoder are two passes. Unused window slots (padding) get zero logits, masked out of every
-    loss.
+    The encoder runs once over each row's context (B, n), keeping every layer's keys whole. The decoder then
+    denoises all the rows' window canvases at once (B, W·γ; noised positions filled by `noise_fill`, no
+    self-conditioning), each canvas at its own positions and masked to read what its draft would: on full-attention
+    layers the context before its start, on sliding layers the last sliding_window − 1 tokens of it (what a draft's
+    sliding cache keeps), and its own canvas, bidirectionally. Unused window slots (padding) get zero logits, masked
+    out of every loss.
 
-    forwards: make at least this many window forwards (encoder and decoder each), the ones beyond the batch's used
-    windows on a fresh one-token context (with_padding_forwards: ranks whose rows have fewer windows make as many
-    collectives under ZeRO-3).
+    forwards: make at least this many pass pairs (with_padding_forwards: ranks agree on the count under ZeRO-3; this
+    path always makes one).
     """
     B, W, gamma = batch.targets.shape
-    canvas = torch.full((1, gamma), spec.mask_token_id, dtype=torch.long, device=batch.clean_ids.device)
-    rows = []
-    for b in range(B):
-        used = [w for w in range(W) if batch.target_mask[b, w, 0]]
-        state = canvas_context(model)
-        logits: dict[int, torch.Tensor] = {}
-        for w in sorted(used, key=lambda w: int(batch.starts[b, w])):
-            context = batch.clean_ids[b : b + 1, : int(batch.starts[b, w])]
-            logits[w] = canvas_logits(model, spec, context, canvas, state)[0]  # (γ, V)
-        zeros = torch.zeros(gamma, config_vocab_size(model), device=batch.clean_ids.device)
-        rows.append(torch.stack([logits.get(w, zeros) for w in range(W)]))
-    return with_padding_forwards(torch.stack(rows), forwards - batch.num_windows,
-                                 lambda: canvas_logits(model, spec, batch.clean_ids[:1, :1], canvas))
+    device = batch.clean_ids.device
+    used = batch.target_mask[:, :, 0]  # (B, W)
+    starts = torch.where(used, batch.starts.to(device), 0)  # (B, W); an unused slot reads nothing of the context
+    n = max(int(starts.max()), 1)  # (one token at least: a batch of no windows still makes its passes)
+    cache = DynamicCache()  # without a config every layer keeps all its keys: the windows read different spans
+    model.get_encoder()(input_ids=batch.clean_ids[:, :n], position_ids=torch.arange(n, device=device).unsqueeze(0),
+                        cache=cache, use_cache=True)
+    block = torch.full((1, gamma), spec.mask_token_id, dtype=torch.long, device=device)
+    canvas = model_input(model, spec, block)
+    offsets = torch.arange(gamma, device=device)
+    positions = (starts[:, :, None] + offsets).flatten(1)  # (B, W·γ)
+    logits = model(decoder_input_ids=canvas.repeat(B, W), cache=cache, decoder_position_ids=positions,
+                   decoder_attention_mask=_window_masks(model, starts, gamma, n)).logits
+    logits = torch.where(used[:, :, None, None], logits.view(B, W, gamma, -1), 0.0)
+    return with_padding_forwards(logits, forwards - 1,
+                                 lambda: canvas_logits(model, spec, batch.clean_ids[:1, :1], block))
+
+
+def _window_masks(model: Any, starts: torch.Tensor, gamma: int, n: int) -> dict[str, torch.Tensor]:
+    """The decoder's masks, by layer type, for canvases of `gamma` tokens drafting at `starts` (B, W) over a context
+    cache of `n` tokens: (B, 1, W·γ, n + W·γ), in the form the attention implementation adds (sdpa: True reads;
+    eager: 0 or the dtype's minimum)."""
+    text = model.config.get_text_config(decoder=True)
+    B, W = starts.shape
+    window_start = starts.repeat_interleave(gamma, dim=1)[:, :, None]  # (B, W·γ, 1): each query's window's start
+    context = torch.arange(n, device=starts.device)  # (n,)
+    own = torch.arange(W, device=starts.device).repeat_interleave(gamma)
+    own_canvas = (own[:, None] == own[None, :]).expand(B, -1, -1)  # (B, W·γ, W·γ)
+    before = context < window_start  # (B, W·γ, n)
+    masks = {"full_attention": before,
+             "sliding_attention": before & (context >= window_start - (text.sliding_window - 1))}
+    dtype = model.dtype
+    out = {}
+    for layer_type, reads in masks.items():
+        allowed = torch.cat([reads, own_canvas], dim=-1)[:, None]  # (B, 1, W·γ, n + W·γ)
+        out[layer_type] = (allowed if text._attn_implementation == "sdpa" else
+                           torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                           .masked_fill(~allowed, torch.finfo(dtype).min))
+    return out
 
 
 class CanvasDecoder:
@@ -141,7 +168,7 @@ class CanvasDecoder:
         return canvas_logits(self.model, self.spec, context_ids, blocks, self.state)  # one decoder forward, batch K
 
     def window_forwards(self, batch: Windows) -> int:
-        return batch.num_windows  # one per used window, each an encoder and a decoder forward
+        return 1  # one encoder and one decoder pass for the whole batch (canvas_window_logits)
 
     def window_logits(self, batch: Windows, verifier: Any = None,
                       forwards: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -197,6 +197,31 @@ def test_one_training_step_on_windows_reads_windows_as_drafts_and_learns(spec):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_micro_batchs_windows_are_one_encoder_and_one_decoder_pass_that_read_as_drafts(spec, implementation):
+    """Under ZeRO-3 every pass gathers the whole drafter: a micro-batch makes one encoder and one decoder pass however
+    many windows it trains, and each window's logits are still its draft's (contexts past the sliding window too)."""
+    model = tiny_diffusion_gemma(6)
+    model.set_attn_implementation(implementation)
+    rng = np.random.default_rng(1)
+    rows = [{"prompt_ids": rng.integers(3, VOCAB, 5).tolist(), "completion_ids": rng.integers(3, VOCAB, n).tolist()}
+            for n in (30, 12, 22)]
+    batch = WINDOW_BUILDERS[spec.attention](rows, spec, 4, 5, 1, np.random.default_rng(0))
+    passes = {"encoder": 0, "decoder": 0}
+    for name, module in (("encoder", model.get_encoder()), ("decoder", model.model.get_decoder())):
+        module.register_forward_hook(lambda *_, name=name: passes.__setitem__(name, passes[name] + 1))
+    with torch.no_grad():
+        logits = window_logits(model, spec, batch)
+    assert passes == {"encoder": 1, "decoder": 1} and batch.num_windows > 5
+    assert max(int(s) for s in batch.starts[batch.target_mask[:, :, 0]]) > SLIDING_WINDOW + 4
+    block = torch.full((1, 4), spec.mask_token_id)
+    for b, w in batch.target_mask[:, :, 0].nonzero().tolist():
+        with torch.no_grad():
+            draft = canvas_logits(model, spec, batch.clean_ids[b : b + 1, : int(batch.starts[b, w])], block)
+        torch.testing.assert_close(logits[b, w], draft[0], rtol=1e-5, atol=1e-5)
+    assert not logits[~batch.target_mask[:, :, 0]].any()  # unused slots: zero logits
+
+
 def test_export_round_trip_keeps_logits_and_dtype(spec, tokenizer, tmp_path):
     """A bf16 run's drafter, merged and saved as `align train` and `align export` do, reloads (with align's loader)
     as the same class, in bf16, with the same spec and bit-identical draft logits."""
