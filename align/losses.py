@@ -254,6 +254,13 @@ def chain(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
 OPD_DECAY = 0.8
 
 
+def ce(draft_logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
+    """Plain cross-entropy on the verifier's tokens, −Σ log q(x_j) / num_tokens, every position alike: the CE term of
+    DSpark's 0.1·CE + 0.9·L1(q − p) (DeepSpec), which is `train.losses={tvd: 1.8, ce: 0.1}` since L1 = 2·TV."""
+    log_q = _target_log_probs(draft_logits, targets, mask).masked_fill(~mask, 0.0)
+    return -log_q.sum() / num_tokens
+
+
 def draft_opd(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, *,
               num_windows: int) -> torch.Tensor:
     """Draft-OPD (arXiv 2605.29343), per window: forward KL(p‖q) at every position greedy verification sees (the

@@ -149,6 +149,7 @@ class LossDeclaration(NamedTuple):
 LOSSES: dict[str, LossDeclaration] = {
     **{name: LossDeclaration("targets", "windows") for name in (
         "streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal", "chain")},
+    "ce": LossDeclaration("targets", "tokens"),
     **{name: LossDeclaration("verifier_logits", "windows") for name in ("streak_tv", "draft_opd")},
     **{name: LossDeclaration("verifier_logits", "tokens") for name in ("fkl", "rkl", "tvd", "jsd")},
 }

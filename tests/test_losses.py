@@ -7,8 +7,8 @@ import torch
 
 from align.recipe_fields import LOSS_NAMES
 from align import losses
-from align.losses import (WINDOW_LOSSES, ce_streak, chain, dpace, first_error_focal, fkl, jsd, mdlm, position_decay_ce,
-                          positional_ce, rkl, streak, streak_tv, tvd)
+from align.losses import (WINDOW_LOSSES, ce, ce_streak, chain, dpace, first_error_focal, fkl, jsd, mdlm,
+                          position_decay_ce, positional_ce, rkl, streak, streak_tv, tvd)
 
 
 def logits_for(probs):
@@ -32,7 +32,7 @@ def test_which_losses_need_verifier_distributions_is_read_from_the_table():
         assert losses.needs_verifier_distributions(name) == (against == "verifier_logits"), name
     # Only the streak losses get by with the verifier's tokens.
     assert [n for n in losses.LOSS_NAMES if not losses.needs_verifier_distributions(n)] == [
-        "streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal", "chain"]
+        "streak", "ce_streak", "position_decay_ce", "dpace", "positional_ce", "first_error_focal", "chain", "ce"]
     with pytest.raises(ValueError, match="unknown loss"):
         losses.needs_verifier_distributions("kl")
 
@@ -61,6 +61,14 @@ def test_streak_in_log_space_equals_the_naive_product_and_survives_long_windows(
     loss = streak(logits, torch.zeros(1, 32, dtype=torch.long), torch.ones(1, 32, dtype=torch.bool), num_windows=1)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+
+
+def test_ce_by_hand_weighs_every_position_alike_and_skips_padding():
+    expected = -(math.log(0.5) + math.log(0.4) + math.log(0.9)) / 3
+    assert ce(logits_for(Q), TARGETS, ALL, num_tokens=3).item() == pytest.approx(expected, abs=1e-6)
+    mask = torch.tensor([[True, True, False]])
+    assert ce(logits_for(Q), TARGETS, mask, num_tokens=2).item() == pytest.approx(
+        -(math.log(0.5) + math.log(0.4)) / 2, abs=1e-6)
 
 
 def test_ce_streak_by_hand():
