@@ -123,11 +123,11 @@ def _window_masks(model: Any, starts: torch.Tensor, gamma: int, n: int) -> dict[
     own = torch.arange(W, device=starts.device).repeat_interleave(gamma)
     own_canvas = (own[:, None] == own[None, :]).expand(B, -1, -1)  # (B, W·γ, W·γ)
     before = context < window_start  # (B, W·γ, n)
-    masks = {"full_attention": before,
-             "sliding_attention": before & (context >= window_start - (text.sliding_window - 1))}
     dtype = model.dtype
     out = {}
-    for layer_type, reads in masks.items():
+    for layer_type in set(text.layer_types):
+        reads = (before & (context >= window_start - (text.sliding_window - 1)) if layer_type == "sliding_attention"
+                 else before)
         allowed = torch.cat([reads, own_canvas], dim=-1)[:, None]  # (B, 1, W·γ, n + W·γ)
         out[layer_type] = (allowed if text._attn_implementation == "sdpa" else
                            torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
