@@ -87,6 +87,7 @@ REFERENCE = {
     "dpace": _ref_dpace,
     "positional_ce": lambda d, t, m, n: _weighted(d, t, m, 1.0 - _positions(d) / d.shape[1], n),
     "first_error_focal": _ref_focal,
+    "ce": lambda d, t, m, n: _weighted(d, t, m, torch.ones(d.shape[1]), n),
     "chain": lambda d, t, m, n: -torch.log1p(torch.exp(torch.cumsum(_log_q(d, t, m), -1)).sum(-1)).sum() / n,
     "streak_tv": _ref_streak_tv,
     "fkl": lambda d, v, m, n: (_kl(torch.log_softmax(v.float(), -1), torch.log_softmax(d.float(), -1)) * m).sum() / n,
