@@ -16,6 +16,7 @@ from align.drafters.base import HiddenTap, VerifiedRows, Windows, with_padding_f
 from align.drafters.masked import DrafterContext
 from align.drafters.noise import model_input
 from align.drafters.spec import REFUSED_METHODS, DrafterSpec
+from align.masks import additive_mask, attention_layer_types
 
 
 def canvas_context(model: PreTrainedModel) -> DrafterContext:
@@ -113,9 +114,8 @@ def canvas_window_logits(model: Any, spec: DrafterSpec, batch: Windows, forwards
 
 
 def _window_masks(model: Any, starts: torch.Tensor, gamma: int, n: int) -> dict[str, torch.Tensor]:
-    """The decoder's masks, by layer type, for canvases of `gamma` tokens drafting at `starts` (B, W) over a context
-    cache of `n` tokens: (B, 1, W·γ, n + W·γ), in the form the attention implementation adds (sdpa: True reads;
-    eager: 0 or the dtype's minimum)."""
+    """The decoder's additive masks, by layer type, for canvases of `gamma` tokens drafting at `starts` (B, W) over a
+    context cache of `n` tokens: (B, 1, W·γ, n + W·γ)."""
     text = model.config.get_text_config(decoder=True)
     B, W = starts.shape
     window_start = starts.repeat_interleave(gamma, dim=1)[:, :, None]  # (B, W·γ, 1): each query's window's start
@@ -123,15 +123,11 @@ def _window_masks(model: Any, starts: torch.Tensor, gamma: int, n: int) -> dict[
     own = torch.arange(W, device=starts.device).repeat_interleave(gamma)
     own_canvas = (own[:, None] == own[None, :]).expand(B, -1, -1)  # (B, W·γ, W·γ)
     before = context < window_start  # (B, W·γ, n)
-    dtype = model.dtype
     out = {}
-    for layer_type in set(text.layer_types):
+    for layer_type in set(attention_layer_types(model)):
         reads = (before & (context >= window_start - (text.sliding_window - 1)) if layer_type == "sliding_attention"
                  else before)
-        allowed = torch.cat([reads, own_canvas], dim=-1)[:, None]  # (B, 1, W·γ, n + W·γ)
-        out[layer_type] = (allowed if text._attn_implementation == "sdpa" else
-                           torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-                           .masked_fill(~allowed, torch.finfo(dtype).min))
+        out[layer_type] = additive_mask(torch.cat([reads, own_canvas], dim=-1), model.dtype)
     return out
 
 
