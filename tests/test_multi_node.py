@@ -424,3 +424,25 @@ def test_num_nodes_without_a_hostfile_is_refused_before_the_launcher_starts(tmp_
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("align trajectories: error: --num_nodes 2 needs --hostfile"), err
     assert not (tmp_path / "traj").exists()
+
+
+@pytest.mark.slow  # a 2-rank DeepSpeed launch
+def test_ranks_on_one_host_leave_no_shared_memory_behind(tmp_path):
+    """DeepSpeed's CPU backend, given LOCAL_SIZE equal to the world size (its launcher sets it), maps a 67 MB buffer per
+    rank in /dev/shm, named by the master's address and port, and never unlinks it: a machine running many jobs (this
+    suite) fills its RAM with them. align's init_distributed makes none; the ranks still reach each other."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import sys\nfrom datetime import timedelta\nimport torch, torch.distributed as dist\n"
+                      "from align.dist import init_distributed\n"
+                      "rank, world = init_distributed(timedelta(seconds=120))\n"
+                      "total = torch.tensor([rank + 1.0]); dist.all_reduce(total)\n"
+                      "import os; local = os.environ.get('LOCAL_SIZE')\n"
+                      "open(f'{sys.argv[-1]}.{rank}', 'w').write(f'{world} {total.item()} {local}')\n")
+    port = str(free_port())
+    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", port, str(script), str(tmp_path / "report")],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the launcher told the ranks they are all on this host (what makes DeepSpeed map the buffers), and align gives
+    # LOCAL_SIZE back once it has initialised
+    assert [(tmp_path / f"report.{rank}").read_text() for rank in (0, 1)] == ["2 3.0 2", "2 3.0 2"]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
