@@ -15,4 +15,6 @@ fi
 # 2-core VM, 1,938 s on two workers). A module whose tests share a module-scoped fixture stays on one worker
 # (--dist loadgroup; tests/conftest.py groups them). ALIGN_TEST_WORKERS=0 runs it in this process.
 workers=${ALIGN_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
-exec .venv/bin/python -m pytest -q -n "$workers" --dist loadgroup "$@"
+# A test that hangs (a rank waiting on a peer that died, say) fails after ALIGN_TEST_TIMEOUT seconds with every
+# thread's stack, instead of holding the suite until CI's limit: the slowest test takes about 4 minutes here.
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --timeout "${ALIGN_TEST_TIMEOUT:-900}" "$@"
