@@ -50,6 +50,14 @@ def show_latest(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_build_ops(args: argparse.Namespace) -> int:
+    from align.dist import build_deepspeed_ops
+
+    built = build_deepspeed_ops()
+    print(f"align build-ops: {built}" if built else "align build-ops: this accelerator has no DeepSpeed op to build")
+    return 0
+
+
 def show_throughput(args: argparse.Namespace) -> int:
     from align.bench import throughput_table
     from align.checkpoint import latest_step
@@ -150,6 +158,8 @@ def _tool_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--rounds", type=integer_in(1), default=7,
                             help="interleaved rounds; each size's median is kept")
         parser.add_argument("--out", help="write the curves (and the machine) as JSON here")
+    elif name == "build-ops":
+        pass
     elif name == "init":
         parser.add_argument("verifier", help="the verifier: a local model folder or a Hub id (org/name)")
         parser.add_argument("--out", required=True, help="folder for the recipes (e.g. recipes/mine); never "
@@ -178,6 +188,9 @@ TOOLS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
                    show_throughput),
     "exact": ("check that every greedy output in eval.json files equals its reference (AR greedy, or vanilla "
               "dLLM decoding); exit 1 if one differs", show_exact),
+    "build-ops": ("build DeepSpeed's CPU communication op now (about a minute, once per machine; launch/setup.sh "
+                  "runs it), rather than inside a first run's ranks, where a build stopped half-way leaves a lock "
+                  "that every later run waits on", show_build_ops),
     "verify-costs": ("a benchmark: a verifier's cost curve on this machine (one cached forward over 1..N new tokens, "
                      "random weights in its architecture), which sizes drafts and trees", show_verify_costs),
 }

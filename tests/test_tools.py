@@ -1,10 +1,19 @@
 """The small commands launch scripts use instead of parsing YAML or embedding Python: `align validate --get`,
-`align latest`, `align throughput`, and the before/after table of `align eval`."""
+`align latest`, `align throughput`, `align build-ops`, and the before/after table of `align eval`."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import checkout_env
 
 from align.cli import main as align
 from align.stages.evaluate.speculative import before_after_table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_validate_get_prints_the_resolved_value(capsys):
@@ -64,3 +73,22 @@ def test_exact_fails_when_a_greedy_output_differs(tmp_path, capsys):
     assert align(["exact", str(same), str(differs)]) == 1
     assert "1 methods differ" in capsys.readouterr().out
     assert align(["exact", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.slow  # compiles DeepSpeed's op (about a minute)
+def test_build_ops_builds_deepspeeds_cpu_op_where_later_runs_find_it(tmp_path):
+    """`align build-ops` (launch/setup.sh runs it) compiles deepspeed_shm_comm into torch's extension folder and
+    leaves no build lock there: a process group started after it loads the op built, and nothing waits."""
+    build_root = tmp_path / "extensions"
+    env = checkout_env(TORCH_EXTENSIONS_DIR=str(build_root), HF_HUB_OFFLINE="1")
+    built = subprocess.run([sys.executable, "-m", "align", "build-ops"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    # (DeepSpeed's own notes, on stdout, come first)
+    library = Path(built.stdout.strip().splitlines()[-1].removeprefix("align build-ops: "))
+    assert library.is_file() and build_root in library.parents, built.stdout
+    assert not list(build_root.glob("*/lock"))
+    loaded = subprocess.run([sys.executable, "-c", "from align.dist import build_deepspeed_ops; "
+                             "print(build_deepspeed_ops())"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip().splitlines()[-1] == str(library), loaded.stderr[-3000:]
