@@ -18,6 +18,7 @@ differ), a finished run says so and does nothing, and the run folder is locked w
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -693,9 +694,11 @@ def held_out_streak(trainer: Trainer, data: TrainData, recipe: Recipe) -> dict[s
 # --------------------------------------------------------------------------------------------------------------------
 # saving and the final check
 # --------------------------------------------------------------------------------------------------------------------
-def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> dict[str, float]:
-    """τ of SpecDiff greedy decoding (γ = train.gamma, 64 new tokens) with the saved checkpoint on held-out prompts."""
-    verifier = load_verifier(recipe.verifier)
+def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int,
+              verifier: Optional[torch.nn.Module] = None) -> dict[str, float]:
+    """τ of SpecDiff greedy decoding (γ = train.gamma, 64 new tokens) with the saved checkpoint on held-out prompts.
+    verifier: the one the steps ran, lent; else it is loaded."""
+    verifier = verifier if verifier is not None else load_verifier(recipe.verifier)
     section = recipe.drafter.model_copy(update={"path": str(checkpoint)})
     drafter, spec = load_drafter(section, load_tokenizer(str(checkpoint), section.trust_remote_code))
     prompts, seen = [], set()
@@ -709,9 +712,10 @@ def final_tau(recipe: Recipe, checkpoint: Path, data: TrainData, count: int) -> 
     return {"final_tau": sum(n + 1 for n in counts) / max(len(counts), 1), "final_tau_prompts": len(prompts)}
 
 
-def record_final_tau(recipe: Recipe, out: Path, data: TrainData) -> dict[str, float]:
+def record_final_tau(recipe: Recipe, out: Path, data: TrainData, verifier: Optional[torch.nn.Module]
+                     ) -> dict[str, float]:
     step = recipe.train.max_steps
-    record = final_tau(recipe, out / f"step_{step}", data, recipe.train.final_eval_prompts)
+    record = final_tau(recipe, out / f"step_{step}", data, recipe.train.final_eval_prompts, verifier)
     append_log(out / "metrics.jsonl", {"step": step, **record})
     meta_path = out / f"step_{step}" / "meta.json"
     write_text_atomic(meta_path, json.dumps({**json.loads(meta_path.read_text()), **record}, indent=2))
@@ -775,14 +779,20 @@ def main(recipe: Recipe, command: str) -> int:
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
             if (step + 1) % t.save_every == 0 or step + 1 == t.max_steps:
                 save_checkpoint(trainer, recipe, out, step + 1, {**meta, "metrics": record})
-    # Real τ with the runtime (training accuracy alone misleads), from the final merged checkpoint.
+    # Real τ with the runtime (training accuracy alone misleads), from the final merged checkpoint, once the engine
+    # (the drafter, its optimiser state, ZeRO's buffers) is gone: rank 0 would hold them beside the merged drafter.
+    # The verifier the steps ran whole is lent to it (states.out runs hold only its ends), not loaded a second time.
+    states, verifier = trainer.states, trainer.verifier if recipe.states.out is None else None
+    trainer.engine.destroy()
+    del trainer
+    gc.collect()
     if rank == 0 and status == 0 and t.final_eval_prompts:
-        trackers.log(record_final_tau(recipe, out, data), t.max_steps)
+        trackers.log(record_final_tau(recipe, out, data, verifier), t.max_steps)
     if trackers is not None:
         trackers.close()
     dist.barrier()
     watched.set()  # every rank is done: each leaves at its own pace now
-    if trainer.states is not None and rank == 0:
-        trainer.states.remove()  # every rank is past its last step (the barrier)
+    if states is not None and rank == 0:
+        states.remove()  # every rank is past its last step (the barrier)
     dist.destroy_process_group()
     return status

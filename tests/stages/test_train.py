@@ -150,6 +150,44 @@ sys.exit(main(recipe, "poison"))
 """
 
 
+# align train with its verifier loads counted and the final τ asked, as it starts, whether an engine is still alive.
+WATCHED_FINAL_TAU = """
+import gc, json, sys
+import deepspeed
+import align.stages.train as train
+
+loads, real_load, real_tau = [], train.load_verifier, train.final_tau
+def load_verifier(section):
+    loads.append(section.path)
+    return real_load(section)
+def final_tau(*args, **kwargs):
+    gc.collect()
+    engines = sum(issubclass(type(o), deepspeed.DeepSpeedEngine) for o in gc.get_objects())
+    record = real_tau(*args, **kwargs)
+    print("FINAL_TAU " + json.dumps({"engines": engines, "verifier_loads": len(loads)}), flush=True)
+    return record
+train.load_verifier, train.final_tau = load_verifier, final_tau
+from align.cli import main
+raise SystemExit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("data_mode", ["online", "offline"])
+def test_the_final_tau_runs_once_the_engine_is_released_and_borrows_the_steps_verifier(trajectories, tmp_path,
+                                                                                       data_mode):
+    """The final τ loads a merged drafter and runs the verifier: with the engine (drafter, optimiser state, ZeRO's
+    buffers) still alive beside them, rank 0 holds two drafters; an online run's verifier is lent, not loaded again."""
+    args = overrides(trajectories, tmp_path / "out", "train.max_steps=2", "train.micro_batch_size=2",
+                     f"train.data_mode={data_mode}", "train.final_eval_prompts=1",
+                     *(["train.losses={streak: 1.0, fkl: 0.5}"] if data_mode == "online" else []))
+    proc = subprocess.run([sys.executable, "-c", WATCHED_FINAL_TAU, "recipes/tiny/align.yaml", *args], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    seen = json.loads(proc.stdout.split("FINAL_TAU ")[1].splitlines()[0])
+    assert seen == {"engines": 0, "verifier_loads": 1}
+    assert "final_tau" in json.loads((tmp_path / "out" / "step_2" / "meta.json").read_text())
+
+
 def finite_weights(folder):
     from safetensors.torch import load_file
 
