@@ -219,6 +219,10 @@ class TrainSection(Section):
     #: offline mode, filled as the run goes), with its final states too where a KD loss reads its logits; only with
     #: offline data and every rank on one machine
     cache_verifier_states: bool = False
+    #: processes of each rank that build the next steps' batches (windows, masks, precomputed states) while a step
+    #: runs, in pinned memory on a GPU (align/batches.py); 0: the loop builds each when it needs it. None: 1 where the
+    #: rank trains on a GPU, else 0 (on a CPU the ranks use every core already)
+    batch_workers: Optional[int] = Field(default=None, ge=0)
     gradient_accumulation_steps: int = Field(default=1, ge=1)
     #: gradient-norm clip; 0: off
     grad_clip: float = Field(default=1.0, ge=0.0)

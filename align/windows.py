@@ -41,10 +41,17 @@ class WindowBatch:
     def num_windows(self) -> int:
         return int(self.target_mask[..., 0].sum())
 
-    def to(self, device: torch.device) -> "WindowBatch":
+    def to(self, device: torch.device, non_blocking: bool = False) -> "WindowBatch":
         """The batch on `device`. Builders work on the CPU (they are data loading); a step moves the batch to its
-        rank's device before any model reads it."""
-        return WindowBatch(**{name: None if getattr(self, name) is None else getattr(self, name).to(device)
+        rank's device before any model reads it. non_blocking: from pinned memory, a copy the host does not wait on."""
+        return self._map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "WindowBatch":
+        """The batch in page-locked host memory (align/batches.py), from which a GPU copies it asynchronously."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "WindowBatch":
+        return WindowBatch(**{name: None if getattr(self, name) is None else move(getattr(self, name))
                               for name in self.__dataclass_fields__})
 
 

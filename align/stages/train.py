@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -34,11 +35,12 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from align.batches import StepBatches, batch_stream, step_batches
 from align.checkpoint import (is_adapter_folder, is_lora, save_checkpoint, state_to_resume, step_folders,
                               weights_sha256_of)
 from align.config import Recipe, RecipeError, first_line
 from align.data import (HELD_OUT_EVERY, TRAJECTORY_MANIFEST, check_rows_fit, load_checked_trajectories, rank_share,
-                        read_trajectory_manifest, rows_at, stream_position, verify_trajectory_files)
+                        read_trajectory_manifest, verify_trajectory_files)
 from align.decoding.specdiff import specdiff_generate
 from align.dist import (all_ranks, check_shared_folder, collective_timeout, deepspeed_config, init_distributed,
                         spans_machines, watch_peers)
@@ -580,21 +582,15 @@ def weights_finite(engine: Any, world: int) -> bool:
     return all_ranks(finite, world, engine.device)
 
 
-def train_step(trainer: Trainer, data: TrainData, recipe: Recipe, step: int) -> Optional[dict[str, Any]]:
-    """One optimiser step (with accumulation); its metrics, or None when a loss or the updated weights are not
-    finite (the update is then not to be kept)."""
-    t, rank, world = recipe.train, trainer.rank, trainer.world
+def train_step(trainer: Trainer, built: StepBatches, recipe: Recipe, step: int, t0: float
+               ) -> Optional[dict[str, Any]]:
+    """One optimiser step (with accumulation) on its batches (align/batches.py); its metrics, or None when a loss or
+    the updated weights are not finite (the update is then not to be kept). t0: when the step asked for its batches."""
+    t, world = recipe.train, trainer.world
     lr = trainer.schedule.get_last_lr()[0]  # the rate this step's update uses; engine.step() moves the schedule on
-    t0 = time.perf_counter()
-    positions = [stream_position(step, m, rank, world, recipe) for m in range(t.gradient_accumulation_steps)]
-    micro_ids = [[data.train_rows[i] for i in rows_at(p, t.micro_batch_size, t.seed, len(data.train_rows))]
-                 for p in positions]
-    micro_rows = [[data.rows[i] for i in ids] for ids in micro_ids]
-    # Windows are drawn by stream position too: a row gets the same windows in any process layout.
-    batches = [trainer.build(rows, trainer.spec, t.gamma, t.windows_per_sequence, trainer.pad_id,
-                             np.random.default_rng([t.seed, p]), max_len=t.max_sequence_length).to(trainer.device)
-               for p, rows in zip(positions, micro_rows)]
-    for ids, batch in zip(micro_ids, batches):
+    positions, micro_rows = built.positions, built.rows
+    batches = [b.to(trainer.device, non_blocking=True) for b in built.batches]  # host to device: safe unwaited
+    for ids, batch in zip(built.row_ids, batches):
         attach_states(trainer, recipe, ids, batch)
     if t.data_mode == "rejections":
         batches = [rejections_of(trainer, batch, rows, recipe, p)
@@ -631,7 +627,7 @@ def attach_states(trainer: Trainer, recipe: Recipe, rows: list[int], batch: Wind
     """The verifier states of a batch of dataset `rows`, read where stored (states.out, or the run's cache where a
     step computed them already; the final states too where a KD loss reads the verifier's logits). Without either,
     the drafter's forward runs the verifier itself."""
-    if trainer.states is None:
+    if trainer.states is None or batch.verifier_states is not None:  # none, or read with the batch (states.out)
         return
     layer_ids = trainer.engine.module.config.aux_hidden_state_layer_ids
     with_last = recipe.train.reads_verifier_distributions()
@@ -755,11 +751,15 @@ def main(recipe: Recipe, command: str) -> int:
             "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
             "command": command, **({"mask_token": trainer.mask_token} if trainer.mask_token else {})}
     status = 0
+    workers = t.batch_workers if t.batch_workers is not None else int(trainer.device.type == "cuda")
+    store = trainer.states if isinstance(trainer.states, StatesStore) else None
+    stream = batch_stream(partial(step_batches, data, recipe, trainer.build, trainer.spec, trainer.pad_id, rank, world,
+                                  store), start, t.max_steps, workers, pin=trainer.device.type == "cuda")
     # A `with`: a failure mid-run (a full disk) closes the bar first, so the one line that says it starts a line.
     with tqdm(total=t.max_steps, initial=start, desc="align", unit="step", disable=rank != 0,
               dynamic_ncols=True) as bar:
         for step in range(start, t.max_steps):
-            record = train_step(trainer, data, recipe, step)
+            record = train_step(trainer, next(stream), recipe, step, time.perf_counter())
             if record is None:
                 last = step_folders(out)
                 if rank == 0:
@@ -784,7 +784,7 @@ def main(recipe: Recipe, command: str) -> int:
     # The verifier the steps ran whole is lent to it (states.out runs hold only its ends), not loaded a second time.
     states, verifier = trainer.states, trainer.verifier if recipe.states.out is None else None
     trainer.engine.destroy()
-    del trainer
+    del trainer, stream  # the stream's workers too
     gc.collect()
     if rank == 0 and status == 0 and t.final_eval_prompts:
         trackers.log(record_final_tau(recipe, out, data, verifier), t.max_steps)

@@ -115,15 +115,17 @@ def test_states_split_over_ranks_resume_and_train_as_the_verifier_does(toy_traje
     now = {p.parent.name: p.stat().st_mtime_ns for p in (states / "chunks").glob(f"*/{CHUNK_FILE}")}
     assert [name for name in written if now[name] != written[name]] == ["chunk-00001"]
 
-    # Training reads them, loading no decoder layer of the verifier (a whole one refused by the script below), to
-    # the losses of a run that runs it.
+    # Training reads them (in a batch worker), loading no decoder layer of the verifier (a whole one refused by the
+    # script below), to the losses of a run that runs it.
     script = tmp_path / "no_whole_verifier.py"
     script.write_text(NO_WHOLE_VERIFIER)
     losses = {}
     for with_states in (False, True):
         out = tmp_path / f"run-{with_states}"
         args = ["recipes/tiny/dflash.yaml", *common, f"train.out={out}"]
-        done = (subprocess.run([sys.executable, str(script), *args, f"states.out={states}"], cwd=ROOT,
+        # With states.out a worker process reads each batch's states ahead of its step (align/batches.py).
+        done = (subprocess.run([sys.executable, str(script), *args, f"states.out={states}", "train.batch_workers=1"],
+                               cwd=ROOT,
                                capture_output=True, text=True, env=checkout_env(HF_HUB_OFFLINE="1"), timeout=600)
                 if with_states else run("train", *args))
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

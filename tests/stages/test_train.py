@@ -226,6 +226,22 @@ def test_the_weights_check_waits_for_the_device_once_a_step(monkeypatch):
     assert not weights_finite(engine, 1) and len(reads) == 1
 
 
+def test_batches_built_ahead_by_workers_train_as_the_loop_builds_them(trajectories, tmp_path):
+    """train.batch_workers: two worker processes build the steps' micro-batches ahead (each every other step) and
+    the run is the one whose loop builds each batch when it needs it: the same losses and streaks, step by step."""
+    runs = {}
+    for workers in (0, 2):
+        out = tmp_path / f"workers-{workers}"
+        rc, log = launch(1, overrides(trajectories, out, "train.max_steps=5", "train.micro_batch_size=2",
+                                      "train.gradient_accumulation_steps=2", f"train.batch_workers={workers}",
+                                      "train.eval_every=5", "train.save_every=5"))
+        assert rc == 0, log[-3000:]
+        runs[workers] = [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s_per_rank"}
+                         for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in runs[2]] == [1, 2, 3, 4, 5]
+    assert runs[2] == runs[0]
+
+
 def test_a_resume_keeps_one_metrics_row_per_step(trajectories, tmp_path):
     out = tmp_path / "replayed"
     args = overrides(trajectories, out, "train.max_steps=4", "train.save_every=2", "train.micro_batch_size=2",
