@@ -88,8 +88,9 @@ def test_two_processes_and_zero3_match_one_process(trajectories, tmp_path):
     assert rc == 0, log[-3000:]
     for zero in (0, 3):
         two = tmp_path / f"two-zero{zero}"
+        # ZeRO-3's ranks with a batch worker each, forked once their process group is up (as on a GPU by default).
         rc, log = launch(2, overrides(trajectories, two, "train.max_steps=4", "train.micro_batch_size=2",
-                                      f"train.zero_stage={zero}"))
+                                      f"train.zero_stage={zero}", f"train.batch_workers={int(zero == 3)}"))
         assert rc == 0, log[-3000:]
         assert losses(two) == pytest.approx(losses(one), rel=1e-4, abs=1e-6), zero
     # The merged checkpoints agree too.
