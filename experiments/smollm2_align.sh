@@ -5,8 +5,8 @@
 # exported, then one interleaved eval per benchmark (GSM8K test at temperature 0 and 1, HumanEval, Spec-Bench's
 # MT-Bench questions and real users' held-out ShareGPT conversations at 0), and vLLM without a drafter, with its n-gram
 # speculator and with the DFlash drafter on the held-out ShareGPT prompts at 1, 4, 16 and 32 requests in flight.
-# 88 minutes from a fresh clone on an idle 2-core AMD EPYC VM with native bf16 before the ShareGPT eval and load
-# were added (docs/results/2026-12-04-smollm2-88-minutes.md, which says where the time went). Every stage resumes or skips
+# 100 minutes on a fresh 2-core AMD EPYC VM with native bf16 (docs/results/2026-12-08-smollm2-readme-sharegpt.md,
+# which says where the time went). Every stage resumes or skips
 # finished work, so a rerun after an interruption continues where it stopped. Leaves:
 #
 #   checkpoints/smollm2/verifier/            the converted verifier
