@@ -125,8 +125,8 @@ def test_states_split_over_ranks_resume_and_train_as_the_verifier_does(toy_traje
         args = ["recipes/tiny/dflash.yaml", *common, f"train.out={out}"]
         # With states.out a worker process reads each batch's states ahead of its step (align/batches.py).
         done = (subprocess.run([sys.executable, str(script), *args, f"states.out={states}", "train.batch_workers=1"],
-                               cwd=ROOT,
-                               capture_output=True, text=True, env=checkout_env(HF_HUB_OFFLINE="1"), timeout=600)
+                               cwd=ROOT, capture_output=True, text=True, env=checkout_env(HF_HUB_OFFLINE="1"),
+                               timeout=600)
                 if with_states else run("train", *args))
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         losses[with_states] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
