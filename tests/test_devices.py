@@ -120,6 +120,7 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
 
     from align.recipe_files import load_recipe
     from align.dist import collective_timeout, init_distributed
+    from align.batches import step_batches
     from align.stages.train import TrainData, build_trainer, held_out_streak, train_step
     from remote_code_families import write_family, write_qwen2
 
@@ -147,7 +148,9 @@ def test_a_whole_training_step_creates_its_tensors_on_the_models_device(tmp_path
                 "train.gamma=3", "train.windows_per_sequence=2", "train.max_steps=2"])
             trainer = build_trainer(recipe, data, rank, world)
             with torch.device("meta"):
-                record = train_step(trainer, data, recipe, 0)
+                built = step_batches(data, recipe, trainer.build, trainer.spec, trainer.pad_id, rank, world, None,
+                                     0)
+                record = train_step(trainer, built, recipe, 0, 0.0)
                 streak = held_out_streak(trainer, data, recipe)
             assert record is not None and all(np.isfinite(v) for v in record.values()), drafter
             assert np.isfinite(streak["expected_streak"]), drafter
