@@ -751,15 +751,17 @@ def main(recipe: Recipe, command: str) -> int:
             "drafter_spec": trainer.spec.to_dict(), "world_size": world, "threads_per_rank": torch.get_num_threads(),
             "command": command, **({"mask_token": trainer.mask_token} if trainer.mask_token else {})}
     status = 0
-    workers = t.batch_workers if t.batch_workers is not None else int(trainer.device.type == "cuda")
+    on_gpu = trainer.device.type == "cuda"
     store = trainer.states if isinstance(trainer.states, StatesStore) else None
     stream = batch_stream(partial(step_batches, data, recipe, trainer.build, trainer.spec, trainer.pad_id, rank, world,
-                                  store), start, t.max_steps, workers, pin=trainer.device.type == "cuda")
+                                  store), start, t.max_steps,
+                          t.batch_workers if t.batch_workers is not None else int(on_gpu), pin=on_gpu)
     # A `with`: a failure mid-run (a full disk) closes the bar first, so the one line that says it starts a line.
     with tqdm(total=t.max_steps, initial=start, desc="align", unit="step", disable=rank != 0,
               dynamic_ncols=True) as bar:
         for step in range(start, t.max_steps):
-            record = train_step(trainer, next(stream), recipe, step, time.perf_counter())
+            t0 = time.perf_counter()  # before next(): a batch the loop builds counts in the step's time, as before
+            record = train_step(trainer, next(stream), recipe, step, t0)
             if record is None:
                 last = step_folders(out)
                 if rank == 0:
